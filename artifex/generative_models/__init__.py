@@ -1,0 +1,1 @@
+"""Generative models: causal language models, inference and training."""

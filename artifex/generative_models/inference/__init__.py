@@ -1,0 +1,1 @@
+"""Inference: compiled sampling from causal language models."""
