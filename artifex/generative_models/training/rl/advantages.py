@@ -1,0 +1,354 @@
+r"""Group-relative advantages: the kernel at the heart of GRPO.
+
+Rewards arrive flat and prompt-major: row ``i`` belongs to group ``i // G``. Within each group,
+
+.. math::
+
+    \hat A_i = \frac{r_i - b_i}{s + \varepsilon},
+
+with baseline ``b_i`` the group mean (GRPO) or the mean of the *other* members (RLOO), and scale
+``s`` the group's std (GRPO), the batch's std (Liu et al., 2025) or 1 (Dr. GRPO).
+
+Missing rewards are NaN: they are left out of every statistic and get advantage 0. A group whose
+valid rewards are all equal gets exact zeros (the statistics are computed after subtracting one of
+the group's own rewards, so equal values cancel exactly in floating point).
+
+Two forms share one implementation: :func:`group_advantages` for fixed groups of size ``G``
+(a reshape to ``(N, G)``), and :func:`segment_advantages` for groups of different sizes given by
+``group_ids`` (segment sums), e.g. after dynamic sampling dropped some rows.
+
+References:
+    Shao et al., 2024, "DeepSeekMath", arXiv:2402.03300, sec. 4.1.2.
+    Liu et al., 2025, "Understanding R1-Zero-Like Training: A Critical Perspective" (Dr. GRPO),
+    arXiv:2503.20783.
+    Ahmadian et al., 2024, "Back to Basics: Revisiting REINFORCE Style Optimization" (RLOO),
+    arXiv:2402.14740.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from artifex.generative_models.training.rl.configs import (
+    AdvantageBaseline,
+    GRPOConfig,
+    RewardScaling,
+)
+
+__all__ = [
+    "GroupStats",
+    "advantages_from_config",
+    "group_advantages",
+    "group_stats",
+    "process_advantages",
+    "segment_advantages",
+    "segment_stats",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupStats:
+    """Per-row statistics of each row's group, broadcast back to rows.
+
+    Attributes:
+        mean: Mean of the group's valid rewards, ``(B,)``; 0 for a group with none.
+        std: Standard deviation of the group's valid rewards with the requested ``ddof``,
+            ``(B,)``; 0 for a group with fewer than ``ddof + 1`` valid rewards.
+        count: Number of valid (non-NaN) rewards in the group, ``(B,)`` float32.
+        centered: ``r - mean`` for valid rows and 0 for missing ones, ``(B,)``.
+    """
+
+    mean: jax.Array
+    std: jax.Array
+    count: jax.Array
+    centered: jax.Array
+
+
+def _stats(
+    rewards: jax.Array,
+    group_sum: Callable[[jax.Array], jax.Array],
+    group_max: Callable[[jax.Array], jax.Array],
+    ddof: int,
+) -> GroupStats:
+    """Shared statistics; ``group_sum``/``group_max`` reduce over a row's group and broadcast."""
+    rewards = jnp.asarray(rewards, jnp.float32)
+    valid = ~jnp.isnan(rewards)
+    # Shift by one of the group's own rewards so that equal rewards cancel exactly.
+    ref = group_max(jnp.where(valid, rewards, -jnp.inf))
+    ref = jnp.where(jnp.isfinite(ref), ref, 0.0)
+    shifted = jnp.where(valid, rewards - ref, 0.0)
+    count = group_sum(valid.astype(jnp.float32))
+    mean_shifted = group_sum(shifted) / jnp.maximum(count, 1.0)
+    centered = jnp.where(valid, shifted - mean_shifted, 0.0)
+    var = group_sum(centered * centered) / jnp.maximum(count - ddof, 1.0)
+    std = jnp.where(count > ddof, jnp.sqrt(var), 0.0)
+    return GroupStats(mean=mean_shifted + ref, std=std, count=count, centered=centered)
+
+
+def _fixed_reducers(group_size: int) -> tuple[Callable, Callable]:
+    def group_sum(x: jax.Array) -> jax.Array:
+        g = x.reshape(-1, group_size)
+        return jnp.repeat(g.sum(axis=1), group_size)
+
+    def group_max(x: jax.Array) -> jax.Array:
+        g = x.reshape(-1, group_size)
+        return jnp.repeat(g.max(axis=1), group_size)
+
+    return group_sum, group_max
+
+
+def _segment_reducers(group_ids: jax.Array, num_groups: int) -> tuple[Callable, Callable]:
+    group_ids = jnp.asarray(group_ids, jnp.int32)
+
+    def group_sum(x: jax.Array) -> jax.Array:
+        return jax.ops.segment_sum(x, group_ids, num_segments=num_groups)[group_ids]
+
+    def group_max(x: jax.Array) -> jax.Array:
+        return jax.ops.segment_max(x, group_ids, num_segments=num_groups)[group_ids]
+
+    return group_sum, group_max
+
+
+def _check_group_size(num_rows: int, group_size: int) -> None:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        msg = f"group_size must be a positive int, got {group_size!r}"
+        raise ValueError(msg)
+    if num_rows % group_size:
+        msg = (
+            f"rewards has {num_rows} rows, which is not a multiple of group_size={group_size}; "
+            "a batch holds num_prompts * group_size rows, prompt-major"
+        )
+        raise ValueError(msg)
+
+
+def group_stats(rewards: jax.Array, group_size: int, *, ddof: int = 1) -> GroupStats:
+    """Statistics of fixed-size groups of flat prompt-major rewards.
+
+    Args:
+        rewards: ``(B,)`` rewards, ``B = num_groups * group_size``; NaN marks a missing reward.
+        group_size: Static group size ``G``.
+        ddof: Delta degrees of freedom of the std (1: Bessel's correction; 0: population).
+
+    Returns:
+        A :class:`GroupStats` with per-row values.
+
+    Raises:
+        ValueError: If ``B`` is not a multiple of ``group_size``.
+    """
+    _check_group_size(rewards.shape[0], group_size)
+    return _stats(rewards, *_fixed_reducers(group_size), ddof)
+
+
+def segment_stats(
+    rewards: jax.Array, group_ids: jax.Array, *, num_groups: int | None = None, ddof: int = 1
+) -> GroupStats:
+    """Statistics of groups of any size given by ``group_ids``.
+
+    Args:
+        rewards: ``(B,)`` rewards; NaN marks a missing reward.
+        group_ids: ``(B,)`` integer group index of each row, in ``[0, num_groups)``.
+        num_groups: Static upper bound on the number of groups; defaults to ``B``.
+        ddof: Delta degrees of freedom of the std.
+
+    Returns:
+        A :class:`GroupStats` with per-row values.
+    """
+    num_groups = rewards.shape[0] if num_groups is None else num_groups
+    return _stats(rewards, *_segment_reducers(group_ids, num_groups), ddof)
+
+
+def _finish(
+    rewards: jax.Array,
+    stats: GroupStats,
+    *,
+    scale: RewardScaling,
+    ddof: int,
+    eps: float,
+    baseline: AdvantageBaseline,
+) -> jax.Array:
+    rewards = jnp.asarray(rewards, jnp.float32)
+    valid = ~jnp.isnan(rewards)
+    if baseline == "group_mean":
+        adv = stats.centered
+    elif baseline == "leave_one_out":
+        # r_i - (sum - r_i) / (n - 1) = n / (n - 1) * (r_i - mean); 0 when alone in the group.
+        factor = jnp.where(stats.count > 1, stats.count / jnp.maximum(stats.count - 1.0, 1.0), 0.0)
+        adv = stats.centered * factor
+    else:
+        msg = f"baseline must be 'group_mean' or 'leave_one_out', got {baseline!r}"
+        raise ValueError(msg)
+    if scale == "group":
+        adv = adv / (stats.std + eps)
+    elif scale == "batch":
+        flat = _stats(
+            rewards,
+            lambda x: jnp.broadcast_to(x.sum(), x.shape),
+            lambda x: jnp.broadcast_to(x.max(), x.shape),
+            ddof,
+        )
+        adv = adv / (flat.std + eps)
+    elif scale != "none":
+        msg = f"scale must be 'group', 'batch' or 'none', got {scale!r}"
+        raise ValueError(msg)
+    return jnp.where(valid, adv, 0.0)
+
+
+@partial(jax.jit, static_argnames=("group_size", "scale", "ddof", "baseline"))
+def group_advantages(
+    rewards: jax.Array,
+    group_size: int,
+    *,
+    scale: RewardScaling = "group",
+    ddof: int = 1,
+    eps: float = 1e-4,
+    baseline: AdvantageBaseline = "group_mean",
+) -> jax.Array:
+    r"""Group-normalized advantages of flat prompt-major rewards (jitted).
+
+    ``A_i = (r_i - b_i) / (s + eps)`` where ``b_i`` is the group mean (``baseline="group_mean"``)
+    or the mean of the other valid members (``"leave_one_out"``), and ``s`` is the group's std
+    (``scale="group"``), the std of all valid rewards of the batch (``"batch"``), or ``s + eps``
+    is replaced by 1 (``"none"``).
+
+    Args:
+        rewards: ``(B,)`` rewards, row ``i`` in group ``i // group_size``; NaN = no reward.
+        group_size: Static group size ``G`` (``B`` must be a multiple of it).
+        scale: ``"group"``, ``"batch"`` or ``"none"``.
+        ddof: Delta degrees of freedom of the std (1: Bessel's correction; 0: population).
+        eps: Added to the std before dividing.
+        baseline: ``"group_mean"`` (GRPO) or ``"leave_one_out"`` (RLOO).
+
+    Returns:
+        ``(B,)`` float32 advantages; 0 for rows without a reward and for constant groups.
+
+    Raises:
+        ValueError: If ``B`` is not a multiple of ``group_size``.
+
+    References:
+        Shao et al., 2024, arXiv:2402.03300 (GRPO); Ahmadian et al., 2024, arXiv:2402.14740
+        (RLOO); Liu et al., 2025, arXiv:2503.20783 (Dr. GRPO).
+    """
+    stats = group_stats(rewards, group_size, ddof=ddof)
+    return _finish(rewards, stats, scale=scale, ddof=ddof, eps=eps, baseline=baseline)
+
+
+@partial(jax.jit, static_argnames=("num_groups", "scale", "ddof", "baseline"))
+def segment_advantages(
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    *,
+    num_groups: int | None = None,
+    scale: RewardScaling = "group",
+    ddof: int = 1,
+    eps: float = 1e-4,
+    baseline: AdvantageBaseline = "group_mean",
+) -> jax.Array:
+    """Group-normalized advantages for groups of different sizes (jitted).
+
+    The same formula as :func:`group_advantages`, with group membership given by ``group_ids``
+    instead of a fixed size, so groups may have different sizes (e.g. after dynamic sampling
+    dropped or refilled rows). Rows need not be sorted by group.
+
+    Args:
+        rewards: ``(B,)`` rewards; NaN = no reward.
+        group_ids: ``(B,)`` int group index of each row, in ``[0, num_groups)``.
+        num_groups: Static number of segments; defaults to ``B`` (always enough).
+        scale: ``"group"``, ``"batch"`` or ``"none"``.
+        ddof: Delta degrees of freedom of the std.
+        eps: Added to the std before dividing.
+        baseline: ``"group_mean"`` or ``"leave_one_out"``.
+
+    Returns:
+        ``(B,)`` float32 advantages.
+    """
+    stats = segment_stats(rewards, group_ids, num_groups=num_groups, ddof=ddof)
+    return _finish(rewards, stats, scale=scale, ddof=ddof, eps=eps, baseline=baseline)
+
+
+@partial(jax.jit, static_argnames=("group_size", "scale", "ddof"))
+def process_advantages(
+    step_rewards: jax.Array,
+    group_size: int,
+    *,
+    gamma: float = 1.0,
+    scale: RewardScaling = "group",
+    ddof: int = 1,
+    eps: float = 1e-4,
+) -> jax.Array:
+    r"""Token advantages from per-step rewards (process supervision, jitted).
+
+    DeepSeekMath (sec. 4.1.3): the step rewards of all completions of a group are normalized
+    together, ``r~ = (r - mean(R)) / (std(R) + eps)`` over the group's set ``R`` of step rewards,
+    and each token's advantage is the (discounted) sum of the normalized rewards of the steps
+    that end at or after it: ``A_t = sum_{s >= t} gamma**(s - t) r~_s``.
+
+    Args:
+        step_rewards: ``(B, T)`` rewards placed at the token that ends each step, NaN elsewhere.
+        group_size: Static group size ``G``.
+        gamma: Discount in (0, 1]; 1 reproduces the paper.
+        scale: ``"group"``, ``"batch"`` or ``"none"`` (see :func:`group_advantages`).
+        ddof: Delta degrees of freedom of the std.
+        eps: Added to the std before dividing.
+
+    Returns:
+        ``(B, T)`` float32 token advantages.
+
+    References:
+        Shao et al., 2024, "DeepSeekMath", arXiv:2402.03300, sec. 4.1.3.
+    """
+    b, t = step_rewards.shape
+    _check_group_size(b, group_size)
+    # Group r of rows -> one group of G*T step rewards.
+    flat = jnp.asarray(step_rewards, jnp.float32).reshape(-1)
+    normalized = _finish(
+        flat,
+        group_stats(flat, group_size * t, ddof=ddof),
+        scale=scale,
+        ddof=ddof,
+        eps=eps,
+        baseline="group_mean",
+    ).reshape(b, t)
+
+    def body(carry: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        carry = x + gamma * carry
+        return carry, carry
+
+    _, returns = jax.lax.scan(body, jnp.zeros((b,), jnp.float32), normalized.T, reverse=True)
+    return returns.T
+
+
+def advantages_from_config(
+    rewards: jax.Array,
+    config: GRPOConfig,
+    *,
+    group_size: int | None = None,
+    group_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Outcome advantages with the options of a :class:`GRPOConfig`.
+
+    Args:
+        rewards: ``(B,)`` rewards; NaN = no reward.
+        config: Supplies ``scale_rewards``, ``std_ddof``, ``advantage_eps`` and ``baseline``.
+        group_size: Group size; defaults to ``config.num_generations``. Ignored with
+            ``group_ids``.
+        group_ids: Optional ``(B,)`` group index per row for groups of different sizes.
+
+    Returns:
+        ``(B,)`` float32 advantages.
+    """
+    kwargs = dict(
+        scale=config.scale_rewards,
+        ddof=config.std_ddof,
+        eps=config.advantage_eps,
+        baseline=config.baseline,
+    )
+    if group_ids is not None:
+        return segment_advantages(rewards, group_ids, **kwargs)
+    g = config.num_generations if group_size is None else group_size
+    return group_advantages(rewards, g, **kwargs)

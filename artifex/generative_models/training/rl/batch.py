@@ -1,0 +1,321 @@
+"""The GRPO batch: a registered pytree with its shape contract.
+
+Row ``i`` of every per-sample array belongs to prompt ``i // G``, generation ``i % G``
+(prompt-major, generation-minor); ``B = num_prompts * G``. The group size is static pytree
+metadata, so a jitted step specializes on it.
+
+For a causal language model a row is a left-padded prompt followed by a right-padded completion::
+
+    prompt_ids       [pad pad  p1  p2  p3]   prompt_mask     [0 0 1 1 1]
+    completion_ids   [c1  c2  c3 EOS pad ]   completion_mask [1 1 1 1 0]
+
+The completion mask is 1 exactly on the completion tokens that count (EOS included; padding and
+anything after EOS excluded). For a non-sequence policy ``model(observations) -> logits`` (the
+seed's dict form), ``prompt_ids`` holds the observations and each action is a completion of
+length 1 (see :meth:`GRPOBatch.from_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["GRPOBatch"]
+
+_DICT_KEYS = {
+    "observations",
+    "actions",
+    "rewards",
+    "log_probs",
+    "ref_log_probs",
+    "advantages",
+    "group_size",
+}
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(np.shape(x))
+
+
+def _host_values(x: Any) -> np.ndarray | None:
+    """Host copy of ``x`` when every shard is addressable here (else ``None``: skip checks)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None
+    return np.asarray(x)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GRPOBatch:
+    """A batch of grouped completions for one GRPO update.
+
+    Attributes:
+        prompt_ids: ``(B, P)`` int token ids of the left-padded prompts; for a non-sequence
+            policy, the observations ``(B, ...)`` passed to ``model(observations)``.
+        completion_ids: ``(B, T)`` int token ids of the completions (right-padded), or actions.
+        completion_mask: ``(B, T)`` 1 on completion tokens that count (EOS included).
+        rewards: ``(B,)`` float rewards; NaN means "no reward for this sample" (left out of the
+            group statistics, advantage 0).
+        prompt_mask: ``(B, P)`` 1 on real prompt tokens, 0 on left padding; ``None`` for a
+            non-sequence policy or unpadded prompts.
+        old_log_probs: ``(B, T)`` log-probs of the completion tokens under the policy that
+            sampled them; ``None`` means on-policy (ratio 1).
+        ref_log_probs: ``(B, T)`` log-probs under the reference policy, for the KL penalty.
+        advantages: Precomputed ``(B,)`` or ``(B, T)`` advantages; when given, the loss uses
+            them instead of normalizing ``rewards`` (which are still reported).
+        step_rewards: ``(B, T)`` per-step rewards for process supervision (NaN where no step
+            ends); when given (and ``advantages`` is not), token advantages come from
+            :func:`~artifex.generative_models.training.rl.advantages.process_advantages`.
+        group_ids: ``(B,)`` int group index per row, for groups of different sizes; when given,
+            the segment form of the kernel is used and ``B`` need not be a multiple of
+            ``group_size``.
+        group_size: Static group size ``G`` (pytree metadata).
+    """
+
+    prompt_ids: jax.Array
+    completion_ids: jax.Array
+    completion_mask: jax.Array
+    rewards: jax.Array
+    prompt_mask: jax.Array | None = None
+    old_log_probs: jax.Array | None = None
+    ref_log_probs: jax.Array | None = None
+    advantages: jax.Array | None = None
+    step_rewards: jax.Array | None = None
+    group_ids: jax.Array | None = None
+    group_size: int = dataclasses.field(default=4, metadata=dict(static=True))
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def batch_size(self) -> int:
+        """Number of rows ``B``."""
+        return int(_shape(self.rewards)[0])
+
+    @property
+    def num_groups(self) -> int:
+        """Number of prompts ``B // G`` (fixed-size groups)."""
+        return self.batch_size // self.group_size
+
+    @property
+    def completion_length(self) -> int:
+        """Padded completion width ``T``."""
+        return int(_shape(self.completion_ids)[1])
+
+    def replace(self, **changes: Any) -> GRPOBatch:
+        """Returns a copy with ``changes`` applied.
+
+        Args:
+            **changes: Field names and new values.
+
+        Returns:
+            A new ``GRPOBatch``.
+        """
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, *, check_values: bool = True) -> GRPOBatch:
+        """Checks the shape contract on the host, before anything is traced.
+
+        Args:
+            check_values: Also check values that need a host copy: rewards not infinite,
+                masks 0/1, log-probs finite on valid tokens, group ids in range. Skipped for
+                arrays not fully addressable from this process.
+
+        Returns:
+            ``self``, for chaining.
+
+        Raises:
+            ValueError: A field has the wrong rank, rows or length, the batch size is not a
+                multiple of the group size, or a value is invalid (e.g. an infinite reward).
+            TypeError: A field has the wrong dtype kind.
+        """
+        g = self.group_size
+        if not isinstance(g, int | np.integer) or isinstance(g, bool) or g < 1:
+            msg = f"GRPOBatch.group_size must be a positive int, got {g!r}"
+            raise ValueError(msg)
+        rshape = _shape(self.rewards)
+        if len(rshape) != 1:
+            msg = f"GRPOBatch.rewards must have shape (B,), got {rshape}"
+            raise ValueError(msg)
+        b = rshape[0]
+        if b == 0:
+            msg = "GRPOBatch.rewards is empty: a batch needs at least one group"
+            raise ValueError(msg)
+        if self.group_ids is None and b % g:
+            msg = (
+                f"GRPOBatch has {b} rows, which is not a multiple of its group size {g}: "
+                f"a batch holds num_prompts * group_size rows, prompt-major "
+                f"({b} = {b // g} * {g} + {b % g})"
+            )
+            raise ValueError(msg)
+        cshape = _shape(self.completion_ids)
+        if len(cshape) != 2:
+            msg = f"GRPOBatch.completion_ids must have shape (B, T), got {cshape}"
+            raise ValueError(msg)
+        if cshape[1] < 1:
+            msg = f"GRPOBatch.completion_ids must have at least one column, got shape {cshape}"
+            raise ValueError(msg)
+        if not jnp.issubdtype(jnp.result_type(self.completion_ids), jnp.integer):
+            msg = (
+                "GRPOBatch.completion_ids must hold integer token ids, "
+                f"got dtype {jnp.result_type(self.completion_ids)}"
+            )
+            raise TypeError(msg)
+        t = cshape[1]
+        expect = {
+            "completion_ids": (b, t),
+            "completion_mask": (b, t),
+            "old_log_probs": (b, t),
+            "ref_log_probs": (b, t),
+            "step_rewards": (b, t),
+            "group_ids": (b,),
+        }
+        for name, want in expect.items():
+            value = getattr(self, name)
+            if value is not None and _shape(value) != want:
+                msg = (
+                    f"GRPOBatch.{name} must have shape {want} (B={b} rows, T={t} completion "
+                    f"tokens), got {_shape(value)}"
+                )
+                raise ValueError(msg)
+        pshape = _shape(self.prompt_ids)
+        if len(pshape) < 1 or pshape[0] != b:
+            msg = f"GRPOBatch.prompt_ids must have {b} rows (B, ...), got shape {pshape}"
+            raise ValueError(msg)
+        if self.prompt_mask is not None and _shape(self.prompt_mask) != pshape[:2]:
+            msg = (
+                f"GRPOBatch.prompt_mask must have the shape of prompt_ids {pshape[:2]}, "
+                f"got {_shape(self.prompt_mask)}"
+            )
+            raise ValueError(msg)
+        if self.advantages is not None and _shape(self.advantages) not in ((b,), (b, t)):
+            msg = (
+                f"GRPOBatch.advantages must have shape ({b},) or ({b}, {t}), "
+                f"got {_shape(self.advantages)}"
+            )
+            raise ValueError(msg)
+        if check_values:
+            self._check_values(b)
+        return self
+
+    def _check_values(self, b: int) -> None:
+        rewards = _host_values(self.rewards)
+        if rewards is not None:
+            if not np.issubdtype(rewards.dtype, np.floating):
+                rewards = rewards.astype(np.float32)
+            bad = np.flatnonzero(np.isinf(rewards))
+            if bad.size:
+                msg = (
+                    f"GRPOBatch.rewards must be finite or NaN (NaN = no reward), got "
+                    f"{rewards[bad[0]]} at row {bad[0]} ({bad.size} infinite in all)"
+                )
+                raise ValueError(msg)
+        for name in ("completion_mask", "prompt_mask"):
+            value = getattr(self, name)
+            host = None if value is None else _host_values(value)
+            if host is not None and not np.isin(host, (0, 1)).all():
+                msg = f"GRPOBatch.{name} must hold only 0 and 1, got values {np.unique(host)[:8]}"
+                raise ValueError(msg)
+        mask = _host_values(self.completion_mask)
+        for name in ("old_log_probs", "ref_log_probs", "advantages"):
+            value = getattr(self, name)
+            host = None if value is None else _host_values(value)
+            if host is None or mask is None:
+                continue
+            valid = mask.astype(bool) if host.ndim == 2 else np.ones(host.shape, bool)
+            bad = ~np.isfinite(host) & valid
+            if bad.any():
+                row = int(np.argwhere(bad)[0][0])
+                msg = f"GRPOBatch.{name} must be finite on valid tokens; row {row} is not"
+                raise ValueError(msg)
+        if self.step_rewards is not None:
+            host = _host_values(self.step_rewards)
+            if host is not None and np.isinf(host).any():
+                msg = "GRPOBatch.step_rewards must be finite or NaN (NaN = no step ends here)"
+                raise ValueError(msg)
+        if self.group_ids is not None:
+            host = _host_values(self.group_ids)
+            if host is not None and (host.min() < 0 or host.max() >= b):
+                msg = f"GRPOBatch.group_ids must lie in [0, {b}), got [{host.min()}, {host.max()}]"
+                raise ValueError(msg)
+
+    # ------------------------------------------------------------------ conversions
+    @classmethod
+    def from_dict(cls, batch: Mapping[str, Any], *, group_size: int) -> GRPOBatch:
+        """Converts the seed's generic dict form into a ``GRPOBatch``.
+
+        Keys: ``observations`` ``(B, ...)``, ``actions`` ``(B,)`` or ``(B, L)`` ints,
+        ``rewards`` ``(B,)``, optional ``log_probs`` and ``ref_log_probs`` with the shape of
+        ``actions``, optional ``advantages`` ``(B,)``, optional ``group_size`` overriding the
+        given default. A single-step categorical action is a completion of length 1.
+
+        Args:
+            batch: The dict.
+            group_size: Group size used when the dict carries none (the config's).
+
+        Returns:
+            The equivalent ``GRPOBatch`` (not yet validated).
+
+        Raises:
+            ValueError: Unknown or missing keys, or shapes that do not fit.
+            TypeError: Non-integer actions.
+        """
+        unknown = set(batch) - _DICT_KEYS
+        if unknown:
+            msg = (
+                f"unknown batch keys {sorted(unknown)}; the dict form takes "
+                f"{sorted(_DICT_KEYS)} (nothing is silently dropped)"
+            )
+            raise ValueError(msg)
+        missing = {"observations", "actions", "rewards"} - set(batch)
+        if missing:
+            msg = f"batch is missing required keys {sorted(missing)}"
+            raise ValueError(msg)
+        actions = batch["actions"]
+        if not jnp.issubdtype(jnp.result_type(actions), jnp.integer):
+            msg = (
+                "batch['actions'] must hold integer (categorical) actions, "
+                f"got dtype {jnp.result_type(actions)}"
+            )
+            raise TypeError(msg)
+        ashape = _shape(actions)
+        if len(ashape) not in (1, 2):
+            msg = f"batch['actions'] must have shape (B,) or (B, L), got {ashape}"
+            raise ValueError(msg)
+
+        def per_token(name: str) -> jax.Array | None:
+            value = batch.get(name)
+            if value is None:
+                return None
+            if _shape(value) != ashape:
+                msg = (
+                    f"batch[{name!r}] must have the shape of actions {ashape}, got {_shape(value)}"
+                )
+                raise ValueError(msg)
+            value = jnp.asarray(value, jnp.float32)
+            return value[:, None] if len(ashape) == 1 else value
+
+        completion = jnp.asarray(actions, jnp.int32)
+        if len(ashape) == 1:
+            completion = completion[:, None]
+        g = batch.get("group_size", group_size)
+        if isinstance(g, jax.Array | np.ndarray):
+            g = int(g)
+        return cls(
+            prompt_ids=batch["observations"],
+            completion_ids=completion,
+            completion_mask=jnp.ones(completion.shape, jnp.float32),
+            rewards=jnp.asarray(batch["rewards"], jnp.float32),
+            old_log_probs=per_token("log_probs"),
+            ref_log_probs=per_token("ref_log_probs"),
+            advantages=(
+                None
+                if batch.get("advantages") is None
+                else jnp.asarray(batch["advantages"], jnp.float32)
+            ),
+            group_size=g,
+        )

@@ -1,0 +1,225 @@
+"""GRPO configuration.
+
+One frozen, keyword-only, validated dataclass covers GRPO and the variants the field has named
+since DeepSeekMath. Each variant is a setting, not a new trainer:
+
+| Variant | Settings |
+|---|---|
+| GRPO (Shao et al., 2024) | defaults: ``scale_rewards="group"``, ``loss_aggregation="sequence_mean"``, ``kl_estimator="k3"`` |
+| Dr. GRPO (Liu et al., 2025) | ``scale_rewards="none"``, ``loss_aggregation="constant_length"``, ``beta=0`` |
+| DAPO (Yu et al., 2025) | ``clip_param=0.2``, ``clip_param_high=0.28``, ``loss_aggregation="token_mean"``, ``beta=0`` |
+| GSPO (Zheng et al., 2025) | ``importance_sampling_level="sequence"``, ``clip_param=3e-4``, ``clip_param_high=4e-4`` |
+| RLOO (Ahmadian et al., 2024) | ``baseline="leave_one_out"``, ``scale_rewards="none"`` |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+__all__ = [
+    "AdvantageBaseline",
+    "GRPOConfig",
+    "ImportanceSamplingLevel",
+    "KLEstimator",
+    "LossAggregation",
+    "RewardScaling",
+]
+
+RewardScaling = Literal["group", "batch", "none"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAggregation = Literal["sequence_mean", "token_mean", "constant_length"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+AdvantageBaseline = Literal["group_mean", "leave_one_out"]
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "scale_rewards": ("group", "batch", "none"),
+    "kl_estimator": ("k1", "k2", "k3"),
+    "loss_aggregation": ("sequence_mean", "token_mean", "constant_length"),
+    "importance_sampling_level": ("token", "sequence"),
+    "baseline": ("group_mean", "leave_one_out"),
+}
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_real(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_real(value):
+        expected = "a real number or None" if allow_none else "a real number"
+        msg = f"GRPOConfig.{name} must be {expected}, got {value!r} ({type(value).__name__})"
+        raise TypeError(msg)
+    if not math.isfinite(value):
+        msg = f"GRPOConfig.{name} must be finite, got {value!r}"
+        raise ValueError(msg)
+
+
+def _check_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        expected = "an int or None" if allow_none else "an int"
+        msg = f"GRPOConfig.{name} must be {expected}, got {value!r} ({type(value).__name__})"
+        raise TypeError(msg)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GRPOConfig:
+    r"""Hyper-parameters of the GRPO objective and update.
+
+    For prompt ``q`` with ``G`` sampled completions ``o_1..o_G`` with rewards ``r_i``, GRPO
+    (DeepSeekMath, eq. 3) maximizes
+
+    .. math::
+
+        \frac{1}{G}\sum_i \frac{1}{|o_i|}\sum_t \Big[\min\big(\rho_{i,t} \hat A_{i,t},
+        \operatorname{clip}(\rho_{i,t}, 1-\varepsilon_{low}, 1+\varepsilon_{high})\hat A_{i,t}\big)
+        - \beta\, D_{KL}[\pi_\theta \| \pi_{ref}]_{i,t} + c_H\, H_{i,t}\Big]
+
+    with ``rho = pi_theta / pi_old`` and group-normalized advantages
+    ``A_i = (r_i - mean(r)) / (std(r) + eps)``. The loss minimized is the negative.
+
+    Attributes:
+        num_generations: Group size ``G``: completions per prompt; batches hold
+            ``num_prompts * G`` rows, prompt-major. Must be >= 2. A batch may override it.
+        clip_param: ``epsilon_low``: the ratio is clipped below at ``1 - clip_param``. Also the
+            upper bound unless ``clip_param_high`` is set (symmetric PPO clipping). In (0, 1).
+        clip_param_high: ``epsilon_high`` for asymmetric "clip-higher" (DAPO, Yu et al., 2025,
+            arXiv:2503.14476, uses 0.28): the ratio is clipped above at ``1 + clip_param_high``.
+            ``None`` means ``clip_param``.
+        dual_clip: Dual clipping constant ``c > 1`` (Ye et al., 2020, arXiv:1912.09729): for
+            negative advantages the per-token objective is bounded below by ``c * A``, i.e. the
+            loss is at most ``c * |A|`` however large the ratio grows. ``None`` disables it.
+        beta: KL coefficient ``beta`` >= 0. The reference log-probs come from the batch
+            (``ref_log_probs``), or from ``reference_model`` inside the step, or for LoRA models
+            from the same model with adapters disabled. ``0`` skips the reference entirely.
+        kl_estimator: Per-token estimator of ``KL[pi_theta || pi_ref]`` from samples of
+            ``pi_theta``, with ``log_r = log pi_ref - log pi_theta`` (Schulman, 2020,
+            "Approximating KL divergence"): ``"k1"``: ``-log_r`` (unbiased, high variance);
+            ``"k2"``: ``log_r**2 / 2``; ``"k3"``: ``exp(log_r) - log_r - 1`` (unbiased,
+            non-negative, low variance; DeepSeekMath eq. 4; the default, as in TRL and Tunix).
+        entropy_coeff: Weight ``c_H >= 0`` of the mean token entropy subtracted from the loss
+            (an exploration bonus, as in PPO, Schulman et al., 2017).
+        gamma: Discount ``gamma`` in (0, 1] for process supervision (DeepSeekMath, sec. 4.1.3):
+            when a batch carries per-step ``step_rewards``, token ``t``'s advantage is
+            ``sum_{s >= t} gamma**(s - t) * r~_s`` over the normalized step rewards ``r~``.
+            With ``gamma=1`` this is the paper's formula. Outcome rewards (one per
+            completion, the usual case) give every token the same advantage, so ``gamma`` has no
+            effect there, as in DeepSeekMath, TRL and Tunix.
+        scale_rewards: How centered rewards are scaled: ``"group"`` divides by the group's std
+            (GRPO); ``"batch"`` by the std of all rewards in the batch (Liu et al., 2025,
+            "Tricks or Traps", arXiv:2508.08221); ``"none"`` leaves them unscaled (Dr. GRPO,
+            Liu et al., 2025, arXiv:2503.20783).
+        std_ddof: Delta degrees of freedom of that std: 1 (Bessel's correction, the default,
+            as ``torch.std`` in TRL and ``jnp.std(ddof=1)`` in Tunix) or 0 (population std, as
+            written in some GRPO tutorials).
+        advantage_eps: ``eps`` >= 0 added to the std before dividing (TRL and Tunix use 1e-4).
+        baseline: ``"group_mean"`` subtracts the group mean (GRPO); ``"leave_one_out"``
+            subtracts the mean of the other members of the group (RLOO, Ahmadian et al., 2024,
+            arXiv:2402.14740), which equals ``G/(G-1)`` times the group-mean advantage.
+        loss_aggregation: How per-token losses become one number: ``"sequence_mean"`` averages
+            each completion's tokens, then the completions (GRPO paper); ``"token_mean"``
+            averages all tokens of the batch (DAPO); ``"constant_length"`` sums tokens and
+            divides by ``rows * max_completion_length`` (Dr. GRPO), removing the length bias.
+        max_completion_length: The constant length for ``"constant_length"`` aggregation.
+            ``None`` uses the padded completion width of the batch.
+        importance_sampling_level: ``"token"``: per-token ratios ``pi_theta / pi_old`` (GRPO);
+            ``"sequence"``: one length-normalized ratio per completion,
+            ``s_i = exp(mean_t(log pi_theta - log pi_old))`` (GSPO, Zheng et al., 2025,
+            arXiv:2507.18071), clipped per sequence.
+        max_grad_norm: Gradients are rescaled so their global L2 norm is at most this
+            (Pascanu et al., 2013). ``None`` disables clipping (the norm is still reported).
+    """
+
+    num_generations: int = 4
+    clip_param: float = 0.2
+    clip_param_high: float | None = None
+    dual_clip: float | None = None
+    beta: float = 0.01
+    kl_estimator: KLEstimator = "k3"
+    entropy_coeff: float = 0.01
+    gamma: float = 1.0
+    scale_rewards: RewardScaling = "group"
+    std_ddof: int = 1
+    advantage_eps: float = 1e-4
+    baseline: AdvantageBaseline = "group_mean"
+    loss_aggregation: LossAggregation = "sequence_mean"
+    max_completion_length: int | None = None
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        _check_int("num_generations", self.num_generations)
+        if self.num_generations < 2:
+            msg = (
+                "GRPOConfig.num_generations must be >= 2 (a group needs at least two "
+                f"completions to compare), got {self.num_generations}"
+            )
+            raise ValueError(msg)
+        _check_real("clip_param", self.clip_param)
+        if not 0.0 < self.clip_param < 1.0:
+            msg = f"GRPOConfig.clip_param must be in (0, 1), got {self.clip_param}"
+            raise ValueError(msg)
+        _check_real("clip_param_high", self.clip_param_high, allow_none=True)
+        if self.clip_param_high is not None and self.clip_param_high <= 0.0:
+            msg = f"GRPOConfig.clip_param_high must be > 0 or None, got {self.clip_param_high}"
+            raise ValueError(msg)
+        _check_real("dual_clip", self.dual_clip, allow_none=True)
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            msg = f"GRPOConfig.dual_clip must be > 1 or None, got {self.dual_clip}"
+            raise ValueError(msg)
+        for name in ("beta", "entropy_coeff", "advantage_eps"):
+            value = getattr(self, name)
+            _check_real(name, value)
+            if value < 0.0:
+                msg = f"GRPOConfig.{name} must be >= 0, got {value}"
+                raise ValueError(msg)
+        _check_real("gamma", self.gamma)
+        if not 0.0 < self.gamma <= 1.0:
+            msg = f"GRPOConfig.gamma must be in (0, 1], got {self.gamma}"
+            raise ValueError(msg)
+        _check_int("std_ddof", self.std_ddof)
+        if self.std_ddof not in (0, 1):
+            msg = f"GRPOConfig.std_ddof must be 0 or 1, got {self.std_ddof}"
+            raise ValueError(msg)
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                msg = f"GRPOConfig.{name} must be one of {choices}, got {value!r}"
+                raise ValueError(msg)
+        _check_int("max_completion_length", self.max_completion_length, allow_none=True)
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            msg = (
+                "GRPOConfig.max_completion_length must be >= 1 or None, "
+                f"got {self.max_completion_length}"
+            )
+            raise ValueError(msg)
+        _check_real("max_grad_norm", self.max_grad_norm, allow_none=True)
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0.0:
+            msg = f"GRPOConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}"
+            raise ValueError(msg)
+
+    @property
+    def epsilon_low(self) -> float:
+        """Lower clipping range: the ratio is clipped below at ``1 - epsilon_low``."""
+        return self.clip_param
+
+    @property
+    def epsilon_high(self) -> float:
+        """Upper clipping range: the ratio is clipped above at ``1 + epsilon_high``."""
+        return self.clip_param if self.clip_param_high is None else self.clip_param_high
+
+    def replace(self, **changes: Any) -> GRPOConfig:
+        """Returns a copy with ``changes`` applied (and validated).
+
+        Args:
+            **changes: Field names and their new values.
+
+        Returns:
+            A new ``GRPOConfig``.
+        """
+        return dataclasses.replace(self, **changes)

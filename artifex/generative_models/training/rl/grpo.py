@@ -1,0 +1,528 @@
+r"""GRPO: the loss as a pure function and the trainer that applies it.
+
+:func:`grpo_objective` turns per-token log-probs into the loss and its metrics (a pure
+function of arrays). :func:`make_grpo_loss` binds a model's graph and a config into the pure
+``grpo_loss(params, batch) -> (loss, metrics)`` that ``jax.grad`` differentiates.
+:class:`GRPOTrainer` runs one compiled optimizer update per ``train_step(batch)``.
+
+Per token ``t`` of completion ``i`` (DeepSeekMath eq. 3, with the options of
+:class:`~artifex.generative_models.training.rl.configs.GRPOConfig`):
+
+.. math::
+
+    \ell_{i,t} = -\min\big(\rho_{i,t}\hat A_{i,t},\
+    \operatorname{clip}(\rho_{i,t}, 1-\varepsilon_{low}, 1+\varepsilon_{high})\hat A_{i,t}\big)
+    + \beta\,\mathrm{KL}_{i,t} - c_H H_{i,t},
+
+aggregated over tokens and completions; ``policy_loss + kl_penalty - entropy_coeff * entropy``
+equals ``total_loss`` because all three use the same aggregation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from artifex.generative_models.training.rl import advantages as adv_lib
+from artifex.generative_models.training.rl import losses
+from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.logprobs import LogProbFn, default_log_prob_fn
+
+__all__ = [
+    "GRPOTrainer",
+    "NonFiniteUpdateError",
+    "as_grpo_batch",
+    "compute_advantages",
+    "grpo_objective",
+    "make_grpo_loss",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """A step produced a non-finite loss or gradient; the update was not applied.
+
+    Attributes:
+        metrics: The step's metrics (as floats), to see what went wrong.
+    """
+
+    def __init__(self, message: str, metrics: dict[str, float]):
+        super().__init__(message)
+        self.metrics = metrics
+
+
+# ---------------------------------------------------------------------------------- batches
+def as_grpo_batch(batch: GRPOBatch | Mapping[str, Any], config: GRPOConfig) -> GRPOBatch:
+    """Converts a batch (``GRPOBatch`` or the seed dict form) to a ``GRPOBatch`` of arrays.
+
+    Args:
+        batch: A :class:`GRPOBatch`, or a dict with ``observations``, ``actions``,
+            ``rewards`` and optionally ``log_probs``, ``ref_log_probs``, ``advantages``,
+            ``group_size``.
+        config: Supplies the default group size (``num_generations``).
+
+    Returns:
+        A ``GRPOBatch`` whose leaves are JAX arrays.
+
+    Raises:
+        TypeError: For any other batch type.
+    """
+    if isinstance(batch, Mapping):
+        batch = GRPOBatch.from_dict(batch, group_size=config.num_generations)
+    elif not isinstance(batch, GRPOBatch):
+        msg = f"batch must be a GRPOBatch or a dict, got {type(batch).__name__}"
+        raise TypeError(msg)
+    return jax.tree.map(jnp.asarray, batch)
+
+
+def compute_advantages(batch: GRPOBatch, config: GRPOConfig) -> jax.Array:
+    """The advantages the loss uses for ``batch``: ``(B,)`` or ``(B, T)`` float32.
+
+    Precedence: the batch's precomputed ``advantages``; else process-supervision token
+    advantages from ``step_rewards``; else outcome advantages from ``rewards`` (the segment
+    kernel when the batch has ``group_ids``, the fixed-group kernel otherwise).
+
+    Args:
+        batch: The batch.
+        config: Advantage options.
+
+    Returns:
+        The advantages.
+    """
+    if batch.advantages is not None:
+        return jnp.asarray(batch.advantages, jnp.float32)
+    if batch.step_rewards is not None:
+        return adv_lib.process_advantages(
+            batch.step_rewards,
+            batch.group_size,
+            gamma=config.gamma,
+            scale=config.scale_rewards,
+            ddof=config.std_ddof,
+            eps=config.advantage_eps,
+        )
+    return adv_lib.advantages_from_config(
+        batch.rewards, config, group_size=batch.group_size, group_ids=batch.group_ids
+    )
+
+
+# ---------------------------------------------------------------------------------- the loss
+def _reward_metrics(batch: GRPOBatch, advantages: jax.Array) -> dict[str, jax.Array]:
+    rewards = jnp.asarray(batch.rewards, jnp.float32)
+    valid = (~jnp.isnan(rewards)).astype(jnp.float32)
+    mean = losses.masked_mean(rewards, valid)
+    std = jnp.sqrt(losses.masked_mean((rewards - mean) ** 2, valid))
+    if batch.group_ids is not None:
+        stats = adv_lib.segment_stats(rewards, batch.group_ids, ddof=0)
+        present = jax.ops.segment_sum(valid, batch.group_ids, num_segments=rewards.shape[0]) > 0
+        zero = jax.ops.segment_max(
+            ((stats.std == 0) & (valid > 0)).astype(jnp.float32),
+            batch.group_ids,
+            num_segments=rewards.shape[0],
+        )
+        frac_zero = jnp.sum(jnp.where(present, zero, 0.0)) / jnp.maximum(jnp.sum(present), 1)
+    else:
+        stats = adv_lib.group_stats(rewards, batch.group_size, ddof=0)
+        g = batch.group_size
+        group_std = stats.std[::g]
+        present = stats.count[::g] > 0
+        frac_zero = jnp.sum((group_std == 0) & present) / jnp.maximum(jnp.sum(present), 1)
+    if advantages.ndim == 2:
+        adv_mask = jnp.asarray(batch.completion_mask, jnp.float32)
+    else:
+        adv_mask = valid if batch.advantages is None else jnp.ones_like(valid)
+    adv_mean = losses.masked_mean(advantages, adv_mask)
+    adv_std = jnp.sqrt(losses.masked_mean((advantages - adv_mean) ** 2, adv_mask))
+    return {
+        "reward_mean": mean,
+        "reward_std": std,
+        "frac_reward_zero_std": frac_zero.astype(jnp.float32),
+        "advantage_mean": adv_mean,
+        "advantage_std": adv_std,
+    }
+
+
+def grpo_objective(
+    log_probs: jax.Array,
+    entropy: jax.Array | None,
+    batch: GRPOBatch,
+    config: GRPOConfig,
+    *,
+    normalizer: jax.Array | float | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""The GRPO loss and its metrics from the current policy's per-token log-probs.
+
+    ``loss = agg(-min(rho A, clip(rho) A)) + beta * agg(KL) - entropy_coeff * agg(H)`` where
+    ``agg`` is the configured aggregation (see
+    :func:`~artifex.generative_models.training.rl.losses.aggregate_loss`), ``rho`` the token
+    or sequence importance ratio, ``A`` the advantages from :func:`compute_advantages`.
+
+    Args:
+        log_probs: ``(B, T)`` log-probs of the completion tokens under the current policy
+            (differentiable).
+        entropy: ``(B, T)`` entropies of the current policy, or ``None`` (counts as 0; only
+            allowed with ``entropy_coeff == 0``).
+        batch: The batch (masks, rewards, old and reference log-probs).
+        config: The objective's options.
+        normalizer: Overrides the aggregation denominator (for microbatches of a larger
+            batch, see :func:`~artifex.generative_models.training.rl.losses.loss_normalizer`).
+
+    Returns:
+        ``(total_loss, metrics)``; metrics are float32 device scalars: ``policy_loss``,
+        ``kl``, ``kl_penalty`` (``beta * kl``), ``approx_kl`` (vs. the sampling policy),
+        ``entropy``, ``clip_fraction_low``, ``clip_fraction_high``, ``clip_fraction``,
+        ``reward_mean``, ``reward_std``, ``advantage_mean``, ``advantage_std``,
+        ``frac_reward_zero_std``, ``completion_length``, ``total_loss``.
+
+    Raises:
+        ValueError: ``entropy`` is ``None`` while ``entropy_coeff > 0``.
+    """
+    mask = jnp.asarray(batch.completion_mask, jnp.float32)
+    log_probs = jnp.asarray(log_probs, jnp.float32)
+    agg_kwargs = dict(
+        mode=config.loss_aggregation,
+        max_length=config.max_completion_length,
+        normalizer=normalizer,
+    )
+    advantages = jax.lax.stop_gradient(compute_advantages(batch, config))
+
+    log_ratio = losses.log_importance_ratio(
+        log_probs, batch.old_log_probs, mask, level=config.importance_sampling_level
+    )
+    pg, low, high = losses.clipped_surrogate(
+        log_ratio,
+        advantages,
+        mask,
+        epsilon_low=config.epsilon_low,
+        epsilon_high=config.epsilon_high,
+        dual_clip=config.dual_clip,
+    )
+    policy_loss = losses.aggregate_loss(pg, mask, **agg_kwargs)
+    total = policy_loss
+
+    if config.beta > 0.0 and batch.ref_log_probs is not None:
+        kl_tok = losses.kl_divergence(
+            log_probs, batch.ref_log_probs, mask, estimator=config.kl_estimator
+        )
+        kl = losses.aggregate_loss(kl_tok, mask, **agg_kwargs)
+        total = total + config.beta * kl
+    else:
+        kl = jnp.zeros((), jnp.float32)
+
+    if entropy is None:
+        if config.entropy_coeff > 0.0:
+            msg = "entropy is required when GRPOConfig.entropy_coeff > 0"
+            raise ValueError(msg)
+        ent = jnp.zeros((), jnp.float32)
+    else:
+        ent = losses.aggregate_loss(entropy, mask, **agg_kwargs)
+        if config.entropy_coeff > 0.0:
+            total = total - config.entropy_coeff * ent
+
+    metrics = {
+        "policy_loss": policy_loss,
+        "kl": kl,
+        "kl_penalty": config.beta * kl,
+        "approx_kl": losses.masked_mean(losses.approx_kl_old(log_ratio, mask), mask),
+        "entropy": ent,
+        "clip_fraction_low": losses.masked_mean(low, mask),
+        "clip_fraction_high": losses.masked_mean(high, mask),
+        "clip_fraction": losses.masked_mean(low + high, mask),
+        "completion_length": jnp.mean(jnp.sum(mask, axis=-1)),
+        "total_loss": total,
+    }
+    metrics.update(_reward_metrics(batch, advantages))
+    metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+    return total, metrics
+
+
+def _check_traceable_batch(batch: GRPOBatch) -> None:
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(batch))
+    batch.validate(check_values=concrete)
+
+
+def make_grpo_loss(
+    model: nnx.Module,
+    config: GRPOConfig,
+    *,
+    wrt: Any = nnx.Param,
+    log_prob_fn: LogProbFn | None = None,
+) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+    """Binds ``model``'s graph and ``config`` into a pure, jit-compiled ``grpo_loss``.
+
+    The returned ``grpo_loss(params, batch, rest=None) -> (loss, metrics)`` is a pure function
+    of the parameter state ``params = nnx.state(model, wrt)`` and a :class:`GRPOBatch` (or the
+    seed dict form), so ``jax.grad(grpo_loss, has_aux=True)(params, batch)`` works anywhere.
+    Variables not selected by ``wrt`` (e.g. frozen base weights under LoRA) are taken from
+    ``model`` as it is now, or from ``rest`` when given.
+
+    Args:
+        model: The policy (an NNX module).
+        config: The GRPO options.
+        wrt: Filter selecting the differentiable variables (``nnx.Param`` by default).
+        log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)``; defaults to
+            :func:`~artifex.generative_models.training.rl.logprobs.default_log_prob_fn`.
+
+    Returns:
+        ``grpo_loss``.
+    """
+    graphdef, _, rest = nnx.split(model, wrt, ...)
+    log_prob_fn = default_log_prob_fn(model) if log_prob_fn is None else log_prob_fn
+
+    @jax.jit
+    def _loss(params: nnx.State, rest: nnx.State, batch: GRPOBatch):
+        policy = nnx.merge(graphdef, params, rest)
+        log_probs, entropy = log_prob_fn(policy, batch)
+        return grpo_objective(log_probs, entropy, batch, config)
+
+    def grpo_loss(
+        params: nnx.State, batch: GRPOBatch | Mapping[str, Any], rest_state: Any = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """GRPO loss of ``params`` on ``batch``: ``(loss, metrics)`` (pure, jit-compiled)."""
+        batch = as_grpo_batch(batch, config) if isinstance(batch, Mapping) else batch
+        _check_traceable_batch(batch)
+        return _loss(params, rest if rest_state is None else rest_state, batch)
+
+    return grpo_loss
+
+
+# ---------------------------------------------------------------------------------- trainer
+def _is_lora_only(model: nnx.Module, wrt: Any) -> bool:
+    """Whether ``wrt`` selects exactly the model's (non-empty set of) LoRA parameters."""
+    selected = jax.tree.leaves(nnx.state(model, wrt), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    lora = jax.tree.leaves(
+        nnx.state(model, nnx.LoRAParam), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return (
+        bool(lora)
+        and len(selected) == len(lora)
+        and all(isinstance(v, nnx.LoRAParam) for v in selected)
+    )
+
+
+class GRPOTrainer:
+    """Applies GRPO updates to an NNX policy through an ``nnx.Optimizer``.
+
+    ``train_step(batch)`` validates the batch on the host, then runs one compiled step:
+    per-token log-probs -> advantages -> clipped surrogate + KL + entropy -> gradient ->
+    global-norm clipping -> ``optimizer.update``. The step compiles once per batch shape. If
+    the loss or gradient is not finite the update is not applied (model and optimizer keep
+    their state) and :class:`NonFiniteUpdateError` is raised carrying the metrics.
+
+    Reference policy for the KL term (``beta > 0``), in order: the batch's ``ref_log_probs``;
+    ``reference_model`` (run inside the same compiled step); for a LoRA policy trained with
+    ``wrt=nnx.LoRAParam``, the same model with its adapters zeroed (the base weights exist
+    once). Without any of these the KL term is 0 and a warning says so (the seed API documents
+    the KL penalty as enabled by providing ``ref_log_probs``).
+
+    Example::
+
+        optimizer = nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
+        trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4))
+        metrics = trainer.train_step(batch)   # dict[str, float]
+
+    Args:
+        model: The policy: a causal LM (``hidden_states``/``output_embedding``) or any module
+            ``model(observations) -> logits``.
+        optimizer: ``nnx.Optimizer(model, tx, wrt=...)`` built on ``model``.
+        config: GRPO options; defaults to ``GRPOConfig()``.
+        reference_model: Optional frozen reference policy (same kind of model).
+        log_prob_fn: Optional ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        config: GRPOConfig | None = None,
+        reference_model: nnx.Module | None = None,
+        *,
+        log_prob_fn: LogProbFn | None = None,
+    ):
+        config = GRPOConfig() if config is None else config
+        if not isinstance(model, nnx.Module):
+            msg = f"model must be an nnx.Module, got {type(model).__name__}"
+            raise TypeError(msg)
+        if not isinstance(optimizer, nnx.Optimizer):
+            msg = f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}"
+            raise TypeError(msg)
+        if not isinstance(config, GRPOConfig):
+            msg = f"config must be a GRPOConfig, got {type(config).__name__}"
+            raise TypeError(msg)
+        if reference_model is not None and not isinstance(reference_model, nnx.Module):
+            msg = f"reference_model must be an nnx.Module, got {type(reference_model).__name__}"
+            raise TypeError(msg)
+        if reference_model is model:
+            msg = (
+                "reference_model must be a frozen copy of the policy (e.g. nnx.clone(model)), "
+                "not the policy itself"
+            )
+            raise ValueError(msg)
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.reference_model = reference_model
+        self.wrt = optimizer.wrt
+        self.log_prob_fn = default_log_prob_fn(model) if log_prob_fn is None else log_prob_fn
+        self._lora_reference = reference_model is None and _is_lora_only(model, self.wrt)
+        self._warned_no_reference = False
+        self._num_traces = 0
+        self._graphdef = nnx.graphdef(model)
+        self._opt_graphdef = nnx.graphdef(optimizer)
+        self._ref_graphdef = None if reference_model is None else nnx.graphdef(reference_model)
+        self._step_fn = jax.jit(self._step, donate_argnums=(0, 1))
+        self.grpo_loss = make_grpo_loss(model, config, wrt=self.wrt, log_prob_fn=self.log_prob_fn)
+
+    # ----------------------------------------------------------------- public helpers
+    @property
+    def params(self) -> nnx.State:
+        """The trainable state ``nnx.state(model, wrt)`` (what ``grpo_loss`` takes)."""
+        return nnx.state(self.model, self.wrt)
+
+    @property
+    def num_compilations(self) -> int:
+        """How many times the step has been traced (one per distinct batch shape)."""
+        return self._num_traces
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the step can compute reference log-probs itself."""
+        return self.reference_model is not None or self._lora_reference
+
+    # ----------------------------------------------------------------- compiled step
+    def _reference_log_probs(
+        self,
+        split: tuple[nnx.GraphDef, nnx.State, nnx.State],
+        ref_state: nnx.State | None,
+        batch: GRPOBatch,
+    ) -> jax.Array:
+        if ref_state is not None:
+            ref = nnx.merge(self._ref_graphdef, ref_state)
+        else:  # LoRA: the same graph with the adapters zeroed is exactly the base model.
+            graphdef, trainable, frozen = split
+            ref = nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, trainable), frozen)
+        log_probs, _ = self.log_prob_fn(ref, batch)
+        return jax.lax.stop_gradient(log_probs)
+
+    def _step(
+        self,
+        model_state: nnx.State,
+        opt_state: nnx.State,
+        ref_state: nnx.State | None,
+        batch: GRPOBatch,
+    ) -> tuple[nnx.State, nnx.State, dict[str, jax.Array], jax.Array]:
+        self._num_traces += 1
+        config = self.config
+        model = nnx.merge(self._graphdef, model_state)
+        optimizer = nnx.merge(self._opt_graphdef, opt_state)
+        graphdef, trainable, frozen = nnx.split(model, self.wrt, ...)
+
+        needs_ref = (
+            config.beta > 0.0
+            and batch.ref_log_probs is None
+            and (ref_state is not None or self._lora_reference)
+        )
+        if needs_ref:
+            batch = batch.replace(
+                ref_log_probs=self._reference_log_probs(
+                    (graphdef, trainable, frozen), ref_state, batch
+                )
+            )
+
+        def loss_fn(params: nnx.State) -> tuple[jax.Array, dict[str, jax.Array]]:
+            policy = nnx.merge(graphdef, params, frozen)
+            log_probs, entropy = self.log_prob_fn(policy, batch)
+            return grpo_objective(log_probs, entropy, batch, config)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        grad_norm = optax.global_norm(grads)
+        if config.max_grad_norm is not None:
+            scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
+            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        optimizer.update(model, grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        new_model_state = nnx.state(model)
+        new_opt_state = nnx.state(optimizer)
+
+        def keep(new: jax.Array, old: jax.Array) -> jax.Array:
+            return jnp.where(ok, new, old)
+
+        new_model_state = jax.tree.map(keep, new_model_state, model_state)
+        new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        metrics = dict(metrics, grad_norm=grad_norm.astype(jnp.float32))
+        return new_model_state, new_opt_state, metrics, ok
+
+    # ----------------------------------------------------------------- the step
+    def prepare_batch(self, batch: GRPOBatch | Mapping[str, Any]) -> GRPOBatch:
+        """Converts and validates a batch on the host (what ``train_step`` does first).
+
+        Args:
+            batch: A :class:`GRPOBatch` or the seed dict form.
+
+        Returns:
+            The validated ``GRPOBatch`` of JAX arrays.
+
+        Raises:
+            ValueError: The batch breaks its contract (see :meth:`GRPOBatch.validate`), or its
+                group size is < 2 without precomputed advantages.
+            TypeError: Wrong batch type or dtypes.
+        """
+        batch = as_grpo_batch(batch, self.config).validate()
+        if batch.group_size < 2 and batch.advantages is None and batch.group_ids is None:
+            msg = f"batch group_size must be >= 2 to compare completions, got {batch.group_size}"
+            raise ValueError(msg)
+        return batch
+
+    def train_step(self, batch: GRPOBatch | Mapping[str, Any]) -> dict[str, float]:
+        """One GRPO update on ``batch``.
+
+        Args:
+            batch: A :class:`GRPOBatch` (flat prompt-major rows) or the seed dict form
+                (``observations``, ``actions``, ``rewards``, optional ``log_probs``,
+                ``ref_log_probs``, ``group_size``).
+
+        Returns:
+            Metrics as Python floats: those of :func:`grpo_objective` plus ``grad_norm``
+            (before clipping).
+
+        Raises:
+            ValueError: Invalid batch (raised before anything is traced).
+            TypeError: Wrong batch type or dtypes.
+            NonFiniteUpdateError: Non-finite loss or gradient; nothing was updated.
+        """
+        batch = self.prepare_batch(batch)
+        if (
+            self.config.beta > 0.0
+            and batch.ref_log_probs is None
+            and not self.has_reference
+            and not self._warned_no_reference
+        ):
+            logger.warning(
+                "GRPOConfig.beta=%s but the batch has no ref_log_probs and the trainer has no "
+                "reference_model: the KL penalty is 0 for such batches.",
+                self.config.beta,
+            )
+            self._warned_no_reference = True
+        ref_state = None if self.reference_model is None else nnx.state(self.reference_model)
+        model_state = nnx.state(self.model)
+        opt_state = nnx.state(self.optimizer)
+        new_model_state, new_opt_state, metrics, ok = self._step_fn(
+            model_state, opt_state, ref_state, batch
+        )
+        nnx.update(self.model, new_model_state)
+        nnx.update(self.optimizer, new_opt_state)
+        host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not bool(ok):
+            msg = (
+                f"non-finite loss or gradient (total_loss={host['total_loss']}, "
+                f"grad_norm={host['grad_norm']}); the update was not applied"
+            )
+            raise NonFiniteUpdateError(msg, host)
+        return host

@@ -1,0 +1,247 @@
+r"""Per-token log-probs and entropies of given completions under a policy.
+
+For a causal LM the log-prob of completion token ``t`` comes from the hidden state one position
+earlier: ``log p(o_t) = z_{o_t} - logsumexp(z)`` with logits ``z = h_{t-1} W``. For vocabularies
+of 150k tokens the full ``(B, T, V)`` logits of a batch are gigabytes, so
+:func:`chunked_token_log_probs` walks over the ``B*T`` positions in chunks of ``chunk_size``
+rows (a ``lax.scan`` whose body is rematerialized in the backward pass): only one chunk's
+``(chunk_size, V)`` logits exist at any time, in the forward and in the gradient. The values are
+those of the naive computation (same float32 math, row by row).
+
+Policies plug in through a *log-prob function* ``fn(model, batch) -> (log_probs, entropy)``,
+both ``(B, T)`` float32: :func:`causal_lm_log_probs_fn` for models with ``hidden_states`` and
+``output_embedding`` (the library's causal LMs), :func:`categorical_log_probs` for any
+``model(observations) -> logits`` policy. :func:`default_log_prob_fn` picks one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from artifex.generative_models.training.rl.batch import GRPOBatch
+
+__all__ = [
+    "LogProbFn",
+    "auto_chunk_size",
+    "categorical_log_probs",
+    "causal_lm_log_probs",
+    "causal_lm_log_probs_fn",
+    "chunked_token_log_probs",
+    "default_log_prob_fn",
+    "token_log_probs",
+]
+
+LogProbFn = Callable[[Any, "GRPOBatch"], tuple[jax.Array, jax.Array]]
+
+_CHUNK_BYTES = 64 * 2**20  # logits of one chunk: 64 MiB of float32
+
+
+def token_log_probs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Naive log-probs of ``targets`` and entropies from full logits, in float32.
+
+    Args:
+        logits: ``(..., V)`` logits.
+        targets: ``(...)`` int token ids.
+
+    Returns:
+        ``(log_probs, entropy)``, each ``(...)`` float32.
+    """
+    z = jnp.asarray(logits, jnp.float32)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    p = jnp.exp(z - lse[..., None])
+    entropy = lse - jnp.sum(p * z, axis=-1)
+    return picked - lse, entropy
+
+
+def auto_chunk_size(vocab_size: int, *, budget_bytes: int = _CHUNK_BYTES) -> int:
+    """Rows per chunk so that one chunk's float32 logits fit ``budget_bytes`` (a power of 2).
+
+    Args:
+        vocab_size: ``V``.
+        budget_bytes: Bytes allowed for one ``(chunk, V)`` float32 logits block.
+
+    Returns:
+        A power of two >= 16.
+    """
+    rows = max(budget_bytes // (4 * vocab_size), 16)
+    return 2 ** int(math.floor(math.log2(rows)))
+
+
+def chunked_token_log_probs(
+    hidden: jax.Array,
+    weight: jax.Array,
+    targets: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    chunk_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    r"""Log-probs of ``targets`` and entropies under ``logits = hidden @ weight``, chunked.
+
+    ``log p = z_y - logsumexp(z)`` and ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` with
+    ``z = h W (+ b)`` accumulated in float32. The ``N`` positions are processed ``chunk_size``
+    rows at a time by a rematerialized ``lax.scan``, so peak memory holds one chunk's logits in
+    the forward and in the backward pass instead of all ``N x V``.
+
+    Args:
+        hidden: ``(..., D)`` hidden states (any float dtype).
+        weight: ``(D, V)`` output projection.
+        targets: ``(...)`` int token ids.
+        bias: Optional ``(V,)`` output bias.
+        chunk_size: Rows per chunk; ``None`` picks :func:`auto_chunk_size`. When all rows fit in
+            one chunk the computation is done in one piece.
+
+    Returns:
+        ``(log_probs, entropy)``, each of ``targets``' shape, float32.
+    """
+    lead = targets.shape
+    d, v = weight.shape
+    h = hidden.reshape(-1, d)
+    y = targets.reshape(-1).astype(jnp.int32)
+    n = h.shape[0]
+    chunk = auto_chunk_size(v) if chunk_size is None else int(chunk_size)
+    if chunk < 1:
+        msg = f"chunk_size must be >= 1, got {chunk_size}"
+        raise ValueError(msg)
+
+    def block(h_c: jax.Array, y_c: jax.Array) -> tuple[jax.Array, jax.Array]:
+        z = jnp.einsum("nd,dv->nv", h_c, weight, preferred_element_type=jnp.float32)
+        if bias is not None:
+            z = z + bias.astype(jnp.float32)
+        return token_log_probs(z, y_c)
+
+    if n <= chunk:
+        logp, ent = block(h, y)
+        return logp.reshape(lead), ent.reshape(lead)
+    pad = (-n) % chunk
+    h = jnp.pad(h, ((0, pad), (0, 0)))
+    y = jnp.pad(y, (0, pad))
+    h = h.reshape(-1, chunk, d)
+    y = y.reshape(-1, chunk)
+
+    body = jax.checkpoint(lambda carry, xs: (carry, block(*xs)))
+    _, (logp, ent) = jax.lax.scan(body, None, (h, y))
+    return logp.reshape(-1)[:n].reshape(lead), ent.reshape(-1)[:n].reshape(lead)
+
+
+def causal_lm_log_probs(
+    model: Any,
+    prompt_ids: jax.Array,
+    completion_ids: jax.Array,
+    *,
+    prompt_mask: jax.Array | None = None,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token log-probs and entropies of completions under a causal LM.
+
+    Runs the model once over ``[prompt ; completion]`` (prompt left-padded, positions derived
+    from the attention mask) and projects only the ``T`` hidden states that predict completion
+    tokens, chunked by :func:`chunked_token_log_probs`.
+
+    Args:
+        model: A causal LM with ``hidden_states(ids, attention_mask=...) -> (h, cache)`` and
+            ``output_embedding() -> (D, V)``.
+        prompt_ids: ``(B, P)`` int, left-padded, ``P >= 1``.
+        completion_ids: ``(B, T)`` int.
+        prompt_mask: ``(B, P)`` 1 on real prompt tokens; ``None`` means no padding.
+        chunk_size: Rows per logits chunk (see :func:`chunked_token_log_probs`).
+        temperature: Logits are divided by it (to score under the sampling distribution).
+
+    Returns:
+        ``(log_probs, entropy)``, each ``(B, T)`` float32.
+    """
+    b, p = prompt_ids.shape
+    t = completion_ids.shape[1]
+    if p < 1:
+        msg = "prompt_ids must have at least one column: the first completion token is predicted from the last prompt position"  # noqa: E501
+        raise ValueError(msg)
+    if prompt_mask is None:
+        prompt_mask = jnp.ones((b, p), jnp.int32)
+    ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
+    mask = jnp.concatenate(
+        [jnp.asarray(prompt_mask, jnp.int32), jnp.ones((b, t), jnp.int32)], axis=1
+    )
+    hidden, _ = model.hidden_states(ids, attention_mask=mask)
+    hidden = hidden[:, p - 1 : p + t - 1]
+    weight = model.output_embedding()
+    if temperature != 1.0:
+        hidden = hidden / jnp.asarray(temperature, hidden.dtype)
+    return chunked_token_log_probs(hidden, weight, completion_ids, chunk_size=chunk_size)
+
+
+def causal_lm_log_probs_fn(*, chunk_size: int | None = None, temperature: float = 1.0) -> LogProbFn:
+    """A log-prob function for causal LMs reading a :class:`GRPOBatch`.
+
+    Args:
+        chunk_size: Rows per logits chunk; ``None`` picks one from the vocabulary size.
+        temperature: Sampling temperature the completions were drawn at (logits are divided).
+
+    Returns:
+        ``fn(model, batch) -> (log_probs, entropy)``.
+    """
+
+    def fn(model: Any, batch: GRPOBatch) -> tuple[jax.Array, jax.Array]:
+        return causal_lm_log_probs(
+            model,
+            batch.prompt_ids,
+            batch.completion_ids,
+            prompt_mask=batch.prompt_mask,
+            chunk_size=chunk_size,
+            temperature=temperature,
+        )
+
+    return fn
+
+
+def categorical_log_probs(model: Any, batch: GRPOBatch) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropies for a policy ``model(observations) -> logits``.
+
+    ``logits`` of shape ``(B, V)`` score a single action per row (completion length 1);
+    ``(B, T, V)`` score ``T`` actions per row.
+
+    Args:
+        model: Callable on ``batch.prompt_ids`` (the observations).
+        batch: The batch; ``completion_ids`` holds the actions.
+
+    Returns:
+        ``(log_probs, entropy)``, each ``(B, T)`` float32.
+
+    Raises:
+        ValueError: If the logits' shape does not fit the actions.
+    """
+    logits = model(batch.prompt_ids)
+    b, t = batch.completion_ids.shape
+    if logits.ndim == 2:
+        logits = logits[:, None, :]
+    if logits.shape[:2] != (b, t):
+        msg = (
+            f"policy logits of shape {logits.shape} do not fit actions of shape ({b}, {t}): "
+            "expected (B, V) for one action per row or (B, T, V)"
+        )
+        raise ValueError(msg)
+    return token_log_probs(logits, batch.completion_ids)
+
+
+def default_log_prob_fn(model: Any) -> LogProbFn:
+    """Chooses the log-prob function for ``model``.
+
+    Models with ``hidden_states`` and ``output_embedding`` methods (the library's causal LMs)
+    get :func:`causal_lm_log_probs_fn`; any other callable is treated as a categorical policy
+    ``model(observations) -> logits`` (:func:`categorical_log_probs`).
+
+    Args:
+        model: The policy.
+
+    Returns:
+        A log-prob function.
+    """
+    if hasattr(model, "hidden_states") and hasattr(model, "output_embedding"):
+        return causal_lm_log_probs_fn()
+    return categorical_log_probs
