@@ -3,13 +3,15 @@
 One frozen, keyword-only, validated dataclass covers GRPO and the variants the field has named
 since DeepSeekMath. Each variant is a setting, not a new trainer:
 
-| Variant | Settings |
-|---|---|
-| GRPO (Shao et al., 2024) | defaults: ``scale_rewards="group"``, ``loss_aggregation="sequence_mean"``, ``kl_estimator="k3"`` |
-| Dr. GRPO (Liu et al., 2025) | ``scale_rewards="none"``, ``loss_aggregation="constant_length"``, ``beta=0`` |
-| DAPO (Yu et al., 2025) | ``clip_param=0.2``, ``clip_param_high=0.28``, ``loss_aggregation="token_mean"``, ``beta=0`` |
-| GSPO (Zheng et al., 2025) | ``importance_sampling_level="sequence"``, ``clip_param=3e-4``, ``clip_param_high=4e-4`` |
-| RLOO (Ahmadian et al., 2024) | ``baseline="leave_one_out"``, ``scale_rewards="none"`` |
+- GRPO (Shao et al., 2024): the defaults -- ``scale_rewards="group"``,
+  ``loss_aggregation="sequence_mean"``, ``kl_estimator="k3"``.
+- Dr. GRPO (Liu et al., 2025): ``scale_rewards="none"``, ``loss_aggregation="constant_length"``,
+  ``beta=0``.
+- DAPO (Yu et al., 2025): ``clip_param=0.2``, ``clip_param_high=0.28``,
+  ``loss_aggregation="token_mean"``, ``beta=0`` (plus dynamic sampling in the training loop).
+- GSPO (Zheng et al., 2025): ``importance_sampling_level="sequence"``, ``clip_param=3e-4``,
+  ``clip_param_high=4e-4``.
+- RLOO (Ahmadian et al., 2024): ``baseline="leave_one_out"``, ``scale_rewards="none"``.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def auto_chunk_size(vocab_size: int, *, budget_bytes: int = _CHUNK_BYTES) -> int
         A power of two >= 16.
     """
     rows = max(budget_bytes // (4 * vocab_size), 16)
-    return 2 ** int(math.floor(math.log2(rows)))
+    return 2 ** math.floor(math.log2(rows))
 
 
 def chunked_token_log_probs(
