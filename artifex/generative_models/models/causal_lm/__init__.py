@@ -1,0 +1,99 @@
+"""Decoder-only causal language models (Llama 3, Qwen2/2.5, Qwen3) in Flax NNX.
+
+Config, modules, KV cache, LoRA adapters, Hugging Face safetensors load/save and the tokenizer.
+"""
+
+from __future__ import annotations
+
+# Model, cache and building blocks
+from artifex.generative_models.models.causal_lm.cache import KVCache
+
+# Configuration
+from artifex.generative_models.models.causal_lm.config import (
+    SUPPORTED_MODEL_TYPES,
+    CausalLMConfig,
+    RopeScaling,
+)
+
+# Hugging Face checkpoints
+from artifex.generative_models.models.causal_lm.hf_io import (
+    from_pretrained,
+    hf_tensor_map,
+    param_path_str,
+    save_pretrained,
+    to_hf_tensors,
+)
+
+# LoRA
+from artifex.generative_models.models.causal_lm.lora import (
+    BASE_FILTER,
+    LORA_FILTER,
+    LORA_TARGETS,
+    LoRAAdapter,
+    LoRAConfig,
+    apply_lora,
+    lora_state,
+    merge_lora,
+    zero_lora_state,
+)
+from artifex.generative_models.models.causal_lm.model import (
+    CausalLM,
+    positions_from_mask,
+    resolve_dtype,
+)
+from artifex.generative_models.models.causal_lm.modules import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    Embed,
+    Linear,
+    RMSNorm,
+)
+from artifex.generative_models.models.causal_lm.rope import (
+    apply_rope,
+    rope_cos_sin,
+    rope_inv_frequencies,
+)
+
+# Tokenizer
+from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer, render_chat_template
+
+__all__ = [  # noqa: RUF022 - grouped by topic, sorted within each group
+    # Configuration
+    "SUPPORTED_MODEL_TYPES",
+    "CausalLMConfig",
+    "RopeScaling",
+    # Model, cache and building blocks
+    "MLP",
+    "Attention",
+    "CausalLM",
+    "DecoderLayer",
+    "Embed",
+    "KVCache",
+    "Linear",
+    "RMSNorm",
+    "apply_rope",
+    "positions_from_mask",
+    "resolve_dtype",
+    "rope_cos_sin",
+    "rope_inv_frequencies",
+    # Hugging Face checkpoints
+    "from_pretrained",
+    "hf_tensor_map",
+    "param_path_str",
+    "save_pretrained",
+    "to_hf_tensors",
+    # LoRA
+    "BASE_FILTER",
+    "LORA_FILTER",
+    "LORA_TARGETS",
+    "LoRAAdapter",
+    "LoRAConfig",
+    "apply_lora",
+    "lora_state",
+    "merge_lora",
+    "zero_lora_state",
+    # Tokenizer
+    "Tokenizer",
+    "render_chat_template",
+]

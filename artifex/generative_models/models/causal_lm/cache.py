@@ -1,0 +1,120 @@
+"""Key/value cache for incremental decoding, an explicit pytree passed in and returned."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+__all__ = ["KVCache"]
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys and values of the tokens seen so far, in fixed-size slots.
+
+    All layers are stacked so the cache is four arrays whatever the depth. Slot `s` of row `b`
+    holds a real token iff `valid[b, s]`; a query written at slot `q` attends to slot `s` iff
+    `valid[b, s] and s <= q`. `index` is the next slot to write; a forward pass over `T` tokens
+    writes slots `[index, index + T)` and advances `index` by `T`. Shapes never change, so the
+    cache can be carried through `jax.lax.while_loop`. The caller keeps `index + T <= max_length`
+    (a write past the end is clamped by `lax.dynamic_update_slice`, overwriting the last slots).
+
+    Attributes:
+        keys: (L, B, S, K, H) rotated keys, in the compute dtype.
+        values: (L, B, S, K, H) values.
+        valid: (B, S) bool, True on slots that hold real (non-padding) tokens.
+        index: int32 scalar, the next slot to write.
+    """
+
+    keys: jax.Array
+    values: jax.Array
+    valid: jax.Array
+    index: jax.Array
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_layers: int,
+        batch_size: int,
+        max_length: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: jnp.dtype = jnp.float32,
+    ) -> KVCache:
+        """Builds an empty cache (all slots invalid, index 0).
+
+        Args:
+            num_layers: Number of decoder layers L.
+            batch_size: Rows B.
+            max_length: Slots S per row (prompt plus generated tokens).
+            num_kv_heads: Key/value heads K.
+            head_dim: Head width H.
+            dtype: Dtype of keys and values.
+
+        Returns:
+            The zero-filled cache.
+
+        Raises:
+            ValueError: Naming the argument, if a size is not a positive int.
+        """
+        sizes = {
+            "num_layers": num_layers,
+            "batch_size": batch_size,
+            "max_length": max_length,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+        }
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                msg = f"KVCache.create: {name} must be a positive int, got {value!r}"
+                raise ValueError(msg)
+        shape = (num_layers, batch_size, max_length, num_kv_heads, head_dim)
+        return cls(
+            keys=jnp.zeros(shape, dtype),
+            values=jnp.zeros(shape, dtype),
+            valid=jnp.zeros((batch_size, max_length), jnp.bool_),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers L."""
+        return self.keys.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows B."""
+        return self.keys.shape[1]
+
+    @property
+    def max_length(self) -> int:
+        """Number of slots S per row."""
+        return self.keys.shape[2]
+
+    def repeat(self, k: int) -> KVCache:
+        """Repeats every row `k` times consecutively (`jnp.repeat` along the batch axis).
+
+        Row `b` of the result is row `b // k` of this cache, which matches the prompt-major,
+        generation-minor layout: one prefill per prompt serves its `k` generations.
+
+        Args:
+            k: Repetitions per row (positive int).
+
+        Returns:
+            A cache with batch size `B * k` and the same index.
+
+        Raises:
+            ValueError: If `k` is not a positive int.
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            msg = f"KVCache.repeat: k must be a positive int, got {k!r}"
+            raise ValueError(msg)
+        if k == 1:
+            return self
+        return self.replace(
+            keys=jnp.repeat(self.keys, k, axis=1),
+            values=jnp.repeat(self.values, k, axis=1),
+            valid=jnp.repeat(self.valid, k, axis=0),
+        )

@@ -1,0 +1,380 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors <-> `CausalLM`.
+
+`from_pretrained` builds the model abstractly (`nnx.eval_shape`, no random weights are drawn) and
+places each tensor of the checkpoint straight into its variable, optionally sharded over a mesh.
+`save_pretrained` writes the same file layout transformers writes (`model.safetensors`, or shards
+with `model.safetensors.index.json`), so either library reads the other's checkpoints.
+
+Sharding hook: `rules(param_path, shape) -> PartitionSpec` receives the dotted parameter path
+(e.g. `"layers.0.attn.q_proj.kernel"`, see `model.py` for the table) and the parameter's shape in
+our layout; each tensor is then placed with `jax.device_put(x, NamedSharding(mesh, spec))`.
+Without `rules`, every parameter is replicated over the mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from artifex.generative_models.models.causal_lm.config import CausalLMConfig
+from artifex.generative_models.models.causal_lm.model import CausalLM, resolve_dtype
+
+__all__ = [
+    "from_pretrained",
+    "hf_tensor_map",
+    "param_path_str",
+    "parse_size",
+    "save_pretrained",
+    "to_hf_tensors",
+]
+
+PathParts = tuple[Any, ...]
+Rules = Callable[[str, tuple[int, ...]], PartitionSpec]
+
+_SAFE_NAME = "model.safetensors"
+_INDEX_NAME = "model.safetensors.index.json"
+#: Buffers some old checkpoints carry that are recomputed from the config.
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def param_path_str(path: PathParts) -> str:
+    """Joins an NNX state path into the dotted string used by partition rules.
+
+    Args:
+        path: Path parts, e.g. `("layers", 0, "attn", "q_proj", "kernel")`.
+
+    Returns:
+        The dotted path, e.g. `"layers.0.attn.q_proj.kernel"`.
+    """
+    return ".".join(str(p) for p in path)
+
+
+def hf_tensor_map(config: CausalLMConfig) -> dict[str, tuple[PathParts, bool]]:
+    """Maps every Hugging Face tensor name of `config`'s model to our parameter path.
+
+    Args:
+        config: The architecture.
+
+    Returns:
+        `{hf_name: (path, transpose)}`, where `transpose` is True for linear weights
+        (HF stores (out, in); our kernels are (in, out)). `lm_head.weight` is absent when the
+        embeddings are tied.
+    """
+    out: dict[str, tuple[PathParts, bool]] = {
+        "model.embed_tokens.weight": (("embed", "embedding"), False),
+        "model.norm.weight": (("final_norm", "scale"), False),
+    }
+    for i in range(config.num_layers):
+        hf = f"model.layers.{i}"
+        ours: PathParts = ("layers", i)
+        out[f"{hf}.input_layernorm.weight"] = ((*ours, "attn_norm", "scale"), False)
+        out[f"{hf}.post_attention_layernorm.weight"] = ((*ours, "mlp_norm", "scale"), False)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"{hf}.self_attn.{proj}.weight"] = ((*ours, "attn", proj, "kernel"), True)
+        if config.attention_bias:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                out[f"{hf}.self_attn.{proj}.bias"] = ((*ours, "attn", proj, "bias"), False)
+        if config.attention_out_bias:
+            out[f"{hf}.self_attn.o_proj.bias"] = ((*ours, "attn", "o_proj", "bias"), False)
+        if config.qk_norm:
+            out[f"{hf}.self_attn.q_norm.weight"] = ((*ours, "attn", "q_norm", "scale"), False)
+            out[f"{hf}.self_attn.k_norm.weight"] = ((*ours, "attn", "k_norm", "scale"), False)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{hf}.mlp.{proj}.weight"] = ((*ours, "mlp", proj, "kernel"), True)
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = (("lm_head", "kernel"), True)
+    return out
+
+
+def _variables(model: CausalLM) -> dict[PathParts, nnx.Variable]:
+    return {
+        tuple(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)
+    }
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _weight_files(directory: str) -> dict[str, list[str]]:
+    """Returns `{file: [tensor names]}` for the checkpoint in `directory`."""
+    index_path = os.path.join(directory, _INDEX_NAME)
+    single_path = os.path.join(directory, _SAFE_NAME)
+    if os.path.exists(index_path):
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            msg = f"{index_path}: expected a 'weight_map' object, got {weight_map!r}"
+            raise ValueError(msg)
+        files: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(os.path.join(directory, fname), []).append(name)
+        for fname, names in files.items():
+            with safe_open(fname, framework="numpy") as f:
+                keys = set(f.keys())
+            absent = [n for n in names if n not in keys]
+            if absent:
+                msg = f"tensor {absent[0]!r} is listed in {_INDEX_NAME} but missing from {fname}"
+                raise ValueError(msg)
+        return files
+    if os.path.exists(single_path):
+        with safe_open(single_path, framework="numpy") as f:
+            return {single_path: list(f.keys())}
+    msg = f"no {_SAFE_NAME} or {_INDEX_NAME} in {directory!r} (only safetensors are supported)"
+    raise FileNotFoundError(msg)
+
+
+def _as_dtype(x: np.ndarray, dtype: jnp.dtype) -> np.ndarray:
+    target = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
+    return x if x.dtype == target else x.astype(target)
+
+
+def from_pretrained(
+    path: str | os.PathLike[str],
+    dtype: str | jnp.dtype | None = None,
+    mesh: Mesh | None = None,
+    rules: Rules | None = None,
+) -> CausalLM:
+    """Loads a local Hugging Face checkpoint directory into a `CausalLM`.
+
+    Reads `config.json` (model_type llama, qwen2 or qwen3) and `model.safetensors` or the shards
+    listed in `model.safetensors.index.json`. Each tensor is read with `safetensors` (NumPy),
+    checked against the expected shape, cast to the parameter dtype, transposed for linear
+    weights, and placed into the abstract model: replicated / default device without `mesh`,
+    else `jax.device_put(x, NamedSharding(mesh, rules(path, shape)))`. Tied models need no
+    `lm_head.weight`; if present it must equal the embedding.
+
+    Args:
+        path: Checkpoint directory.
+        dtype: Parameter dtype ("float32" / "bfloat16"); None uses the checkpoint's
+            (`torch_dtype` bfloat16 -> bfloat16, anything else -> float32).
+        mesh: Optional `jax.sharding.Mesh` to place parameters on.
+        rules: Optional `rules(param_path, shape) -> PartitionSpec`, used with `mesh`
+            (default: replicated).
+
+    Returns:
+        The loaded model.
+
+    Raises:
+        FileNotFoundError: If config.json or the safetensors files are missing.
+        ValueError: Naming the tensor, for an unsupported model_type, a missing, unexpected or
+            misshapen tensor, or an untied `lm_head.weight` in a tied model.
+        TypeError: If `rules` is given without `mesh`.
+    """
+    directory = os.fspath(path)
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.exists(config_path):
+        msg = f"no config.json in {directory!r}"
+        raise FileNotFoundError(msg)
+    config = CausalLMConfig.from_hf_config(_read_json(config_path))
+    if rules is not None and mesh is None:
+        msg = "from_pretrained: rules were given without a mesh; pass mesh= as well"
+        raise TypeError(msg)
+    dt = resolve_dtype(config.param_dtype if dtype is None else dtype)
+    config = config.replace(param_dtype=dt.name)
+
+    files = _weight_files(directory)
+    mapping = hf_tensor_map(config)
+    present = {name for names in files.values() for name in names}
+    extra = sorted(n for n in present - set(mapping) if not _IGNORED.match(n))
+    if config.tie_word_embeddings and "lm_head.weight" in extra:
+        extra.remove("lm_head.weight")
+    if extra:
+        msg = f"unexpected tensor {extra[0]!r} in {directory!r} ({len(extra)} unexpected: {extra})"
+        raise ValueError(msg)
+    missing = sorted(set(mapping) - present)
+    if missing:
+        msg = (
+            f"missing tensor {missing[0]!r} in {directory!r} "
+            f"({len(missing)} missing: {missing[:8]})"
+        )
+        raise ValueError(msg)
+
+    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
+    variables = _variables(model)
+
+    def place(name: str, x: np.ndarray) -> None:
+        target_path, transpose = mapping[name]
+        var = variables[target_path]
+        shape = tuple(var.get_value().shape)
+        hf_shape = shape[::-1] if transpose else shape
+        if tuple(x.shape) != hf_shape:
+            msg = f"tensor {name!r}: expected shape {hf_shape}, got {tuple(x.shape)}"
+            raise ValueError(msg)
+        x = _as_dtype(x, dt)
+        if transpose:
+            x = np.ascontiguousarray(x.T)
+        if mesh is None:
+            arr = jax.device_put(x)
+        else:
+            spec = PartitionSpec() if rules is None else rules(param_path_str(target_path), shape)
+            arr = jax.device_put(x, NamedSharding(mesh, spec))
+        var.set_value(arr)
+
+    tied_head: np.ndarray | None = None
+    for fname, names in files.items():
+        with safe_open(fname, framework="numpy") as f:
+            for name in names:
+                if name in mapping:
+                    place(name, f.get_tensor(name))
+                elif name == "lm_head.weight":
+                    tied_head = f.get_tensor(name)
+
+    if tied_head is not None:
+        embedding = np.asarray(jax.device_get(model.embed.embedding[...]))
+        if tied_head.shape != embedding.shape or not np.array_equal(
+            _as_dtype(tied_head, dt), embedding
+        ):
+            msg = (
+                "tensor 'lm_head.weight': config has tie_word_embeddings=True but lm_head.weight "
+                "differs from model.embed_tokens.weight"
+            )
+            raise ValueError(msg)
+    for var_path, var in variables.items():
+        if isinstance(var.get_value(), jax.ShapeDtypeStruct):
+            msg = f"parameter {param_path_str(var_path)!r} was not loaded from {directory!r}"
+            raise ValueError(msg)
+    return model
+
+
+def _lora_paths(model: CausalLM) -> Iterator[str]:
+    for path, var in _variables(model).items():
+        if isinstance(var, nnx.LoRAParam):
+            yield param_path_str(path)
+
+
+def to_hf_tensors(model: CausalLM) -> dict[str, np.ndarray]:
+    """Returns the model's parameters as host NumPy arrays under Hugging Face names and layouts.
+
+    Args:
+        model: A model without LoRA adapters.
+
+    Returns:
+        `{hf_name: array}` (linear weights (out, in); bfloat16 stays `ml_dtypes.bfloat16`).
+
+    Raises:
+        ValueError: If the model still has LoRA adapters (merge them first with `merge_lora`).
+    """
+    lora = list(_lora_paths(model))
+    if lora:
+        msg = (
+            f"model has LoRA adapters (e.g. {lora[0]!r}); call merge_lora(model) before saving "
+            "a Hugging Face checkpoint"
+        )
+        raise ValueError(msg)
+    variables = _variables(model)
+    out: dict[str, np.ndarray] = {}
+    for name, (target_path, transpose) in hf_tensor_map(model.config).items():
+        x = np.asarray(jax.device_get(variables[target_path].get_value()))
+        out[name] = np.ascontiguousarray(x.T) if transpose else x
+    return out
+
+
+def parse_size(size: int | str) -> int:
+    """Parses a shard size: an int of bytes or a string such as "5GB", "200MiB", "40KB".
+
+    Decimal units (KB, MB, GB) are powers of 10 and binary units (KiB, MiB, GiB) powers of 2, as
+    in transformers.
+
+    Args:
+        size: The size.
+
+    Returns:
+        The number of bytes.
+
+    Raises:
+        ValueError: If the size cannot be parsed or is not positive.
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            msg = f"max_shard_size must be an int or a string like '5GB', got {size!r}"
+            raise ValueError(msg)
+        n = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if n <= 0:
+        msg = f"max_shard_size must be positive, got {size!r}"
+        raise ValueError(msg)
+    return n
+
+
+def save_pretrained(
+    model: CausalLM, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None
+) -> None:
+    """Writes `model` as a Hugging Face checkpoint directory.
+
+    Writes `config.json` (`config.to_hf_config()`) and the weights under transformers' names and
+    layouts in their stored dtype: one `model.safetensors`, or, when the total exceeds
+    `max_shard_size`, `model-0000k-of-0000n.safetensors` shards plus
+    `model.safetensors.index.json`. Previous weight files of that naming in the directory are
+    removed first so no stale shard is read back. Tied models get no `lm_head.weight`.
+
+    Args:
+        model: The model (merge LoRA adapters first).
+        path: Output directory, created if needed.
+        max_shard_size: Optional largest shard, bytes or a string like "2GB"; None writes one file.
+
+    Raises:
+        ValueError: If the model has LoRA adapters or `max_shard_size` is invalid.
+    """
+    directory = os.fspath(path)
+    tensors = to_hf_tensors(model)
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
+    os.makedirs(directory, exist_ok=True)
+    stale = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+    for fname in os.listdir(directory):
+        if stale.fullmatch(fname):
+            os.remove(os.path.join(directory, fname))
+
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(model.config.to_hf_config(), f, indent=2, sort_keys=True)
+        f.write("\n")
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, x in tensors.items():
+        if limit is not None and shards[-1] and size + x.nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = x
+        size += x.nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(directory, _SAFE_NAME), metadata=metadata)
+        return
+    weight_map: dict[str, str] = {}
+    for k, shard in enumerate(shards, start=1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(directory, fname), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {
+        "metadata": {"total_size": int(sum(x.nbytes for x in tensors.values()))},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    with open(os.path.join(directory, _INDEX_NAME), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")

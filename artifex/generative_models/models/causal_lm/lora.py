@@ -1,0 +1,236 @@
+"""Low-rank adapters (LoRA) for the projections of `CausalLM`.
+
+`apply_lora` gives each targeted `Linear` a `lora` submodule with `lora_a` (in, r) and `lora_b`
+(r, out), both `nnx.LoRAParam`, so the projection computes `y = x W + b + (alpha / r) x A B`.
+
+Filters (`nnx.LoRAParam` subclasses `nnx.Param`):
+
+- adapters only: `nnx.LoRAParam` (e.g. `nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`), also
+  exported as `LORA_FILTER`;
+- base weights only: `nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))`, exported as `BASE_FILTER`;
+- everything: `nnx.Param`.
+
+B starts at zero, so a fresh adapter leaves the model's output unchanged; with every adapter
+parameter zero the output equals the base model's exactly (the added term is an exact 0), which
+lets a trainer compute the reference policy with the same graph and the adapter state zeroed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm.model import CausalLM, resolve_dtype
+from artifex.generative_models.models.causal_lm.modules import Linear
+
+__all__ = [
+    "BASE_FILTER",
+    "LORA_FILTER",
+    "LORA_TARGETS",
+    "LoRAAdapter",
+    "LoRAConfig",
+    "apply_lora",
+    "lora_state",
+    "merge_lora",
+    "zero_lora_state",
+]
+
+#: Projection names that can carry an adapter.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Selects only adapter parameters.
+LORA_FILTER = nnx.LoRAParam
+#: Selects only base (non-adapter) parameters.
+BASE_FILTER = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LoRAConfig:
+    """Which projections get adapters, and their size.
+
+    Args:
+        rank: Rank r of `A` (in, r) and `B` (r, out).
+        alpha: Scale numerator; the update is `(alpha / r) x A B`.
+        target_modules: Projection names among `LORA_TARGETS` (default: all seven).
+        param_dtype: Dtype of the adapter parameters ("float32" / "bfloat16"); None means the
+            model's parameter dtype. The adapter output is cast to the projection's dtype.
+
+    Raises:
+        ValueError: Naming the field, if rank/alpha are not positive or a target is unknown.
+
+    References:
+        Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021.
+    """
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    param_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            msg = f"rank must be a positive int, got {self.rank!r}"
+            raise ValueError(msg)
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, int | float)
+            or self.alpha <= 0
+        ):
+            msg = f"alpha must be a positive number, got {self.alpha!r}"
+            raise ValueError(msg)
+        if isinstance(self.target_modules, str):
+            object.__setattr__(self, "target_modules", (self.target_modules,))
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if not self.target_modules:
+            msg = "target_modules must name at least one projection, got ()"
+            raise ValueError(msg)
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if unknown:
+            msg = f"target_modules: unknown projections {unknown}; expected names in {LORA_TARGETS}"
+            raise ValueError(msg)
+        if self.param_dtype is not None:
+            resolve_dtype(self.param_dtype)
+
+    @property
+    def scale(self) -> float:
+        """The update scale `alpha / rank`."""
+        return self.alpha / self.rank
+
+
+class LoRAAdapter(nnx.Module):
+    """The low-rank update `delta(x) = (alpha / r) (x A) B`.
+
+    `A` is drawn from U(-1/sqrt(in), 1/sqrt(in)) (PEFT's Kaiming-uniform with a = sqrt(5)) and
+    `B` starts at zero.
+
+    Args:
+        in_features: Input width.
+        out_features: Output width.
+        rank: Rank r.
+        scale: `alpha / r`.
+        dtype: Parameter and compute dtype of the adapter.
+        rngs: Random streams (`params`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        rank: int,
+        scale: float,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ) -> None:
+        bound = 1.0 / math.sqrt(in_features)
+        a = jax.random.uniform(rngs.params(), (in_features, rank), jnp.float32, -bound, bound)
+        self.lora_a = nnx.LoRAParam(a.astype(dtype))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((rank, out_features), dtype))
+        self.scale = scale
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Computes the update.
+
+        Args:
+            x: Input (..., in).
+
+        Returns:
+            `(alpha / r) x A B`, shape (..., out), in the adapter dtype.
+        """
+        a = self.lora_a[...]
+        z = jnp.matmul(x.astype(a.dtype), a) * jnp.asarray(self.scale, a.dtype)
+        return jnp.matmul(z, self.lora_b[...])
+
+
+def _targets(model: CausalLM, names: tuple[str, ...]) -> list[Linear]:
+    out = []
+    for layer in model.layers:
+        for parent in (layer.attn, layer.mlp):
+            for name in names:
+                proj = getattr(parent, name, None)
+                if isinstance(proj, Linear):
+                    out.append(proj)
+    return out
+
+
+def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
+    """Adds LoRA adapters to the targeted projections of every layer, in place.
+
+    Args:
+        model: The model (modified in place and returned).
+        config: The adapter configuration.
+        rngs: Random streams for `A`.
+
+    Returns:
+        The same model object, now with adapters (`<proj>.lora.lora_a` / `.lora_b`).
+
+    Raises:
+        ValueError: If the model already has adapters.
+    """
+    if any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model)):
+        msg = "apply_lora: the model already has LoRA adapters"
+        raise ValueError(msg)
+    dtype = model.dtype if config.param_dtype is None else resolve_dtype(config.param_dtype)
+    for proj in _targets(model, config.target_modules):
+        proj.lora = LoRAAdapter(
+            proj.in_features,
+            proj.out_features,
+            rank=config.rank,
+            scale=config.scale,
+            dtype=dtype,
+            rngs=rngs,
+        )
+    return model
+
+
+def merge_lora(model: CausalLM) -> CausalLM:
+    """Returns a copy of `model` without adapters, `W' = W + (alpha / r) A B`.
+
+    The product is formed in float32 and cast to the kernel's dtype. The input model is left
+    unchanged; the result can be saved with `save_pretrained`.
+
+    Args:
+        model: A model with (or without) adapters.
+
+    Returns:
+        A plain `CausalLM` with merged weights.
+    """
+    merged = nnx.clone(model)
+    for proj in _targets(merged, LORA_TARGETS):
+        adapter = proj.lora
+        if adapter is None:
+            continue
+        kernel = proj.kernel[...]
+        a = adapter.lora_a[...].astype(jnp.float32)
+        b = adapter.lora_b[...].astype(jnp.float32)
+        delta = (a * adapter.scale) @ b
+        proj.kernel.set_value((kernel.astype(jnp.float32) + delta).astype(kernel.dtype))
+        proj.lora = None
+    return merged
+
+
+def lora_state(model: CausalLM) -> nnx.State:
+    """The adapter parameters of `model` as an `nnx.State` (filter `nnx.LoRAParam`).
+
+    Args:
+        model: A model with adapters.
+
+    Returns:
+        The adapter state.
+    """
+    return nnx.state(model, LORA_FILTER)
+
+
+def zero_lora_state(state: nnx.State) -> nnx.State:
+    """Zeros every array of an adapter state (reference policy = base model).
+
+    Args:
+        state: An adapter state, e.g. from `lora_state`.
+
+    Returns:
+        A state of the same structure with all arrays zero.
+    """
+    return jax.tree.map(jnp.zeros_like, state)

@@ -1,0 +1,326 @@
+"""The decoder-only causal language model (Llama 3, Qwen2/2.5, Qwen3) in Flax NNX.
+
+Parameter paths (as in `nnx.state(model)`, dotted; `i` is the layer index) and the Hugging Face
+tensors they load from (linear kernels are the transposed HF weights):
+
+- `embed.embedding` (V, D) <- `model.embed_tokens.weight`
+- `layers.i.attn_norm.scale` (D,) <- `model.layers.i.input_layernorm.weight`
+- `layers.i.attn.{q,k,v,o}_proj.kernel` (D, N*H) / (D, K*H) / (D, K*H) / (N*H, D)
+  <- `model.layers.i.self_attn.{q,k,v,o}_proj.weight`.T
+- `layers.i.attn.{q,k,v,o}_proj.bias` <- `....bias` (q/k/v with `attention_bias`; o_proj for
+  Llama/Qwen3 with `attention_bias`)
+- `layers.i.attn.{q,k}_norm.scale` (H,) <- `model.layers.i.self_attn.{q,k}_norm.weight` (Qwen3)
+- `layers.i.mlp_norm.scale` (D,) <- `model.layers.i.post_attention_layernorm.weight`
+- `layers.i.mlp.{gate,up}_proj.kernel` (D, F), `layers.i.mlp.down_proj.kernel` (F, D)
+  <- `model.layers.i.mlp.{gate,up,down}_proj.weight`.T
+- `final_norm.scale` (D,) <- `model.norm.weight`
+- `lm_head.kernel` (D, V) <- `lm_head.weight`.T (untied models only)
+
+LoRA adapters (see `apply_lora`) add `<proj>.lora.lora_a` (in, r) and `<proj>.lora.lora_b`
+(r, out), both `nnx.LoRAParam`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm.cache import KVCache
+from artifex.generative_models.models.causal_lm.config import CausalLMConfig, RopeScaling
+from artifex.generative_models.models.causal_lm.modules import DecoderLayer, Embed, Linear, RMSNorm
+from artifex.generative_models.models.causal_lm.rope import rope_cos_sin, rope_inv_frequencies
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from jax.sharding import Mesh, PartitionSpec
+
+__all__ = ["CausalLM", "positions_from_mask", "resolve_dtype"]
+
+_DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype: Any) -> jnp.dtype:
+    """Turns "float32" / "bfloat16" / a NumPy or JAX dtype into a supported `jnp.dtype`.
+
+    Args:
+        dtype: The dtype or its name.
+
+    Returns:
+        `jnp.float32` or `jnp.bfloat16` as a `jnp.dtype`.
+
+    Raises:
+        ValueError: If the dtype is not float32 or bfloat16.
+    """
+    try:
+        resolved = jnp.dtype(_DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+    except TypeError as err:
+        msg = f"dtype must be 'float32' or 'bfloat16', got {dtype!r}"
+        raise ValueError(msg) from err
+    if resolved not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        msg = f"dtype must be 'float32' or 'bfloat16', got {dtype!r}"
+        raise ValueError(msg)
+    return resolved
+
+
+def positions_from_mask(attention_mask: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
+    """Positions of left-padded rows: `p_t = offset + cumsum(mask)_t - 1`, clipped at 0.
+
+    This is the Hugging Face convention: the first real token of each row gets position
+    `offset` whatever the amount of left padding; padding gets position 0 (or the position of the
+    last real token before it).
+
+    Args:
+        attention_mask: (B, T), 1 on real tokens, 0 on padding.
+        offset: (B,) or scalar number of real tokens already seen (e.g. in a KV cache).
+
+    Returns:
+        int32 positions (B, T).
+    """
+    mask = attention_mask.astype(jnp.int32)
+    offset = jnp.asarray(offset, jnp.int32)
+    if offset.ndim == 1:
+        offset = offset[:, None]
+    return jnp.maximum(offset + jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    return rope_inv_frequencies(head_dim, theta, scaling)
+
+
+class CausalLM(nnx.Module):
+    """Decoder-only transformer language model (Llama 3, Qwen2/2.5, Qwen3).
+
+    `logits = RMSNorm(h_L) W_out`, `h_l = Layer_l(h_{l-1})`, `h_0 = E[ids]`. Parameters live in the
+    parameter dtype (config `param_dtype`, or `dtype`) and compute runs in it, except the
+    RMSNorm statistics and the attention softmax (float32) and the logits (always float32).
+    Initialisation follows transformers: weights N(0, initializer_range^2), biases 0, norms 1.
+    See the module docstring for the parameter paths.
+
+    Args:
+        config: The architecture.
+        rngs: Random streams; `rngs.params()` draws the initial weights.
+        dtype: Optional override of `config.param_dtype` ("float32", "bfloat16" or a dtype); the
+            stored config is updated to match.
+
+    Raises:
+        ValueError: If `dtype` is not float32 or bfloat16.
+    """
+
+    def __init__(
+        self, config: CausalLMConfig, *, rngs: nnx.Rngs, dtype: str | jnp.dtype | None = None
+    ) -> None:
+        if not isinstance(config, CausalLMConfig):
+            msg = f"config must be a CausalLMConfig, got {type(config).__name__}"
+            raise TypeError(msg)
+        dt = resolve_dtype(config.param_dtype if dtype is None else dtype)
+        if dt.name != config.param_dtype:
+            config = config.replace(param_dtype=dt.name)
+        self.config = config
+        self.dtype = dt
+        std = config.initializer_range
+        self.embed = Embed(
+            config.vocab_size,
+            config.hidden_size,
+            std=std,
+            dtype=dt,
+            rngs=rngs,
+            padding_idx=config.pad_token_id,
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(config, dtype=dt, rngs=rngs) for _ in range(config.num_layers)]
+        )
+        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dt)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(
+                config.hidden_size, config.vocab_size, use_bias=False, std=std, dtype=dt, rngs=rngs
+            )
+
+    # ------------------------------------------------------------------ forward
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """Computes next-token logits.
+
+        Args:
+            input_ids: Token ids (B, T).
+            attention_mask: (B, T), 1 on real tokens and 0 on (left) padding; None means all 1.
+            positions: Optional int positions (B, T); by default `positions_from_mask`.
+
+        Returns:
+            float32 logits (B, T, V).
+        """
+        hidden, _ = self.hidden_states(input_ids, attention_mask, positions)
+        return self.logits_from_hidden(hidden)
+
+    def hidden_states(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Runs the decoder and returns the final-norm hidden states.
+
+        Without a cache, token `t` attends to tokens `s <= t` with `mask[s] = 1`. With a cache,
+        the T new keys/values are written at slots `[cache.index, cache.index + T)`, their
+        validity set from `attention_mask`, and the token at slot `q` attends to every slot
+        `s <= q` that is valid; default positions then continue from the number of valid slots.
+        Query rows of padding tokens attend to nothing real but stay finite.
+
+        Args:
+            input_ids: Token ids (B, T).
+            attention_mask: (B, T), 1 on real tokens, 0 on padding; None means all 1.
+            positions: Optional int positions (B, T); by default `positions_from_mask` (offset by
+                the valid slots of the cache).
+            cache: Optional `KVCache` from `init_cache` (or a previous call).
+
+        Returns:
+            `(hidden, cache)`: hidden states (B, T, D) in the compute dtype and the updated cache
+            (`index` advanced by T), or None when no cache was passed.
+
+        Raises:
+            ValueError: If `input_ids` is not 2-D or a mask / positions / cache shape disagrees.
+        """
+        if input_ids.ndim != 2:
+            msg = f"input_ids must be (B, T), got shape {input_ids.shape}"
+            raise ValueError(msg)
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), jnp.int32)
+        elif attention_mask.shape != (b, t):
+            msg = f"attention_mask must have shape {(b, t)}, got {attention_mask.shape}"
+            raise ValueError(msg)
+        if positions is not None and positions.shape != (b, t):
+            msg = f"positions must have shape {(b, t)}, got {positions.shape}"
+            raise ValueError(msg)
+        token_valid = attention_mask.astype(jnp.bool_)
+
+        if cache is None:
+            if positions is None:
+                positions = positions_from_mask(attention_mask)
+            causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+            mask = causal[None, :, :] & token_valid[:, None, :]
+            kv = None
+            index = None
+        else:
+            cfg = self.config
+            expected = (cfg.num_layers, b, cache.max_length, cfg.num_kv_heads, cfg.head_dim)
+            if cache.keys.shape != expected:
+                msg = f"cache.keys must have shape {expected}, got {cache.keys.shape}"
+                raise ValueError(msg)
+            index = cache.index
+            if positions is None:
+                offset = jnp.sum(cache.valid, axis=-1, dtype=jnp.int32)
+                positions = positions_from_mask(attention_mask, offset)
+            valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, index))
+            slots = jnp.arange(cache.max_length, dtype=jnp.int32)
+            query_slots = index + jnp.arange(t, dtype=jnp.int32)
+            mask = valid[:, None, :] & (slots[None, None, :] <= query_slots[None, :, None])
+            kv = (cache.keys, cache.values)
+
+        cfg = self.config
+        inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
+        cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)
+        h = self.embed(input_ids).astype(self.dtype)
+        for i, layer in enumerate(self.layers):
+            h, kv = layer(h, cos, sin, mask, kv, i, index)
+        hidden = self.final_norm(h)
+        if cache is None:
+            return hidden, None
+        new_cache = cache.replace(keys=kv[0], values=kv[1], valid=valid, index=index + t)
+        return hidden, new_cache
+
+    def output_embedding(self) -> jax.Array:
+        """The (D, V) matrix that maps hidden states to logits (`embedding.T` when tied).
+
+        Returns:
+            The output projection in the parameter dtype.
+        """
+        if self.lm_head is None:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        """Projects hidden states to float32 logits, `hidden @ output_embedding()`.
+
+        The matmul accumulates and returns float32 even for bfloat16 parameters. Works on any
+        leading shape, so callers can chunk over tokens.
+
+        Args:
+            hidden: Hidden states (..., D).
+
+        Returns:
+            float32 logits (..., V).
+        """
+        w = self.output_embedding()
+        return jnp.einsum("...D,DV->...V", hidden, w, preferred_element_type=jnp.float32)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
+        """Builds an empty KV cache for this model.
+
+        Args:
+            batch_size: Rows B.
+            max_length: Slots S per row (prompt plus generated tokens).
+            dtype: Dtype of keys/values; None means the compute dtype.
+
+        Returns:
+            A `KVCache` with keys/values (L, B, S, K, H).
+        """
+        cfg = self.config
+        return KVCache.create(
+            num_layers=cfg.num_layers,
+            batch_size=batch_size,
+            max_length=max_length,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype if dtype is None else jnp.dtype(dtype),
+        )
+
+    # ------------------------------------------------------------------ Hugging Face I/O
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        dtype: str | jnp.dtype | None = None,
+        mesh: Mesh | None = None,
+        rules: Callable[[str, tuple[int, ...]], PartitionSpec] | None = None,
+    ) -> CausalLM:
+        """Loads a Hugging Face checkpoint directory; see `hf_io.from_pretrained`.
+
+        Args:
+            path: Directory with config.json and model.safetensors (or a sharded index).
+            dtype: Parameter dtype; None keeps the checkpoint's (bfloat16 or float32).
+            mesh: Optional mesh to place each parameter on.
+            rules: Optional `rules(param_path, shape) -> PartitionSpec` (with `mesh`).
+
+        Returns:
+            The model.
+        """
+        from artifex.generative_models.models.causal_lm.hf_io import from_pretrained
+
+        return from_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
+
+    def save_pretrained(self, path: str, *, max_shard_size: int | str | None = None) -> None:
+        """Writes a Hugging Face checkpoint directory; see `hf_io.save_pretrained`.
+
+        Args:
+            path: Output directory (created if needed).
+            max_shard_size: Optional shard size limit in bytes (or "5GB"-style string).
+        """
+        from artifex.generative_models.models.causal_lm.hf_io import save_pretrained
+
+        save_pretrained(self, path, max_shard_size=max_shard_size)

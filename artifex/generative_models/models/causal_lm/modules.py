@@ -1,0 +1,316 @@
+"""Building blocks of the decoder: RMSNorm, linear projection, attention, SwiGLU MLP, layer.
+
+Shapes are spelled with einsum letters: B batch, T target (query) length, S source (key) length,
+N query heads, K key/value heads, G = N / K query heads per key/value head, H head width,
+D model width, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm.config import CausalLMConfig
+from artifex.generative_models.models.causal_lm.rope import apply_rope
+
+__all__ = ["MLP", "Attention", "DecoderLayer", "Embed", "Linear", "RMSNorm"]
+
+#: Score given to masked (query, key) pairs: finite, so fully masked rows give a uniform softmax
+#: instead of NaN.
+MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: jnp.dtype) -> jax.Array:
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square normalisation `y = x / sqrt(mean(x^2) + eps) * scale`.
+
+    The statistic is computed in float32 and the normalised value cast back to the input dtype
+    before the (learned) scale multiplies it, as in transformers' `LlamaRMSNorm`.
+
+    Args:
+        dim: Width of the normalised (last) axis.
+        eps: Epsilon added to the mean square.
+        dtype: Parameter and compute dtype.
+
+    References:
+        Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019.
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype) -> None:
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Normalises the last axis.
+
+        Args:
+            x: Array (..., dim).
+
+        Returns:
+            The normalised array, same shape and dtype as `x`.
+        """
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return self.scale[...] * y
+
+
+class Embed(nnx.Module):
+    """Token embedding table `embedding` of shape (V, D), initialised N(0, std^2).
+
+    Args:
+        num_embeddings: Vocabulary size V.
+        features: Width D.
+        std: Standard deviation of the initialisation.
+        dtype: Parameter and compute dtype.
+        rngs: Random streams (`params`).
+        padding_idx: Row initialised to zero (as transformers does for `pad_token_id`), or None.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        std: float,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        padding_idx: int | None = None,
+    ) -> None:
+        table = _normal(rngs, (num_embeddings, features), std, dtype)
+        if padding_idx is not None and 0 <= padding_idx < num_embeddings:
+            table = table.at[padding_idx].set(0)
+        self.embedding = nnx.Param(table)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """Looks up token ids.
+
+        Args:
+            ids: Integer ids (B, T).
+
+        Returns:
+            Embeddings (B, T, D).
+        """
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+
+class Linear(nnx.Module):
+    """Dense projection `y = x W + b` with kernel (in, out) and an optional LoRA adapter.
+
+    The kernel is the transpose of the Hugging Face `nn.Linear.weight` (out, in). When `lora` is
+    set (see `apply_lora`), `y += lora(x)`.
+
+    Args:
+        in_features: Input width.
+        out_features: Output width.
+        use_bias: Whether to add a bias (initialised to zero).
+        std: Standard deviation of the normal initialisation of the kernel.
+        dtype: Parameter and compute dtype.
+        rngs: Random streams (`params`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool,
+        std: float,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.in_features = in_features
+        self.out_features = out_features
+        self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), std, dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+        self.lora: Any = nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Projects the last axis.
+
+        Args:
+            x: Array (..., in).
+
+        Returns:
+            Array (..., out) in the dtype of `x`.
+        """
+        y = jnp.matmul(x, self.kernel[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if self.lora is not None:
+            y = y + self.lora(x).astype(y.dtype)
+        return y
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, optional q/k RMSNorm and an optional KV cache.
+
+    `softmax(q k^T / sqrt(H) + mask) v` per head, where query head `n` reads key/value head
+    `n // G`. Keys and values are never repeated: queries are viewed as (B, T, K, G, H) and the
+    einsums contract over shared K. Scores and the softmax are float32.
+
+    Args:
+        config: Model configuration.
+        dtype: Parameter and compute dtype.
+        rngs: Random streams (`params`).
+
+    References:
+        Vaswani et al., "Attention Is All You Need", 2017; Ainslie et al., "GQA: Training
+        Generalized Multi-Query Transformer Models from Multi-Head Checkpoints", 2023.
+    """
+
+    def __init__(self, config: CausalLMConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        std = config.initializer_range
+        qkv_bias = config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+        self.q_proj = Linear(d, n * h, use_bias=qkv_bias, std=std, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, k * h, use_bias=qkv_bias, std=std, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, k * h, use_bias=qkv_bias, std=std, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(
+            n * h, d, use_bias=config.attention_out_bias, std=std, dtype=dtype, rngs=rngs
+        )
+        if config.qk_norm:
+            self.q_norm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        layer: int = 0,
+        index: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Attends the T new tokens to themselves or to the cached slots.
+
+        Args:
+            x: Normalised hidden states (B, T, D).
+            cos: RoPE cosines (B, T, H/2).
+            sin: RoPE sines (B, T, H/2).
+            mask: Bool (B, T, S): query t may attend to key s. S = T without a cache.
+            kv: None, or the stacked cache `(keys, values)`, each (L, B, S, K, H); the new keys
+                and values are written at `[layer, :, index:index+T]` and attention runs over all
+                S slots.
+            layer: Index of this layer in the stacked cache.
+            index: int32 scalar, first slot to write (with `kv`).
+
+        Returns:
+            `(out, kv)`: the output (B, T, D) and the updated stacked cache (None without one).
+        """
+        b, t, _ = x.shape
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(b, t, n, h)
+        key = self.k_proj(x).reshape(b, t, k, h)
+        value = self.v_proj(x).reshape(b, t, k, h)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            key = self.k_norm(key)
+        q = apply_rope(q, cos, sin)
+        key = apply_rope(key, cos, sin)
+
+        if kv is not None:
+            keys_all, values_all = kv
+            start = (layer, 0, index, 0, 0)
+            keys_all = jax.lax.dynamic_update_slice(
+                keys_all, key[None].astype(keys_all.dtype), start
+            )
+            values_all = jax.lax.dynamic_update_slice(
+                values_all, value[None].astype(values_all.dtype), start
+            )
+            key = keys_all[layer].astype(q.dtype)
+            value = values_all[layer].astype(q.dtype)
+            kv = (keys_all, values_all)
+
+        q = q.reshape(b, t, k, n // k, h)
+        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, key, preferred_element_type=jnp.float32)
+        scores = scores * (h**-0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
+        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, value)
+        return self.o_proj(out.reshape(b, t, n * h)), kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward block `down(silu(gate(x)) * up(x))`.
+
+    Args:
+        config: Model configuration.
+        dtype: Parameter and compute dtype.
+        rngs: Random streams (`params`).
+
+    References:
+        Shazeer, "GLU Variants Improve Transformer", 2020.
+    """
+
+    def __init__(self, config: CausalLMConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        d, f, std = config.hidden_size, config.intermediate_size, config.initializer_range
+        self.gate_proj = Linear(d, f, use_bias=False, std=std, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, f, use_bias=False, std=std, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(f, d, use_bias=False, std=std, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Applies the block.
+
+        Args:
+            x: Array (B, T, D).
+
+        Returns:
+            Array (B, T, D).
+        """
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer: `h = x + attn(attn_norm(x)); y = h + mlp(mlp_norm(h))`.
+
+    Args:
+        config: Model configuration.
+        dtype: Parameter and compute dtype.
+        rngs: Random streams (`params`).
+    """
+
+    def __init__(self, config: CausalLMConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        layer: int = 0,
+        index: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Applies the layer.
+
+        Args:
+            x: Hidden states (B, T, D).
+            cos: RoPE cosines (B, T, H/2).
+            sin: RoPE sines (B, T, H/2).
+            mask: Bool attention mask (B, T, S).
+            kv: Optional stacked cache `(keys, values)`, see `Attention`.
+            layer: Index of this layer in the stacked cache.
+            index: First slot to write (with `kv`).
+
+        Returns:
+            `(y, kv)`: hidden states (B, T, D) and the updated cache (or None).
+        """
+        attn_out, kv = self.attn(self.attn_norm(x), cos, sin, mask, kv, layer, index)
+        h = x + attn_out
+        return h + self.mlp(self.mlp_norm(h)), kv
