@@ -201,14 +201,20 @@ def _check_weights(weights: Sequence[float] | np.ndarray | None, num_funcs: int)
     return w
 
 
-def _check_group_size(group_size: int | None, batch_size: int) -> int:
-    """Returns the normalization group size (the whole batch when ``None``)."""
+def _check_group_size(group_size: int | None, batch_size: int | None) -> int:
+    """Returns the normalization group size (the whole batch when ``None``).
+
+    With ``batch_size=None`` only checks that ``group_size`` is a positive int.
+    """
     if group_size is None:
-        return max(batch_size, 1)
+        return max(batch_size or 0, 1)
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
         msg = f"group_size must be a positive int or None, got {group_size!r}"
         raise TypeError(msg)
-    if group_size <= 0 or batch_size % group_size != 0:
+    if group_size <= 0:
+        msg = f"group_size must be > 0, got {group_size}"
+        raise ValueError(msg)
+    if batch_size is not None and batch_size % group_size != 0:
         msg = (
             f"group_size must be a positive divisor of the batch size {batch_size}, "
             f"got {group_size}"
@@ -308,7 +314,11 @@ def combine_reward_columns(
 
 
 def _as_batch_list(values: Any, field: str) -> list[Any]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+    if (
+        isinstance(values, (str, bytes, Mapping))
+        or not hasattr(values, "__len__")
+        or not hasattr(values, "__iter__")
+    ):
         msg = f"{field} must be a list with one entry per sample, got {type(values).__name__}"
         raise ValueError(msg)
     return list(values)
@@ -548,8 +558,7 @@ class RewardCombiner:
                 raise TypeError(msg)
         _check_mode(mode)
         _check_eps(eps)
-        if group_size is not None:
-            _check_group_size(group_size, group_size)
+        _check_group_size(group_size, None)
         self.weights = _check_weights(weights, len(self.funcs))
         self.mode = mode
         self.group_size = group_size
@@ -615,7 +624,9 @@ _TIMES_TEN_RE = re.compile(r"(.+)\\(?:times|cdot)10\^(?:\{([+-]?[0-9]+)\}|([0-9]
 _TEXT_UNIT_RE = re.compile(
     r"^(.*?[0-9}.])\s*\\(?:text|textrm|mbox|mathrm)\{\s*[A-Za-z][A-Za-z\s.]*\}\s*$"
 )
-_TEXT_WRAP_RE = re.compile(r"\\(?:text|textrm|textbf|textit|mbox|mathrm|mathbf)\{([^{}]*)\}")
+_TEXT_WRAP_RE = re.compile(
+    r"\\(?:text|textrm|textbf|textit|mbox|mathrm|mathbf|boxed|fbox)\{([^{}]*)\}"
+)
 _LEFT_RIGHT_RE = re.compile(r"\\(?:left|right)(?![A-Za-z])")
 _WIDE_SPACE_RE = re.compile(r"\\(?:qquad|quad)(?![A-Za-z])|\\[;: ]|~")
 _DEGREES_RE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
@@ -625,7 +636,7 @@ _CLOSING = {"(": ")", "[": "]", "{": "}"}
 
 
 def _match_brace(text: str, start: int, limit: int | None = None) -> int | None:
-    """Index of the ``}`` closing the ``{`` at ``start`` (``\\{``/``\\}`` escaped), else None."""
+    r"""Index of the ``}`` closing the ``{`` at ``start`` (``\{``/``\}`` escaped), else None."""
     depth = 0
     end = len(text) if limit is None else min(len(text), start + limit)
     i = start
@@ -645,7 +656,7 @@ def _match_brace(text: str, start: int, limit: int | None = None) -> int | None:
 
 
 def _last_boxed(text: str) -> tuple[int, str] | None:
-    """Start and content of the last well-formed, non-empty ``\\boxed``/``\\fbox``."""
+    r"""Start and content of the last well-formed, non-empty ``\boxed``/``\fbox``."""
     for match in reversed(list(_BOXED_RE.finditer(text))):
         i = match.end()
         while i < len(text) and text[i] in " \t":
@@ -685,15 +696,15 @@ def _last_answer_tag(text: str) -> tuple[int, str] | None:
 
 
 def extract_answer(text: str, *, last_number_fallback: bool = False) -> str | None:
-    """Extracts the final answer from a solution or completion.
+    r"""Extracts the final answer from a solution or completion.
 
-    Three markers are recognized; the one that starts last in the text wins (so a ``\\boxed``
+    Three markers are recognized; the one that starts last in the text wins (so a ``\boxed``
     inside an ``<answer>`` block wins over the block, and the last of several boxes wins):
 
-    - LaTeX ``\\boxed{...}`` / ``\\fbox{...}`` with nested braces, or the brace-less
-      ``\\boxed 5`` form (the next whitespace-free token). Unclosed boxes are skipped.
+    - LaTeX ``\boxed{...}`` / ``\fbox{...}`` with nested braces, or the brace-less
+      ``\boxed 5`` form (the next whitespace-free token). Unclosed boxes are skipped.
     - GSM8K ``#### 42``: the rest of the line, which must start like a number (a digit, sign,
-      ``$``, ``\\``, ``(`` or ``.``), so a Markdown heading ``#### Step 2`` is not an answer.
+      ``$``, ``\``, ``(`` or ``.``), so a Markdown heading ``#### Step 2`` is not an answer.
     - ``<answer>...</answer>`` (the R1-style format): the last complete block's content.
 
     When no marker is found, ``last_number_fallback=True`` returns the last number in the text
@@ -732,11 +743,11 @@ def extract_answer(text: str, *, last_number_fallback: bool = False) -> str | No
 
 
 def _clean(answer: str) -> str:
-    """Removes LaTeX presentation and units so that equal answers are written alike.
+    r"""Removes LaTeX presentation and units so that equal answers are written alike.
 
-    Drops ``\\left``/``\\right``, spacing commands, ``$``, ``%``, degree marks, a leading
-    ``x =``, a trailing period, a trailing ``\\text{unit}`` after a number (the MATH
-    convention), unwraps ``\\text{...}``, maps ``\\dfrac``/``\\tfrac`` to ``\\frac``, the
+    Drops ``\left``/``\right``, spacing commands, ``$``, ``%``, degree marks, a leading
+    ``x =``, a trailing period, a trailing ``\text{unit}`` after a number (the MATH
+    convention), unwraps ``\text{...}``, maps ``\dfrac``/``\tfrac`` to ``\frac``, the
     unicode minus to ``-`` and ``{,}`` to ``,``, and removes whitespace except between digits.
     """
     s = answer.strip().replace("\u2212", "-")
@@ -816,7 +827,6 @@ def _parse_number(s: str, depth: int = 0) -> Fraction | None:
                     break
         if close == len(s) - 1:
             return _parse_number(s[1:-1], depth + 1)
-        return None
     if s[0] in "+-":
         if len(s) > 1 and s[1] in "+-":
             return None
@@ -851,21 +861,21 @@ def _parse_number(s: str, depth: int = 0) -> Fraction | None:
 
 
 def normalize_number(answer: str) -> Fraction | None:
-    """Parses an answer string into an exact rational number.
+    r"""Parses an answer string into an exact rational number.
 
     Accepted forms (after removing LaTeX presentation, see below): integers and decimals
-    (``72``, ``72.``, ``5.00``, ``.5``), scientific notation (``1.5e3``, ``1.5\\times10^{3}``),
+    (``72``, ``72.``, ``5.00``, ``.5``), scientific notation (``1.5e3``, ``1.5\times10^{3}``),
     thousands separators in groups of exactly three (``1,234,567.5``; ``1,2`` is *not* a
-    number), fractions ``a/b``, ``\\frac{a}{b}``, ``\\dfrac``, ``\\tfrac``, ``\\frac12`` (also
+    number), fractions ``a/b``, ``\frac{a}{b}``, ``\dfrac``, ``\tfrac``, ``\frac12`` (also
     nested), a sign (``-``, ``+``, the unicode minus ``−``) and enclosing parentheses.
 
-    Removed before parsing: ``$`` and ``\\$``, ``%`` and ``\\%`` (the number is kept, not divided
-    by 100), ``^\\circ``/``°``, ``\\left``/``\\right``, LaTeX spacing (``\\,`` ``\\!`` ``\\;``
-    ``\\quad`` ``~``), ``{,}``, a trailing ``\\text{unit}`` after a number (``5\\text{ cm}``),
-    ``\\text{...}`` wrappers, a leading single-letter ``x =``, a trailing period, and
+    Removed before parsing: ``$`` and ``\$``, ``%`` and ``\%`` (the number is kept, not divided
+    by 100), ``^\circ``/``°``, ``\left``/``\right``, LaTeX spacing (``\,`` ``\!`` ``\;``
+    ``\quad`` ``~``), ``{,}``, a trailing ``\text{unit}`` after a number (``5\text{ cm}``),
+    ``\text{...}`` wrappers, a leading single-letter ``x =``, a trailing period, and
     whitespace (except between two digits: ``1 2`` is not ``12``). Plain unit words are *not*
     removed (``18 dollars`` is not a number): that would also turn ``3 million`` into ``3``.
-    Mixed numbers (``2\\frac{1}{2}``), irrational forms (``\\sqrt2``, ``\\pi``), division by zero,
+    Mixed numbers (``2\frac{1}{2}``), irrational forms (``\sqrt2``, ``\pi``), division by zero,
     exponents beyond ±400 and answers longer than 512 characters give ``None``.
 
     Args:
@@ -890,13 +900,13 @@ def _normalize_text(answer: str) -> str:
 
 
 def answers_equal(a: str, b: str) -> bool:
-    """Whether two extracted answers are the same.
+    r"""Whether two extracted answers are the same.
 
     If both parse as numbers (:func:`normalize_number`) they are compared exactly as
-    rationals, with no float tolerance (``0.75 == 3/4 == \\frac{3}{4}``, ``0.333 != 1/3``). If
+    rationals, with no float tolerance (``0.75 == 3/4 == \frac{3}{4}``, ``0.333 != 1/3``). If
     exactly one parses, they differ. Otherwise the answers are compared as text after the same
-    LaTeX clean-up with all whitespace removed (``\\text{Monday}`` equals ``Monday``,
-    ``\\left( 1, 2 \\right)`` equals ``(1,2)``); empty answers never match. The relation is
+    LaTeX clean-up with all whitespace removed (``\text{Monday}`` equals ``Monday``,
+    ``\left( 1, 2 \right)`` equals ``(1,2)``); empty answers never match. The relation is
     symmetric.
 
     Args:
@@ -973,11 +983,11 @@ def math_answer_reward(
     last_number_fallback: bool = False,
     name: str = "math_answer_reward",
 ) -> RewardFunction:
-    """Final-answer correctness reward for math problems (GSM8K, MATH).
+    r"""Final-answer correctness reward for math problems (GSM8K, MATH).
 
     For each row the reference is read from ``columns[answer_column]``: a full GSM8K solution
     (``... #### 72``), a bare or boxed answer, or a number. The completion's answer is found by
-    :func:`extract_answer` (``\\boxed{}``, ``####`` or ``<answer>`` tags; the last number only
+    :func:`extract_answer` (``\boxed{}``, ``####`` or ``<answer>`` tags; the last number only
     with ``last_number_fallback``) and compared with :func:`answers_equal` (exact rationals,
     else cleaned text):
 
@@ -985,7 +995,7 @@ def math_answer_reward(
         ``R = incorrect_reward otherwise (including when the completion has no answer)``
 
     The reward is ``None`` ("no reward") only when the reference itself is missing: ``None``,
-    NaN or empty. A non-numeric reference (``\\text{Monday}``) is still graded as text.
+    NaN or empty. A non-numeric reference (``\text{Monday}``) is still graded as text.
 
     Args:
         answer_column: name of the dataset column with the reference answers.
