@@ -607,13 +607,12 @@ class RewardCombiner:
 # --------------------------------------------------------------------------------------------
 
 _MAX_ANSWER_CHARS = 512  # longer "answers" are compared as text only
-_MAX_BOXED_CHARS = 2000  # how far a \boxed{ scans for its closing brace
 _MAX_EXPONENT = 400  # |k| in 1e{k} or \times 10^{k}
 _MAX_DEPTH = 8
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _BOXED_TOKEN_RE = re.compile(r"[^\s$]+")
-_HASH_RE = re.compile(r"####[ \t]*([-+\u2212$\\(.0-9][^\n]*)")
+_HASH_RE = re.compile(r"####[ \t]*([-+\u2212$\\(.*0-9][^\n]*)")
 _NUMBER_IN_TEXT_RE = re.compile(
     r"(?:(?<![0-9A-Za-z])[-+\u2212])?"
     r"(?:(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:/[0-9]+(?:\.[0-9]+)?)?|\.[0-9]+)"
@@ -635,12 +634,11 @@ _SPACES_NOT_BETWEEN_DIGITS_RE = re.compile(r"(?<![0-9])\s+|\s+(?![0-9])")
 _CLOSING = {"(": ")", "[": "]", "{": "}"}
 
 
-def _match_brace(text: str, start: int, limit: int | None = None) -> int | None:
+def _match_brace(text: str, start: int) -> int | None:
     r"""Index of the ``}`` closing the ``{`` at ``start`` (``\{``/``\}`` escaped), else None."""
     depth = 0
-    end = len(text) if limit is None else min(len(text), start + limit)
     i = start
-    while i < end:
+    while i < len(text):
         char = text[i]
         if char == "\\":
             i += 2
@@ -655,14 +653,34 @@ def _match_brace(text: str, start: int, limit: int | None = None) -> int | None:
     return None
 
 
+def _brace_pairs(text: str, start: int) -> dict[int, int]:
+    r"""Maps each ``{`` at or after ``start`` to its closing ``}`` (one pass, escapes skipped)."""
+    pairs: dict[int, int] = {}
+    stack: list[int] = []
+    i = start
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2
+            continue
+        if char == "{":
+            stack.append(i)
+        elif char == "}" and stack:
+            pairs[stack.pop()] = i
+        i += 1
+    return pairs
+
+
 def _last_boxed(text: str) -> tuple[int, str] | None:
     r"""Start and content of the last well-formed, non-empty ``\boxed``/``\fbox``."""
-    for match in reversed(list(_BOXED_RE.finditer(text))):
+    matches = list(_BOXED_RE.finditer(text))
+    pairs = _brace_pairs(text, matches[0].start()) if matches else {}
+    for match in reversed(matches):
         i = match.end()
         while i < len(text) and text[i] in " \t":
             i += 1
         if i < len(text) and text[i] == "{":
-            close = _match_brace(text, i, _MAX_BOXED_CHARS)
+            close = pairs.get(i)
             if close is None:
                 continue
             content = text[i + 1 : close].strip()
@@ -704,7 +722,8 @@ def extract_answer(text: str, *, last_number_fallback: bool = False) -> str | No
     - LaTeX ``\boxed{...}`` / ``\fbox{...}`` with nested braces, or the brace-less
       ``\boxed 5`` form (the next whitespace-free token). Unclosed boxes are skipped.
     - GSM8K ``#### 42``: the rest of the line, which must start like a number (a digit, sign,
-      ``$``, ``\``, ``(`` or ``.``), so a Markdown heading ``#### Step 2`` is not an answer.
+      ``$``, ``\``, ``(``, ``.`` or Markdown bold ``**``), so a Markdown heading
+      ``#### Step 2`` is not an answer.
     - ``<answer>...</answer>`` (the R1-style format): the last complete block's content.
 
     When no marker is found, ``last_number_fallback=True`` returns the last number in the text
@@ -746,7 +765,7 @@ def _clean(answer: str) -> str:
     r"""Removes LaTeX presentation and units so that equal answers are written alike.
 
     Drops ``\left``/``\right``, spacing commands, ``$``, ``%``, degree marks, a leading
-    ``x =``, a trailing period, a trailing ``\text{unit}`` after a number (the MATH
+    ``x =``, Markdown bold, a trailing period, a trailing ``\text{unit}`` after a number (the MATH
     convention), unwraps ``\text{...}``, maps ``\dfrac``/``\tfrac`` to ``\frac``, the
     unicode minus to ``-`` and ``{,}`` to ``,``, and removes whitespace except between digits.
     """
@@ -766,7 +785,7 @@ def _clean(answer: str) -> str:
         if unwrapped == s:
             break
         s = unwrapped
-    s = s.strip().rstrip(".").strip()
+    s = s.strip().strip("*").strip().rstrip(".").strip()
     s = _VARIABLE_RE.sub("", s)
     return _SPACES_NOT_BETWEEN_DIGITS_RE.sub("", s)
 
@@ -872,9 +891,10 @@ def normalize_number(answer: str) -> Fraction | None:
     Removed before parsing: ``$`` and ``\$``, ``%`` and ``\%`` (the number is kept, not divided
     by 100), ``^\circ``/``°``, ``\left``/``\right``, LaTeX spacing (``\,`` ``\!`` ``\;``
     ``\quad`` ``~``), ``{,}``, a trailing ``\text{unit}`` after a number (``5\text{ cm}``),
-    ``\text{...}`` wrappers, a leading single-letter ``x =``, a trailing period, and
-    whitespace (except between two digits: ``1 2`` is not ``12``). Plain unit words are *not*
-    removed (``18 dollars`` is not a number): that would also turn ``3 million`` into ``3``.
+    ``\text{...}`` wrappers, Markdown bold ``**``, a leading single-letter ``x =``, a trailing
+    period, and whitespace (except between two digits: ``1 2`` is not ``12``). Plain unit words
+    are *not* removed (``18 dollars`` is not a number): that would also turn ``3 million`` into
+    ``3``.
     Mixed numbers (``2\frac{1}{2}``), irrational forms (``\sqrt2``, ``\pi``), division by zero,
     exponents beyond ±400 and answers longer than 512 characters give ``None``.
 

@@ -51,6 +51,7 @@ EXTRACTION_CASES = [
     ("####72", "72"),
     ("So the total is 5.\n#### 5\n\nI hope that helps.", "5"),
     ("#### 5</answer>", "5"),
+    ("#### **72**", "**72**"),
     ("#### 1\nmore work\n#### 2", "2"),
     # LaTeX boxed
     ("The answer is $\\boxed{42}$.", "42"),
@@ -173,6 +174,7 @@ NUMBER_CASES = [
     ("x = 5", Fraction(5)),
     ("\\boxed{6}", Fraction(6)),
     ("  42  ", Fraction(42)),
+    ("**72**", Fraction(72)),
     # not numbers
     ("1,2", None),
     ("1,00", None),
@@ -393,6 +395,8 @@ MATH_REWARD_CASES = [
     ("\\boxed{\\text{(B)}}", "(B)", 1.0),
     ("\\boxed{1}\\boxed{2}", "2", 1.0),
     ("\\boxed{1}\\boxed{2}", "1", 0.0),
+    ("The answer is **18**.\n#### **18**", "18", 1.0),
+    ("<answer>**18 dollars**</answer>", "18", 0.0),
 ]
 
 
