@@ -307,6 +307,21 @@ def _is_lora_only(model: nnx.Module, wrt: Any) -> bool:
     )
 
 
+def _unshare_buffers(reference: nnx.Module, model: nnx.Module) -> None:
+    """Gives ``reference`` its own copy of any array it shares with ``model``.
+
+    ``nnx.clone`` shares arrays; the trainer donates the model's buffers to the compiled step,
+    which would delete a reference that still points at them.
+    """
+    model_ids = {id(x) for x in jax.tree.leaves(nnx.state(model))}
+    state = nnx.state(reference)
+    if any(id(x) in model_ids for x in jax.tree.leaves(state)):
+        nnx.update(
+            reference,
+            jax.tree.map(lambda x: jnp.array(x, copy=True) if id(x) in model_ids else x, state),
+        )
+
+
 class GRPOTrainer:
     """Applies GRPO updates to an NNX policy through an ``nnx.Optimizer``.
 
@@ -321,6 +336,11 @@ class GRPOTrainer:
     ``wrt=nnx.LoRAParam``, the same model with its adapters zeroed (the base weights exist
     once). Without any of these the KL term is 0 and a warning says so (the seed API documents
     the KL penalty as enabled by providing ``ref_log_probs``).
+
+    The step donates the model's and optimizer's buffers (so parameters and optimizer state
+    exist once in memory): arrays taken out of the model before a step are invalid after it;
+    copy them (``jnp.copy``) to keep them. A ``reference_model`` sharing arrays with the policy
+    (``nnx.clone``) gets its own copies when the trainer is built.
 
     Example::
 
@@ -377,6 +397,8 @@ class GRPOTrainer:
         self._graphdef = nnx.graphdef(model)
         self._opt_graphdef = nnx.graphdef(optimizer)
         self._ref_graphdef = None if reference_model is None else nnx.graphdef(reference_model)
+        if reference_model is not None:
+            _unshare_buffers(reference_model, model)
         self._step_fn = jax.jit(self._step, donate_argnums=(0, 1))
         self.grpo_loss = make_grpo_loss(model, config, wrt=self.wrt, log_prob_fn=self.log_prob_fn)
 
@@ -420,6 +442,10 @@ class GRPOTrainer:
     ) -> tuple[nnx.State, nnx.State, dict[str, jax.Array], jax.Array]:
         self._num_traces += 1
         config = self.config
+        # Leaves captured before merging: merge shares Variables with the state, and the update
+        # below mutates them in place.
+        old_model_leaves = jax.tree.leaves(model_state)
+        old_opt_leaves = jax.tree.leaves(opt_state)
         model = nnx.merge(self._graphdef, model_state)
         optimizer = nnx.merge(self._opt_graphdef, opt_state)
         graphdef, trainable, frozen = nnx.split(model, self.wrt, ...)
@@ -442,20 +468,20 @@ class GRPOTrainer:
             return grpo_objective(log_probs, entropy, batch, config)
 
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         if config.max_grad_norm is not None:
             scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         optimizer.update(model, grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        new_model_state = nnx.state(model)
-        new_opt_state = nnx.state(optimizer)
 
-        def keep(new: jax.Array, old: jax.Array) -> jax.Array:
-            return jnp.where(ok, new, old)
+        def keep(new_state: nnx.State, old_leaves: list[jax.Array]) -> nnx.State:
+            leaves, treedef = jax.tree.flatten(new_state)
+            kept = [jnp.where(ok, n, o) for n, o in zip(leaves, old_leaves, strict=True)]
+            return jax.tree.unflatten(treedef, kept)
 
-        new_model_state = jax.tree.map(keep, new_model_state, model_state)
-        new_opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        new_model_state = keep(nnx.state(model), old_model_leaves)
+        new_opt_state = keep(nnx.state(optimizer), old_opt_leaves)
         metrics = dict(metrics, grad_norm=grad_norm.astype(jnp.float32))
         return new_model_state, new_opt_state, metrics, ok
 
