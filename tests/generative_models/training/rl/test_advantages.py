@@ -50,10 +50,7 @@ def fixed_groups(b, g):
 
 
 def random_rewards(rng, b, *, nan_frac=0.15, discrete=True):
-    if discrete:
-        r = rng.choice([0.0, 0.5, 1.0, 2.0], size=b)
-    else:
-        r = rng.normal(size=b) * 3 + 1
+    r = rng.choice([0.0, 0.5, 1.0, 2.0], size=b) if discrete else rng.normal(size=b) * 3 + 1
     r[rng.random(b) < nan_frac] = np.nan
     return r.astype(np.float32)
 

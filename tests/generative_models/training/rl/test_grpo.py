@@ -492,7 +492,7 @@ def test_row_without_valid_tokens_keeps_loss_finite():
 def test_infinite_reward_is_an_error():
     batch = seed_batch()
     batch["rewards"] = batch["rewards"].at[3].set(jnp.inf)
-    with pytest.raises(ValueError, match="rewards must be finite or NaN.*row 3"):
+    with pytest.raises(ValueError, match=r"rewards must be finite or NaN.*row 3"):
         make_trainer().train_step(batch)
 
 
