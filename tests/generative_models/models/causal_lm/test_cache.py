@@ -1,0 +1,80 @@
+"""Tests for artifex/generative_models/models/causal_lm/cache.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from artifex.generative_models.models.causal_lm import KVCache
+
+
+def _cache(b=2, s=5):
+    return KVCache.create(num_layers=3, batch_size=b, max_length=s, num_kv_heads=2, head_dim=4)
+
+
+def test_create_shapes_and_dtypes():
+    c = _cache()
+    assert c.keys.shape == c.values.shape == (3, 2, 5, 2, 4)
+    assert c.valid.shape == (2, 5) and c.valid.dtype == jnp.bool_ and not bool(c.valid.any())
+    assert c.index.shape == () and c.index.dtype == jnp.int32 and int(c.index) == 0
+    assert (c.num_layers, c.batch_size, c.max_length) == (3, 2, 5)
+    bf = KVCache.create(
+        num_layers=1, batch_size=1, max_length=2, num_kv_heads=1, head_dim=2, dtype=jnp.bfloat16
+    )
+    assert bf.keys.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "name", ["num_layers", "batch_size", "max_length", "num_kv_heads", "head_dim"]
+)
+def test_create_validates(name):
+    kwargs = {"num_layers": 1, "batch_size": 1, "max_length": 1, "num_kv_heads": 1, "head_dim": 2}
+    kwargs[name] = 0
+    with pytest.raises(ValueError, match=name):
+        KVCache.create(**kwargs)
+
+
+def test_is_pytree_with_four_leaves():
+    c = _cache()
+    leaves, treedef = jax.tree.flatten(c)
+    assert len(leaves) == 4
+    again = jax.tree.unflatten(treedef, leaves)
+    assert isinstance(again, KVCache)
+
+
+def test_repeat_rows_consecutively():
+    rng = np.random.default_rng(0)
+    c = _cache(b=3).replace(
+        keys=jnp.asarray(rng.normal(size=(3, 3, 5, 2, 4)), jnp.float32),
+        values=jnp.asarray(rng.normal(size=(3, 3, 5, 2, 4)), jnp.float32),
+        valid=jnp.asarray(rng.random((3, 5)) > 0.5),
+        index=jnp.int32(4),
+    )
+    r = c.repeat(2)
+    assert r.keys.shape == (3, 6, 5, 2, 4) and r.valid.shape == (6, 5) and int(r.index) == 4
+    for row in range(6):
+        np.testing.assert_array_equal(np.asarray(r.keys[:, row]), np.asarray(c.keys[:, row // 2]))
+        np.testing.assert_array_equal(
+            np.asarray(r.values[:, row]), np.asarray(c.values[:, row // 2])
+        )
+        np.testing.assert_array_equal(np.asarray(r.valid[row]), np.asarray(c.valid[row // 2]))
+    assert c.repeat(1) is c
+    with pytest.raises(ValueError, match="k must be"):
+        c.repeat(0)
+
+
+def test_carried_through_while_loop():
+    c = _cache()
+
+    def body(carry):
+        cache = carry
+        keys = jax.lax.dynamic_update_slice(
+            cache.keys, jnp.ones((3, 2, 1, 2, 4)), (0, 0, cache.index, 0, 0)
+        )
+        return cache.replace(keys=keys, index=cache.index + 1)
+
+    out = jax.jit(lambda c: jax.lax.while_loop(lambda x: x.index < 3, body, c))(c)
+    assert int(out.index) == 3
+    np.testing.assert_array_equal(np.asarray(out.keys[0, 0, :, 0, 0]), [1, 1, 1, 0, 0])
