@@ -1,0 +1,86 @@
+"""Shared helpers for the benchmarks: timing, FLOP counts, the machine's matmul peak."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def block(x: Any) -> Any:
+    """Waits for every array in ``x``."""
+    return jax.block_until_ready(x)
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 5) -> dict[str, float]:
+    """Median/min wall time of ``fn()`` (which must block) after ``warmup`` calls."""
+    for _ in range(warmup):
+        block(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block(fn())
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "repeats": repeats}
+
+
+def compiled_flops(jitted: Any, *args: Any, **kwargs: Any) -> float:
+    """FLOPs of one call according to XLA's cost analysis of the compiled function."""
+    compiled = jitted.lower(*args, **kwargs).compile()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0]
+    return float(cost.get("flops", float("nan")))
+
+
+def compiled_memory(jitted: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
+    """XLA memory analysis of the compiled function (bytes)."""
+    mem = jitted.lower(*args, **kwargs).compile().memory_analysis()
+    return {
+        "temp_bytes": float(mem.temp_size_in_bytes),
+        "argument_bytes": float(mem.argument_size_in_bytes),
+        "output_bytes": float(mem.output_size_in_bytes),
+        "alias_bytes": float(mem.alias_size_in_bytes),
+    }
+
+
+def matmul_peak(n: int = 2048, dtype: Any = jnp.float32, repeats: int = 5) -> float:
+    """Achieved FLOP/s of a square ``n x n`` matmul: the machine's practical peak."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    t = time_fn(lambda: f(a, b), warmup=2, repeats=repeats)["min_s"]
+    return 2 * n**3 / t
+
+
+def machine() -> str:
+    """One line describing this machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    dev = jax.devices()[0]
+    return (
+        f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__} on {dev.platform} "
+        f"({dev.device_kind})"
+    )
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable bytes."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,85 @@
+"""Benchmark workloads, built the same way in every benchmark and in the docs.
+
+W1 (the project's speed yardstick): a Qwen2-shaped policy (vocab 4096, hidden 256, 4 layers,
+4 query / 2 kv heads, MLP 768, tied embeddings, fp32), 8 prompts x 4 generations, prompt 32 and
+completion 96 tokens (no early stop), beta 0.04 so a reference runs, one update per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl import GRPOBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Shapes of a GRPO step."""
+
+    name: str
+    model: CausalLMConfig
+    num_prompts: int
+    num_generations: int
+    prompt_length: int
+    completion_length: int
+    beta: float
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_prompts * self.num_generations
+
+
+W1 = Workload(
+    name="W1",
+    model=CausalLMConfig.qwen2_w1(),
+    num_prompts=8,
+    num_generations=4,
+    prompt_length=32,
+    completion_length=96,
+    beta=0.04,
+)
+
+
+def frozen_copy(model: nnx.Module) -> nnx.Module:
+    """A copy of ``model`` with its own buffers."""
+    copy = nnx.clone(model)
+    nnx.update(copy, jax.tree.map(lambda x: jnp.array(x, copy=True), nnx.state(copy)))
+    return copy
+
+
+def build_trainer(w: Workload, *, seed: int = 0, lr: float = 1e-5) -> GRPOTrainer:
+    """Policy, AdamW optimizer, frozen reference (when beta > 0) and trainer for ``w``."""
+    model = CausalLM(w.model, rngs=nnx.Rngs(seed))
+    optimizer = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
+    reference = frozen_copy(model) if w.beta > 0 else None
+    config = GRPOConfig(num_generations=w.num_generations, beta=w.beta)
+    return GRPOTrainer(model, optimizer, config, reference_model=reference)
+
+
+def random_batch(w: Workload, *, seed: int = 0, with_old_log_probs: bool = False) -> GRPOBatch:
+    """A GRPOBatch of ``w``'s shapes with random tokens, left-padded prompts, full completions."""
+    k = jax.random.split(jax.random.key(seed), 4)
+    b, p, t, v = w.batch_size, w.prompt_length, w.completion_length, w.model.vocab_size
+    prompt_lens = jax.random.randint(k[0], (w.num_prompts,), p // 2, p + 1)
+    prompt_lens = jnp.repeat(prompt_lens, w.num_generations)
+    prompt_mask = (jnp.arange(p)[None, :] >= (p - prompt_lens)[:, None]).astype(jnp.int32)
+    prompt_ids = jax.random.randint(k[1], (b, p), 1, v) * prompt_mask
+    completion_ids = jax.random.randint(k[2], (b, t), 1, v)
+    return GRPOBatch(
+        prompt_ids=prompt_ids.astype(jnp.int32),
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids.astype(jnp.int32),
+        completion_mask=jnp.ones((b, t), jnp.int32),
+        rewards=jax.random.bernoulli(k[3], 0.5, (b,)).astype(jnp.float32),
+        old_log_probs=(
+            jnp.full((b, t), -8.0, jnp.float32) if with_old_log_probs else None
+        ),
+        group_size=w.num_generations,
+    )
