@@ -1,0 +1,277 @@
+"""MkDocs hook: generates the API reference, one page per public module.
+
+A module is public when it defines ``__all__``. The package is read statically (``ast``, nothing
+is imported), so a new module with an ``__all__`` gets its page without editing the docs. Each
+page renders the names the module defines with a mkdocstrings ``:::`` directive, and lists the
+names it re-exports with links to the page of the module that defines them.
+
+``tests/test_docs.py`` imports this file to check that every public name is rendered.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+PACKAGE = "artifex"
+API_DIR = "api"
+ROOT = Path(__file__).resolve().parents[2]
+
+_ROLE_RE = re.compile(r":(?:py:)?[a-z]+:`~?([^`]+)`")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleInfo:
+    """What the API reference needs to know about one public module.
+
+    Attributes:
+        name: Dotted module name.
+        docstring: The module docstring ("" when there is none).
+        public: The names in ``__all__``, in order.
+        local: The public names the module defines itself (rendered on its page).
+        reexported: Public name -> dotted path of the object it imports (rendered elsewhere).
+        summaries: Public name -> first line of the name's docstring, for defined names.
+    """
+
+    name: str
+    docstring: str
+    public: tuple[str, ...]
+    local: tuple[str, ...]
+    reexported: dict[str, str]
+    summaries: dict[str, str]
+
+    @property
+    def page(self) -> str:
+        """Path of the module's page, relative to the docs directory."""
+        return f"{API_DIR}/{self.name}.md"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _dunder_all(tree: ast.Module) -> tuple[str, ...] | None:
+    for node in tree.body:
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return tuple(ast.literal_eval(value))
+    return None
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _summary(docstring: str | None) -> str:
+    if not docstring:
+        return ""
+    line = docstring.strip().splitlines()[0].strip()
+    return _ROLE_RE.sub(lambda m: f"``{m.group(1).split('.')[-1]}``", line)
+
+
+def _scan(path: Path, root: Path) -> tuple[str, ast.Module]:
+    return _module_name(path, root), ast.parse(path.read_text(encoding="utf-8"))
+
+
+def public_modules(root: Path = ROOT) -> list[ModuleInfo]:
+    """Every module of the package that defines ``__all__``, sorted by name.
+
+    Args:
+        root: Directory that holds the package directory.
+
+    Returns:
+        One :class:`ModuleInfo` per public module.
+    """
+    trees = {}
+    packages = set()
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        name, tree = _scan(path, root)
+        trees[name] = tree
+        if path.name == "__init__.py":
+            packages.add(name)
+
+    defined: dict[str, dict[str, str]] = {}  # module -> defined name -> docstring summary
+    imported: dict[str, dict[str, str]] = {}  # module -> bound name -> source "mod.name"
+    for name, tree in trees.items():
+        defs: dict[str, str] = {}
+        imps: dict[str, str] = {}
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                defs[node.name] = _summary(ast.get_docstring(node))
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        defs[target.id] = ""
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                defs[node.target.id] = ""
+            elif isinstance(node, ast.ImportFrom):
+                source = _absolute(name, name in packages, node)
+                for alias in node.names:
+                    imps[alias.asname or alias.name] = f"{source}.{alias.name}"
+        defined[name], imported[name] = defs, imps
+
+    def canonical(path: str, depth: int = 0) -> str:
+        module, _, attr = path.rpartition(".")
+        if depth < 10 and module in trees and attr not in defined[module]:
+            source = imported[module].get(attr)
+            if source is not None:
+                return canonical(source, depth + 1)
+        return path
+
+    modules = []
+    for name, tree in sorted(trees.items()):
+        public = _dunder_all(tree)
+        if public is None:
+            continue
+        local = tuple(n for n in public if n in defined[name])
+        reexported = {
+            n: canonical(imported[name][n])
+            for n in public
+            if n not in local and n in imported[name]
+        }
+        summaries = {n: defined[name][n] for n in local}
+        for n, target in reexported.items():
+            module, _, attr = target.rpartition(".")
+            summaries[n] = defined.get(module, {}).get(attr, "")
+        modules.append(
+            ModuleInfo(
+                name=name,
+                docstring=ast.get_docstring(tree) or "",
+                public=public,
+                local=local,
+                reexported=reexported,
+                summaries=summaries,
+            )
+        )
+    return modules
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", r"\|")
+
+
+def module_page(info: ModuleInfo) -> str:
+    """The Markdown of one module's API page.
+
+    Args:
+        info: The module.
+
+    Returns:
+        Markdown with a ``:::`` directive for the names the module defines and a table of the
+        names it re-exports.
+    """
+    lines = [f"::: {info.name}", "    options:", "      heading_level: 1"]
+    if len(info.local) != len(info.public):
+        members = "[" + ", ".join(info.local) + "]" if info.local else "false"
+        lines.append(f"      members: {members}")
+    if info.reexported:
+        lines += [
+            "",
+            "## Re-exported names",
+            "",
+            f"`{info.name}` re-exports these names; each is documented with the module that "
+            "defines it.",
+            "",
+            "| Name | Defined in | Summary |",
+            "|---|---|---|",
+        ]
+        for n, target in info.reexported.items():
+            module = target.rpartition(".")[0]
+            lines.append(
+                f"| [`{n}`][{target}] | [`{module}`][{module}] | {_cell(info.summaries[n])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def index_page(modules: list[ModuleInfo]) -> str:
+    """The Markdown of the API reference's overview page.
+
+    Args:
+        modules: The public modules.
+
+    Returns:
+        Markdown listing every public module with the first line of its docstring.
+    """
+    lines = [
+        "# API reference",
+        "",
+        "Generated from the docstrings: one page for every module that declares `__all__`. "
+        "Packages re-export the names of their modules; the entry point is "
+        "`from artifex.generative_models.training import GRPOConfig, GRPOTrainer`.",
+        "",
+        "| Module | Summary |",
+        "|---|---|",
+    ]
+    for info in modules:
+        lines.append(f"| [`{info.name}`]({info.name}.md) | {_cell(_summary(info.docstring))} |")
+    return "\n".join(lines) + "\n"
+
+
+def api_pages(root: Path = ROOT) -> dict[str, str]:
+    """All generated pages.
+
+    Args:
+        root: Directory that holds the package directory.
+
+    Returns:
+        Page path (relative to the docs directory) -> Markdown.
+    """
+    modules = public_modules(root)
+    pages = {f"{API_DIR}/index.md": index_page(modules)}
+    pages.update({info.page: module_page(info) for info in modules})
+    return pages
+
+
+def _nav_title(name: str) -> str:
+    return name.removeprefix("artifex.generative_models.") if name.count(".") > 1 else name
+
+
+# ---------------------------------------------------------------------------- MkDocs events
+def on_config(config: Any) -> Any:
+    """Appends the generated pages to the navigation under "API reference".
+
+    Args:
+        config: The MkDocs config.
+
+    Returns:
+        The config.
+    """
+    entries: list[Any] = [{"Overview": f"{API_DIR}/index.md"}]
+    entries += [{_nav_title(m.name): m.page} for m in public_modules()]
+    nav = config["nav"]
+    if nav is not None:
+        nav[:] = [item for item in nav if "API reference" not in item]
+        nav.append({"API reference": entries})
+    return config
+
+
+def on_files(files: Any, config: Any) -> Any:
+    """Adds the generated pages to the build.
+
+    Args:
+        files: The documentation files.
+        config: The MkDocs config.
+
+    Returns:
+        The files, with one page per public module and an overview.
+    """
+    from mkdocs.structure.files import File
+
+    for path, text in api_pages().items():
+        files.append(File.generated(config, path, content=text))
+    return files

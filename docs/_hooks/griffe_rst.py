@@ -1,0 +1,119 @@
+"""Griffe extension: renders the reST bits of the library's docstrings in Markdown.
+
+The docstrings are Google style with a few reStructuredText constructs that Markdown does not
+know. When the package has been loaded, this extension rewrites, in every docstring:
+
+- ``.. math::`` blocks into ``$$ ... $$`` blocks (typeset by MathJax through arithmatex);
+- ``:func:`name```, ``:class:`~pkg.mod.Name``` and the other Python roles into links to the
+  object's API entry (``~`` shows the last component only). Names are resolved like Python
+  would, from the object's class and module; a link whose target is not rendered anywhere falls
+  back to plain code, so this never breaks a strict build.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import griffe
+
+_ROLE_RE = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|data|obj|exc|const):`(~?)([^`]+)`")
+_MATH_RE = re.compile(r"^(?P<indent>[ \t]*)\.\. math::[ \t]*$")
+
+
+def math_blocks(text: str) -> str:
+    r"""Turns every ``.. math::`` directive into a ``$$`` display block.
+
+    Args:
+        text: A docstring.
+
+    Returns:
+        The docstring with ``$$ ... $$`` blocks at the directive's indentation.
+    """
+    lines = text.splitlines()
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        match = _MATH_RE.match(lines[i])
+        if match is None:
+            out.append(lines[i])
+            i += 1
+            continue
+        indent = match.group("indent")
+        i += 1
+        body: list[str] = []
+        while i < len(lines) and (
+            not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > len(indent)
+        ):
+            body.append(lines[i])
+            i += 1
+        while body and not body[-1].strip():
+            body.pop()
+        content = [b for b in body if b.strip()]
+        strip = min((len(b) - len(b.lstrip()) for b in content), default=0)
+        out += [f"{indent}$$"] + [f"{indent}{b[strip:]}" for b in content] + [f"{indent}$$", ""]
+    return "\n".join(out)
+
+
+def _resolve(name: str, obj: griffe.Object) -> str | None:
+    """Dotted path of ``name`` as seen from ``obj`` (its class, then its module), or None."""
+    if name.startswith("artifex."):
+        return name
+    head, _, rest = name.partition(".")
+    scope: Any = obj
+    while scope is not None:
+        member = scope.members.get(head) if hasattr(scope, "members") else None
+        if member is not None:
+            try:
+                path = member.final_target.path if member.is_alias else member.path
+            except (griffe.AliasResolutionError, griffe.CyclicAliasError):
+                path = member.target_path
+            return f"{path}.{rest}" if rest else path
+        scope = scope.parent
+    return None
+
+
+def roles(text: str, obj: griffe.Object) -> str:
+    """Turns reST Python roles into (optional) cross-references.
+
+    Args:
+        text: A docstring.
+        obj: The object the docstring belongs to (for resolving relative names).
+
+    Returns:
+        The docstring with ``<autoref>`` links; unresolved names become code.
+    """
+
+    def replace(match: re.Match[str]) -> str:
+        tilde, name = match.groups()
+        name = name.strip()
+        title = name.rsplit(".", 1)[-1] if tilde else name
+        path = _resolve(name, obj)
+        if path is None:
+            return f"`{title}`"
+        return f'<autoref identifier="{path}" optional><code>{title}</code></autoref>'
+
+    return _ROLE_RE.sub(replace, text)
+
+
+class RestToMarkdown(griffe.Extension):
+    """Rewrites reST math blocks and roles in every docstring of the loaded package."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        """Called by griffe once the whole package is loaded.
+
+        Args:
+            pkg: The package.
+            **kwargs: Other event arguments (unused).
+        """
+        self._visit(pkg, set())
+
+    def _visit(self, obj: griffe.Object, seen: set[str]) -> None:
+        if obj.path in seen:
+            return
+        seen.add(obj.path)
+        if obj.docstring is not None:
+            obj.docstring.value = roles(math_blocks(obj.docstring.value), obj)
+        for member in obj.members.values():
+            if not member.is_alias:
+                self._visit(member, seen)
