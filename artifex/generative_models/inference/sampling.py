@@ -1,0 +1,441 @@
+r"""A compiled KV-cache sampler that draws ``K`` completions per prompt.
+
+Each left-padded prompt is prefilled once; its cache is then repeated for its ``K`` generations
+(prompt-major, generation-minor rows), and a ``lax.while_loop`` decodes one token per step for
+all rows until every row has produced an end-of-sequence token or ``max_new_tokens`` is reached.
+The whole generation is one XLA program, compiled once per (batch size, prompt-length bucket,
+``max_new_tokens``, number of generations, decoding mode).
+
+Sampling distribution at each step, from the model's float32 logits ``z``:
+
+.. math::
+
+    \pi(v) \propto \exp(z_v / \tau)\ \ \text{for } v \in \mathcal{A},
+
+where ``tau`` is the temperature and ``A`` the allowed set: all tokens, or the ``top_k`` largest
+logits, intersected with the top-p nucleus (the smallest set of most likely tokens whose
+probability reaches ``top_p``; Holtzman et al., 2020). The returned log-probs are
+``log pi(token)`` under exactly this distribution, so for ``top_k=None, top_p=1`` they equal the
+teacher-forced ``log_softmax(z / tau)`` of the sampled tokens. Greedy decoding picks ``argmax z``
+and reports ``log_softmax(z / tau)`` of that token.
+
+References:
+    Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration", arXiv:1904.09751.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = [
+    "DEFAULT_PROMPT_BUCKETS",
+    "Sampler",
+    "SamplerOutput",
+    "bucket_length",
+    "generate",
+    "sample_logits",
+]
+
+DEFAULT_PROMPT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """Completions in prompt-major, generation-minor order (row ``i``: prompt ``i // K``).
+
+    Attributes:
+        prompt_ids: ``(B*K, P)`` the left-padded prompts (padded to their length bucket),
+            repeated for each generation.
+        prompt_mask: ``(B*K, P)`` 1 on real prompt tokens.
+        completion_ids: ``(B*K, N)`` generated tokens; ``pad_id`` after a row's EOS.
+        completion_mask: ``(B*K, N)`` int32, 1 on generated tokens up to and including EOS.
+        log_probs: ``(B*K, N)`` float32 log-prob of each generated token under the sampling
+            distribution (0 where the mask is 0).
+        truncated: ``(B*K,)`` bool, True for rows that reached ``max_new_tokens`` without EOS.
+        lengths: ``(B*K,)`` int32 number of completion tokens (the mask's row sums).
+    """
+
+    prompt_ids: jax.Array
+    prompt_mask: jax.Array
+    completion_ids: jax.Array
+    completion_mask: jax.Array
+    log_probs: jax.Array
+    truncated: jax.Array
+    lengths: jax.Array
+
+
+def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS) -> int:
+    """The smallest bucket >= ``length`` (``length`` itself beyond the largest bucket).
+
+    Args:
+        length: A prompt width.
+        buckets: Increasing bucket sizes.
+
+    Returns:
+        The padded width.
+    """
+    for b in sorted(buckets):
+        if b >= length:
+            return int(b)
+    return int(length)
+
+
+def sample_logits(
+    logits: jax.Array,
+    key: jax.Array,
+    *,
+    temperature: float | jax.Array = 1.0,
+    top_k: int | None = None,
+    top_p: float | jax.Array | None = None,
+    greedy: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row and returns it with its log-prob under the sampling distribution.
+
+    Args:
+        logits: ``(R, V)`` float logits.
+        key: PRNG key.
+        temperature: ``tau > 0`` dividing the logits.
+        top_k: Keep only the ``top_k`` largest logits (static), or ``None``.
+        top_p: Nucleus mass in (0, 1], or ``None`` for no nucleus truncation.
+        greedy: Take the argmax instead of sampling (static).
+
+    Returns:
+        ``(tokens (R,) int32, log_probs (R,) float32)``.
+    """
+    z = jnp.asarray(logits, jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    if greedy:
+        token = jnp.argmax(z, axis=-1).astype(jnp.int32)
+        logp = jax.nn.log_softmax(z, axis=-1)
+        return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+    neg = jnp.finfo(jnp.float32).min
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = jax.lax.top_k(z, top_k)[0][:, -1:]
+        z = jnp.where(z >= kth, z, neg)
+    if top_p is not None:
+        order = jnp.argsort(-z, axis=-1)
+        sorted_z = jnp.take_along_axis(z, order, axis=-1)
+        probs = jax.nn.softmax(sorted_z, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
+        keep_sorted = before < jnp.asarray(top_p, jnp.float32)
+        keep_sorted = keep_sorted.at[:, 0].set(True)
+        rows = jnp.arange(z.shape[0])[:, None]
+        keep = jnp.zeros(z.shape, jnp.bool_).at[rows, order].set(keep_sorted)
+        z = jnp.where(keep, z, neg)
+    logp = jax.nn.log_softmax(z, axis=-1)
+    gumbel = jax.random.gumbel(key, z.shape, jnp.float32)
+    token = jnp.argmax(jnp.where(z > neg, z + gumbel, neg), axis=-1).astype(jnp.int32)
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+@partial(
+    jax.jit,
+    static_argnames=(
+        "graphdef",
+        "num_generations",
+        "max_new_tokens",
+        "top_k",
+        "use_top_p",
+        "greedy",
+        "eos_ids",
+        "pad_id",
+        "share_prefill",
+    ),
+)
+def _generate(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    key: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    top_k: int | None,
+    use_top_p: bool,
+    greedy: bool,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    share_prefill: bool,
+) -> SamplerOutput:
+    model = nnx.merge(graphdef, state)
+    k, n = num_generations, max_new_tokens
+    b, p = prompt_ids.shape
+    rows = b * k
+    prompt_ids = prompt_ids.astype(jnp.int32)
+    prompt_mask = prompt_mask.astype(jnp.int32)
+    rep_ids = jnp.repeat(prompt_ids, k, axis=0)
+    rep_mask = jnp.repeat(prompt_mask, k, axis=0)
+
+    # Prefill once per prompt, then share the cache with the prompt's K generations.
+    if share_prefill:
+        cache = model.init_cache(b, p + n)
+        hidden, cache = model.hidden_states(prompt_ids, attention_mask=prompt_mask, cache=cache)
+        cache = cache.repeat(k)
+        last = jnp.repeat(hidden[:, -1], k, axis=0)
+    else:
+        cache = model.init_cache(rows, p + n)
+        hidden, cache = model.hidden_states(rep_ids, attention_mask=rep_mask, cache=cache)
+        last = hidden[:, -1]
+    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+
+    def draw(logits: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return sample_logits(
+            logits,
+            jax.random.fold_in(key, step),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p if use_top_p else None,
+            greedy=greedy,
+        )
+
+    def record(carry: dict[str, Any], token: jax.Array, logp: jax.Array, step: jax.Array):
+        alive = ~carry["done"]
+        token = jnp.where(alive, token, pad_id)
+        carry["tokens"] = carry["tokens"].at[:, step].set(token)
+        carry["mask"] = carry["mask"].at[:, step].set(alive.astype(jnp.int32))
+        carry["logps"] = carry["logps"].at[:, step].set(jnp.where(alive, logp, 0.0))
+        carry["done"] = carry["done"] | (alive & jnp.any(token[:, None] == eos[None, :], axis=-1))
+        return carry
+
+    carry = {
+        "tokens": jnp.full((rows, n), pad_id, jnp.int32),
+        "mask": jnp.zeros((rows, n), jnp.int32),
+        "logps": jnp.zeros((rows, n), jnp.float32),
+        "done": jnp.zeros((rows,), jnp.bool_),
+        "cache": cache,
+        "step": jnp.zeros((), jnp.int32),
+    }
+    token, logp = draw(model.logits_from_hidden(last), carry["step"])
+    carry = record(carry, token, logp, carry["step"])
+    carry["last"] = carry["tokens"][:, 0]
+
+    def cond(c: dict[str, Any]) -> jax.Array:
+        return (c["step"] + 1 < n) & ~jnp.all(c["done"])
+
+    def body(c: dict[str, Any]) -> dict[str, Any]:
+        step = c["step"] + 1
+        alive = (~c["done"]).astype(jnp.int32)
+        hidden, cache = model.hidden_states(
+            c["last"][:, None], attention_mask=alive[:, None], cache=c["cache"]
+        )
+        token, logp = draw(model.logits_from_hidden(hidden[:, 0]), step)
+        c = dict(c, cache=cache, step=step)
+        c = record(c, token, logp, step)
+        c["last"] = c["tokens"][:, step]
+        return c
+
+    carry = jax.lax.while_loop(cond, body, carry)
+    mask = carry["mask"]
+    return SamplerOutput(
+        prompt_ids=rep_ids,
+        prompt_mask=rep_mask,
+        completion_ids=carry["tokens"],
+        completion_mask=mask,
+        log_probs=carry["logps"],
+        truncated=~carry["done"],
+        lengths=jnp.sum(mask, axis=-1, dtype=jnp.int32),
+    )
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        msg = f"{name} must be an int >= 1, got {value!r}"
+        raise ValueError(msg)
+
+
+def generate(
+    model: nnx.Module,
+    prompt_ids: jax.Array | np.ndarray,
+    prompt_mask: jax.Array | np.ndarray | None = None,
+    *,
+    key: jax.Array,
+    num_generations: int = 1,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    eos_ids: Sequence[int] | int | None = None,
+    pad_id: int | None = None,
+    prompt_buckets: Sequence[int] | None = DEFAULT_PROMPT_BUCKETS,
+    share_prefill: bool = True,
+) -> SamplerOutput:
+    """Generates ``num_generations`` completions for each left-padded prompt.
+
+    Arguments are checked on the host before anything is traced. Prompts are left-padded further
+    to a length bucket so that one program serves many prompt widths.
+
+    Args:
+        model: A causal LM with ``init_cache``, ``hidden_states(..., cache=)``,
+            ``logits_from_hidden`` and a ``config`` (``max_position_embeddings``, token ids).
+        prompt_ids: ``(B, P)`` int token ids, left-padded.
+        prompt_mask: ``(B, P)`` 1 on real tokens; ``None`` means no padding.
+        key: PRNG key; the output is a deterministic function of it.
+        num_generations: ``K >= 1`` completions per prompt.
+        max_new_tokens: ``N >= 1``, the most tokens generated per completion.
+        temperature: ``tau >= 0``; 0 means greedy decoding.
+        top_k: Sample among the ``top_k`` most likely tokens only (``None``: all).
+        top_p: Nucleus mass in (0, 1]; 1 disables nucleus sampling.
+        eos_ids: Token id(s) that end a completion; defaults to the model config's EOS ids.
+        pad_id: Filler after EOS; defaults to the config's pad id, else the first EOS id, else 0.
+        prompt_buckets: Prompt widths to pad to (``None``: no bucketing).
+        share_prefill: Prefill each prompt once and share its cache with its generations (the
+            default); ``False`` prefills every row (for benchmarks).
+
+    Returns:
+        A :class:`SamplerOutput` with ``B * K`` rows, prompt-major.
+
+    Raises:
+        ValueError: An empty prompt row, a prompt too long for the model's positions plus
+            ``max_new_tokens``, ``num_generations < 1``, ``top_p`` outside (0, 1], a negative
+            temperature, ``top_k < 1`` or mismatched shapes.
+    """
+    ids = np.asarray(prompt_ids)
+    if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        msg = f"prompt_ids must have shape (B, P) with B, P >= 1, got {ids.shape}"
+        raise ValueError(msg)
+    if not np.issubdtype(ids.dtype, np.integer):
+        msg = f"prompt_ids must hold integer token ids, got dtype {ids.dtype}"
+        raise TypeError(msg)
+    mask = np.ones(ids.shape, np.int32) if prompt_mask is None else np.asarray(prompt_mask)
+    if mask.shape != ids.shape:
+        msg = f"prompt_mask must have the shape of prompt_ids {ids.shape}, got {mask.shape}"
+        raise ValueError(msg)
+    lengths = mask.astype(bool).sum(axis=1)
+    if (lengths == 0).any():
+        msg = f"empty prompt: row {int(np.argmin(lengths))} of prompt_mask has no real token"
+        raise ValueError(msg)
+    _check_positive_int("num_generations", num_generations)
+    _check_positive_int("max_new_tokens", max_new_tokens)
+    if top_k is not None:
+        _check_positive_int("top_k", top_k)
+    if not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
+        msg = f"top_p must be in (0, 1], got {top_p!r}"
+        raise ValueError(msg)
+    if not isinstance(temperature, int | float) or not np.isfinite(temperature) or temperature < 0:
+        msg = f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}"
+        raise ValueError(msg)
+    config = getattr(model, "config", None)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and int(lengths.max()) + max_new_tokens > max_pos:
+        msg = (
+            f"prompt too long: the longest prompt has {int(lengths.max())} tokens and "
+            f"max_new_tokens={max_new_tokens}, but the model has {max_pos} positions "
+            f"(max_position_embeddings)"
+        )
+        raise ValueError(msg)
+    if eos_ids is None:
+        eos_ids = getattr(config, "eos_token_id", None)
+    if eos_ids is None:
+        eos = ()
+    elif isinstance(eos_ids, int | np.integer):
+        eos = (int(eos_ids),)
+    else:
+        eos = tuple(int(e) for e in eos_ids)
+    if pad_id is None:
+        pad_id = getattr(config, "pad_token_id", None)
+        if pad_id is None:
+            pad_id = eos[0] if eos else 0
+
+    # Left-pad to the prompt-length bucket (padding never changes a row's result).
+    width = ids.shape[1] if prompt_buckets is None else bucket_length(ids.shape[1], prompt_buckets)
+    if width > ids.shape[1]:
+        extra = width - ids.shape[1]
+        ids = np.pad(ids, ((0, 0), (extra, 0)), constant_values=pad_id)
+        mask = np.pad(mask, ((0, 0), (extra, 0)))
+    graphdef, state = nnx.split(model)
+    greedy = temperature == 0
+    return _generate(
+        graphdef,
+        state,
+        jnp.asarray(ids, jnp.int32),
+        jnp.asarray(mask, jnp.int32),
+        key,
+        jnp.asarray(1.0 if greedy else temperature, jnp.float32),
+        jnp.asarray(top_p, jnp.float32),
+        num_generations=int(num_generations),
+        max_new_tokens=int(max_new_tokens),
+        top_k=top_k,
+        use_top_p=top_p < 1.0,
+        greedy=greedy,
+        eos_ids=eos,
+        pad_id=int(pad_id),
+        share_prefill=share_prefill,
+    )
+
+
+class Sampler:
+    """Holds a model and decoding settings; ``sampler(prompts, mask, key=...)`` generates.
+
+    A thin stateful shell over :func:`generate` for training loops: the model object is read at
+    each call, so updates made by a trainer are seen by the next generation.
+
+    Args:
+        model: The causal LM.
+        num_generations: Completions per prompt ``K``.
+        max_new_tokens: Most tokens per completion.
+        temperature: Sampling temperature (0 = greedy).
+        top_k: Optional top-k.
+        top_p: Nucleus mass (1 disables).
+        eos_ids: End-of-sequence ids (default: the model config's).
+        pad_id: Filler after EOS (default: the model config's pad id).
+        prompt_buckets: Prompt widths to pad to.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        num_generations: int = 1,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        eos_ids: Sequence[int] | int | None = None,
+        pad_id: int | None = None,
+        prompt_buckets: Sequence[int] | None = DEFAULT_PROMPT_BUCKETS,
+    ):
+        self.model = model
+        self.settings = dict(
+            num_generations=num_generations,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_ids=eos_ids,
+            pad_id=pad_id,
+            prompt_buckets=prompt_buckets,
+        )
+
+    def __call__(
+        self,
+        prompt_ids: jax.Array | np.ndarray,
+        prompt_mask: jax.Array | np.ndarray | None = None,
+        *,
+        key: jax.Array,
+        **overrides: Any,
+    ) -> SamplerOutput:
+        """Generates completions (see :func:`generate`).
+
+        Args:
+            prompt_ids: ``(B, P)`` left-padded prompt ids.
+            prompt_mask: ``(B, P)`` mask, or ``None``.
+            key: PRNG key.
+            **overrides: Per-call changes to the settings.
+
+        Returns:
+            A :class:`SamplerOutput`.
+        """
+        return generate(
+            self.model, prompt_ids, prompt_mask, key=key, **{**self.settings, **overrides}
+        )
