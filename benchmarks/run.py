@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks import common
-from benchmarks.workloads import W1, build_trainer, random_batch
+from benchmarks.workloads import W1, build_trainer, random_batch, random_prompts, w1_step
 
 Row = dict[str, object]
 SECTIONS: dict[str, Callable[[dict], list[Row]]] = {}
@@ -78,6 +78,51 @@ def bench_train_step(ctx: dict) -> list[Row]:
     return rows
 
 
+@section("w1")
+def bench_w1(ctx: dict) -> list[Row]:
+    from artifex.generative_models.inference import generate
+
+    trainer = build_trainer(W1)
+    prompts = random_prompts(W1)
+    key = jax.random.key(0)
+
+    def gen():
+        return generate(
+            trainer.model,
+            *prompts,
+            key=key,
+            num_generations=W1.num_generations,
+            max_new_tokens=W1.completion_length,
+            eos_ids=(),
+        )
+
+    t_gen = common.time_fn(gen, warmup=2, repeats=5)["median_s"]
+    batch = trainer.prepare_batch(random_batch(W1))
+    t_train = common.time_fn(lambda: trainer.train_step(batch), warmup=2, repeats=5)["median_s"]
+    keys = iter(jax.random.split(jax.random.key(1), 100))
+    t_step = common.time_fn(lambda: w1_step(trainer, W1, prompts, next(keys)), warmup=2, repeats=5)[
+        "median_s"
+    ]
+    gen_tokens = W1.batch_size * W1.completion_length
+    return [
+        {
+            "benchmark": "W1 generation (8 prompts x 4, 32 + 96 tokens, KV cache)",
+            "value": f"{t_gen * 1e3:.0f} ms",
+            "detail": f"{gen_tokens / t_gen:.0f} generated tok/s",
+        },
+        {
+            "benchmark": "W1 training part (train_step, reference fwd, AdamW)",
+            "value": f"{t_train * 1e3:.0f} ms",
+            "detail": "",
+        },
+        {
+            "benchmark": "W1 whole step (generate + reward + train_step)",
+            "value": f"{t_step * 1e3:.0f} ms",
+            "detail": "target < 900 ms (TRL / Tunix: about 1800-1900 ms on this machine)",
+        },
+    ]
+
+
 @section("logprob_memory")
 def bench_logprob_memory(ctx: dict) -> list[Row]:
     from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
@@ -86,8 +131,15 @@ def bench_logprob_memory(ctx: dict) -> list[Row]:
     from artifex.generative_models.training.rl.grpo import make_grpo_loss
 
     b, p, t, v = 8, 16, 1024, 151_936
-    cfg = CausalLMConfig.qwen2_w1(vocab_size=v, hidden_size=64, intermediate_size=128,
-                                  num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32)
+    cfg = CausalLMConfig.qwen2_w1(
+        vocab_size=v,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+    )
     model = CausalLM(cfg, rngs=nnx.Rngs(0))
     batch = GRPOBatch(
         prompt_ids=jnp.ones((b, p), jnp.int32),
@@ -100,16 +152,19 @@ def bench_logprob_memory(ctx: dict) -> list[Row]:
     params = nnx.state(model, nnx.Param)
     rows, temps = [], {}
     for name, chunk in (("naive", b * t), ("chunked", None)):
-        loss = make_grpo_loss(model, GRPOConfig(), log_prob_fn=causal_lm_log_probs_fn(
-            chunk_size=chunk))
+        loss = make_grpo_loss(
+            model, GRPOConfig(), log_prob_fn=causal_lm_log_probs_fn(chunk_size=chunk)
+        )
         grad_fn = jax.jit(jax.grad(lambda prm, bt, f=loss: f(prm, bt)[0]))
         mem = common.compiled_memory(grad_fn, params, batch)
         temps[name] = mem["temp_bytes"]
-        rows.append({
-            "benchmark": f"log-probs+grad peak temp memory, V=151936, 8x1024, {name}",
-            "value": common.fmt_bytes(mem["temp_bytes"]),
-            "detail": "",
-        })
+        rows.append(
+            {
+                "benchmark": f"log-probs+grad peak temp memory, V=151936, 8x1024, {name}",
+                "value": common.fmt_bytes(mem["temp_bytes"]),
+                "detail": "",
+            }
+        )
     rows[-1]["detail"] = f"{temps['chunked'] / temps['naive']:.3f} of naive (target <= 0.125)"
     return rows
 
@@ -131,8 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         for row in SECTIONS[name](ctx):
             rows.append(row)
-            print(f"| {row['benchmark']} | {row['value']} | {row.get('detail', '')} |",
-                  flush=True)
+            print(f"| {row['benchmark']} | {row['value']} | {row.get('detail', '')} |", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": common.machine(), "rows": rows}, fh, indent=2)

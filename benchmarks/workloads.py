@@ -11,9 +11,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
+from artifex.generative_models.inference import generate
 from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl import GRPOBatch
@@ -78,8 +80,46 @@ def random_batch(w: Workload, *, seed: int = 0, with_old_log_probs: bool = False
         completion_ids=completion_ids.astype(jnp.int32),
         completion_mask=jnp.ones((b, t), jnp.int32),
         rewards=jax.random.bernoulli(k[3], 0.5, (b,)).astype(jnp.float32),
-        old_log_probs=(
-            jnp.full((b, t), -8.0, jnp.float32) if with_old_log_probs else None
-        ),
+        old_log_probs=(jnp.full((b, t), -8.0, jnp.float32) if with_old_log_probs else None),
         group_size=w.num_generations,
     )
+
+
+def random_prompts(w: Workload, *, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    """``w.num_prompts`` left-padded random prompts of up to ``w.prompt_length`` tokens."""
+    k = jax.random.split(jax.random.key(seed + 1000), 2)
+    p, v = w.prompt_length, w.model.vocab_size
+    lens = jax.random.randint(k[0], (w.num_prompts,), p // 2, p + 1)
+    mask = (jnp.arange(p)[None, :] >= (p - lens)[:, None]).astype(jnp.int32)
+    ids = (jax.random.randint(k[1], (w.num_prompts, p), 1, v) * mask).astype(jnp.int32)
+    return ids, mask
+
+
+def toy_reward(completion_ids: np.ndarray) -> np.ndarray:
+    """A cheap host-side reward: the fraction of even token ids in each completion."""
+    return (np.asarray(completion_ids) % 2 == 0).mean(axis=1).astype(np.float32)
+
+
+def w1_step(
+    trainer: GRPOTrainer, w: Workload, prompts: tuple[jax.Array, jax.Array], key: jax.Array
+) -> dict[str, float]:
+    """One whole W1 step: generate K completions per prompt, score them, one update."""
+    out = generate(
+        trainer.model,
+        prompts[0],
+        prompts[1],
+        key=key,
+        num_generations=w.num_generations,
+        max_new_tokens=w.completion_length,
+        eos_ids=(),  # no early stop: every completion is completion_length tokens
+    )
+    rewards = toy_reward(jax.device_get(out.completion_ids))
+    batch = GRPOBatch(
+        prompt_ids=out.prompt_ids,
+        prompt_mask=out.prompt_mask,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        rewards=jnp.asarray(rewards),
+        group_size=w.num_generations,
+    )
+    return trainer.train_step(batch)
