@@ -233,13 +233,67 @@ class Attention(nnx.Module):
             value = values_all[layer].astype(q.dtype)
             kv = (keys_all, values_all)
 
-        q = q.reshape(b, t, k, n // k, h)
-        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, key, preferred_element_type=jnp.float32)
-        scores = scores * (h**-0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, value)
+        if t == 1 and kv is not None:
+            out = _decode_attention(q, key, value, mask)
+        else:
+            out = _grouped_attention(q, key, value, mask)
         return self.o_proj(out.reshape(b, t, n * h)), kv
+
+
+def _grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """GQA with K as a batch axis: `softmax(q k^T / sqrt(H))` per (B, K, G) then `@ v`.
+
+    Args:
+        q: Queries (B, T, N, H).
+        k: Keys (B, S, K, H).
+        v: Values (B, S, K, H).
+        mask: Bool (B, T, S).
+
+    Returns:
+        Attention output (B, T, N, H).
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    # BKTGS is dot_general's natural output order (batch, lhs free, rhs free): no relayout of
+    # the (T, S) score matrices between the two matmuls.
+    scores = jnp.einsum("BTKGH,BSKH->BKTGS", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, :, None, :], scores * (h**-0.5), MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKTGS,BSKH->BKTGH", probs, v)
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+
+
+def _decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """GQA for one query token against a cache laid out (B, S, K, H), without relayouts.
+
+    Making K a batch axis of the matmul (as `_grouped_attention` does) forces a transposed copy
+    of the whole cache on every decoding step. Here the cache is read in place as (B, S*K, H):
+    every query head scores every (slot, kv head) pair and the pairs of other kv heads are
+    masked out. That is K times the score FLOPs, but decoding is bound by reading the cache,
+    not by these FLOPs, so it is the faster form for T = 1.
+
+    Args:
+        q: Queries (B, 1, N, H).
+        k: Keys (B, S, K, H).
+        v: Values (B, S, K, H).
+        mask: Bool (B, 1, S).
+
+    Returns:
+        Attention output (B, 1, N, H).
+    """
+    b, t, n, h = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    groups = n // kv_heads
+    keys = k.reshape(b, s * kv_heads, h)  # X = S*K, slot-major: x = s * K + kv
+    values = v.reshape(b, s * kv_heads, h)
+    scores = jnp.einsum("BTNH,BXH->BTNX", q, keys, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, t, kv_heads, groups, s, kv_heads)
+    own_head = jnp.eye(kv_heads, dtype=jnp.bool_)[:, None, None, :]  # (K, 1, 1, K')
+    allowed = mask[:, :, None, None, :, None] & own_head
+    scores = jnp.where(allowed, scores * (h**-0.5), MASK_VALUE).reshape(b, t, n, s * kv_heads)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("BTNX,BXH->BTNH", probs, values)
 
 
 class MLP(nnx.Module):

@@ -149,14 +149,14 @@ def _decode_all(m, ids, mask, new_tokens, max_length, repeat=1):
         steps = new_tokens.shape[1]
         out = jnp.zeros((new_tokens.shape[0], steps, m.config.vocab_size), jnp.float32)
 
-        def body(i, carry):
-            cache, out = carry
+        def body(carry):
+            i, cache, out = carry
             tok = jax.lax.dynamic_slice_in_dim(new_tokens, i, 1, axis=1)
             h, cache = model.hidden_states(tok, jnp.ones_like(tok), cache=cache)
             out = jax.lax.dynamic_update_slice_in_dim(out, model.logits_from_hidden(h), i, axis=1)
-            return cache, out
+            return i + 1, cache, out
 
-        cache, out = jax.lax.fori_loop(0, steps, body, (cache, out))
+        _, cache, out = jax.lax.while_loop(lambda c: c[0] < steps, body, (0, cache, out))
         return prefill, out, cache
 
     return run(state, ids, mask, new_tokens)
