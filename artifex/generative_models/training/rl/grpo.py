@@ -42,6 +42,7 @@ __all__ = [
     "compute_advantages",
     "grpo_objective",
     "make_grpo_loss",
+    "split_microbatches",
 ]
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,8 @@ def grpo_objective(
     config: GRPOConfig,
     *,
     normalizer: jax.Array | float | None = None,
+    advantages: jax.Array | None = None,
+    reward_metrics: bool = True,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""The GRPO loss and its metrics from the current policy's per-token log-probs.
 
@@ -173,13 +176,16 @@ def grpo_objective(
         config: The objective's options.
         normalizer: Overrides the aggregation denominator (for microbatches of a larger
             batch, see :func:`~artifex.generative_models.training.rl.losses.loss_normalizer`).
+        advantages: Overrides :func:`compute_advantages` (e.g. advantages computed on the whole
+            batch when this is one of its microbatches).
+        reward_metrics: Whether to add the reward and advantage statistics to the metrics.
 
     Returns:
         ``(total_loss, metrics)``; metrics are float32 device scalars: ``policy_loss``,
         ``kl``, ``kl_penalty`` (``beta * kl``), ``approx_kl`` (vs. the sampling policy),
         ``entropy``, ``clip_fraction_low``, ``clip_fraction_high``, ``clip_fraction``,
         ``reward_mean``, ``reward_std``, ``advantage_mean``, ``advantage_std``,
-        ``frac_reward_zero_std``, ``completion_length``, ``total_loss``.
+        ``frac_reward_zero_std``, ``completion_length``, ``num_tokens``, ``total_loss``.
 
     Raises:
         ValueError: ``entropy`` is ``None`` while ``entropy_coeff > 0``.
@@ -191,7 +197,9 @@ def grpo_objective(
         max_length=config.max_completion_length,
         normalizer=normalizer,
     )
-    advantages = jax.lax.stop_gradient(compute_advantages(batch, config))
+    if advantages is None:
+        advantages = compute_advantages(batch, config)
+    advantages = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
 
     log_ratio = losses.log_importance_ratio(
         log_probs, batch.old_log_probs, mask, level=config.importance_sampling_level
@@ -236,11 +244,52 @@ def grpo_objective(
         "clip_fraction_high": losses.masked_mean(high, mask),
         "clip_fraction": losses.masked_mean(low + high, mask),
         "completion_length": jnp.mean(jnp.sum(mask, axis=-1)),
+        "num_tokens": jnp.sum(mask),
         "total_loss": total,
     }
-    metrics.update(_reward_metrics(batch, advantages))
+    if reward_metrics:
+        metrics.update(_reward_metrics(batch, advantages))
     metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
     return total, metrics
+
+
+_SUMMED = ("policy_loss", "kl", "kl_penalty", "entropy", "total_loss", "num_tokens")
+_TOKEN_WEIGHTED = ("approx_kl", "clip_fraction_low", "clip_fraction_high", "clip_fraction")
+
+
+def split_microbatches(batch: GRPOBatch, num_microbatches: int) -> GRPOBatch:
+    """Reshapes every per-row field ``(B, ...)`` to ``(A, B / A, ...)`` for ``lax.scan``.
+
+    Args:
+        batch: The batch.
+        num_microbatches: ``A``; must divide ``B``.
+
+    Returns:
+        The same pytree with a leading microbatch axis.
+
+    Raises:
+        ValueError: If ``A`` does not divide the number of rows.
+    """
+    b = batch.batch_size
+    if num_microbatches < 1 or b % num_microbatches:
+        msg = f"num_microbatches={num_microbatches} must be >= 1 and divide the {b} batch rows"
+        raise ValueError(msg)
+    a = num_microbatches
+    return jax.tree.map(lambda x: x.reshape(a, b // a, *x.shape[1:]), batch)
+
+
+def _combine_micro_metrics(stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Metrics of the whole batch from per-microbatch metrics stacked on axis 0."""
+    out = {}
+    tokens = stacked["num_tokens"]
+    for name, values in stacked.items():
+        if name in _SUMMED:
+            out[name] = jnp.sum(values)
+        elif name in _TOKEN_WEIGHTED:
+            out[name] = jnp.sum(values * tokens) / jnp.maximum(jnp.sum(tokens), 1.0)
+        else:
+            out[name] = jnp.mean(values)
+    return out
 
 
 def _check_traceable_batch(batch: GRPOBatch) -> None:
@@ -399,7 +448,8 @@ class GRPOTrainer:
         self._ref_graphdef = None if reference_model is None else nnx.graphdef(reference_model)
         if reference_model is not None:
             _unshare_buffers(reference_model, model)
-        self._step_fn = jax.jit(self._step, donate_argnums=(0, 1))
+        self._step_fn = jax.jit(self._step, donate_argnums=(0, 1), static_argnums=(4,))
+        self._log_probs_fn = jax.jit(self._log_probs)
         self.grpo_loss = make_grpo_loss(model, config, wrt=self.wrt, log_prob_fn=self.log_prob_fn)
 
     # ----------------------------------------------------------------- public helpers
@@ -419,19 +469,24 @@ class GRPOTrainer:
         return self.reference_model is not None or self._lora_reference
 
     # ----------------------------------------------------------------- compiled step
-    def _reference_log_probs(
+    def _reference(
         self,
         split: tuple[nnx.GraphDef, nnx.State, nnx.State],
         ref_state: nnx.State | None,
-        batch: GRPOBatch,
-    ) -> jax.Array:
+    ) -> Any:
+        """The reference policy as a module (inside a trace)."""
         if ref_state is not None:
-            ref = nnx.merge(self._ref_graphdef, ref_state)
-        else:  # LoRA: the same graph with the adapters zeroed is exactly the base model.
-            graphdef, trainable, frozen = split
-            ref = nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, trainable), frozen)
-        log_probs, _ = self.log_prob_fn(ref, batch)
-        return jax.lax.stop_gradient(log_probs)
+            return nnx.merge(self._ref_graphdef, ref_state)
+        # LoRA: the same graph with the adapters zeroed is exactly the base model.
+        graphdef, trainable, frozen = split
+        return nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, trainable), frozen)
+
+    def _needs_reference(self, batch: GRPOBatch, ref_state: nnx.State | None) -> bool:
+        return (
+            self.config.beta > 0.0
+            and batch.ref_log_probs is None
+            and (ref_state is not None or self._lora_reference)
+        )
 
     def _step(
         self,
@@ -439,6 +494,7 @@ class GRPOTrainer:
         opt_state: nnx.State,
         ref_state: nnx.State | None,
         batch: GRPOBatch,
+        num_microbatches: int,
     ) -> tuple[nnx.State, nnx.State, dict[str, jax.Array], jax.Array]:
         self._num_traces += 1
         config = self.config
@@ -449,25 +505,51 @@ class GRPOTrainer:
         model = nnx.merge(self._graphdef, model_state)
         optimizer = nnx.merge(self._opt_graphdef, opt_state)
         graphdef, trainable, frozen = nnx.split(model, self.wrt, ...)
+        needs_ref = self._needs_reference(batch, ref_state)
 
-        needs_ref = (
-            config.beta > 0.0
-            and batch.ref_log_probs is None
-            and (ref_state is not None or self._lora_reference)
+        # Advantages and the loss normalizer come from the whole batch, so splitting it into
+        # microbatches changes nothing but peak memory.
+        advantages = jax.lax.stop_gradient(compute_advantages(batch, config))
+        normalizer = losses.loss_normalizer(
+            batch.completion_mask, config.loss_aggregation, max_length=config.max_completion_length
         )
-        if needs_ref:
-            batch = batch.replace(
-                ref_log_probs=self._reference_log_probs(
-                    (graphdef, trainable, frozen), ref_state, batch
-                )
+
+        def loss_fn(
+            params: nnx.State, mb: GRPOBatch, adv: jax.Array
+        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+            if needs_ref:
+                ref = self._reference((graphdef, params, frozen), ref_state)
+                ref_lp, _ = self.log_prob_fn(ref, mb)
+                mb = mb.replace(ref_log_probs=jax.lax.stop_gradient(ref_lp))
+            policy = nnx.merge(graphdef, params, frozen)
+            log_probs, entropy = self.log_prob_fn(policy, mb)
+            return grpo_objective(
+                log_probs,
+                entropy,
+                mb,
+                config,
+                normalizer=normalizer,
+                advantages=adv,
+                reward_metrics=False,
             )
 
-        def loss_fn(params: nnx.State) -> tuple[jax.Array, dict[str, jax.Array]]:
-            policy = nnx.merge(graphdef, params, frozen)
-            log_probs, entropy = self.log_prob_fn(policy, batch)
-            return grpo_objective(log_probs, entropy, batch, config)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if num_microbatches == 1:
+            (loss, metrics), grads = grad_fn(trainable, batch, advantages)
+        else:
+            micro = split_microbatches(batch, num_microbatches)
+            micro_adv = advantages.reshape(num_microbatches, -1, *advantages.shape[1:])
 
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+            def accumulate(acc: nnx.State, xs: tuple[GRPOBatch, jax.Array]):
+                (loss_i, metrics_i), grads_i = grad_fn(trainable, *xs)
+                return jax.tree.map(jnp.add, acc, grads_i), (loss_i, metrics_i)
+
+            zeros = jax.tree.map(jnp.zeros_like, trainable)
+            grads, (micro_loss, micro_metrics) = jax.lax.scan(accumulate, zeros, (micro, micro_adv))
+            loss = jnp.sum(micro_loss)
+            metrics = _combine_micro_metrics(micro_metrics)
+        metrics.update(_reward_metrics(batch, advantages))
+
         grad_norm = optax.tree.norm(grads)
         if config.max_grad_norm is not None:
             scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
@@ -484,6 +566,17 @@ class GRPOTrainer:
         new_opt_state = keep(nnx.state(optimizer), old_opt_leaves)
         metrics = dict(metrics, grad_norm=grad_norm.astype(jnp.float32))
         return new_model_state, new_opt_state, metrics, ok
+
+    def _log_probs(
+        self, model_state: nnx.State, ref_state: nnx.State | None, batch: GRPOBatch
+    ) -> tuple[jax.Array, jax.Array | None]:
+        model = nnx.merge(self._graphdef, model_state)
+        log_probs, _ = self.log_prob_fn(model, batch)
+        ref_log_probs = None
+        if self._needs_reference(batch, ref_state):
+            ref = self._reference(nnx.split(model, self.wrt, ...), ref_state)
+            ref_log_probs, _ = self.log_prob_fn(ref, batch)
+        return log_probs, ref_log_probs
 
     # ----------------------------------------------------------------- the step
     def prepare_batch(self, batch: GRPOBatch | Mapping[str, Any]) -> GRPOBatch:
@@ -506,24 +599,64 @@ class GRPOTrainer:
             raise ValueError(msg)
         return batch
 
-    def train_step(self, batch: GRPOBatch | Mapping[str, Any]) -> dict[str, float]:
+    def compute_log_probs(self, batch: GRPOBatch | Mapping[str, Any]) -> GRPOBatch:
+        """Fills ``old_log_probs`` (current policy) and ``ref_log_probs`` (reference) of a batch.
+
+        Used before ``mu > 1`` optimization iterations on one generation batch: the old
+        log-probs are those of the policy that sampled the batch, scored by the training graph,
+        and the reference log-probs are computed once instead of at every iteration. Fields the
+        batch already has are kept; the reference is only scored when ``beta > 0`` and the
+        trainer has one.
+
+        Args:
+            batch: The batch.
+
+        Returns:
+            The batch with the log-prob fields set (no gradient, one compiled forward pass).
+        """
+        batch = self.prepare_batch(batch)
+        ref_state = None if self.reference_model is None else nnx.state(self.reference_model)
+        log_probs, ref_log_probs = self._log_probs_fn(nnx.state(self.model), ref_state, batch)
+        if batch.old_log_probs is None:
+            batch = batch.replace(old_log_probs=log_probs)
+        if batch.ref_log_probs is None and ref_log_probs is not None:
+            batch = batch.replace(ref_log_probs=ref_log_probs)
+        return batch
+
+    def train_step(
+        self, batch: GRPOBatch | Mapping[str, Any], *, num_microbatches: int = 1
+    ) -> dict[str, float]:
         """One GRPO update on ``batch``.
 
         Args:
             batch: A :class:`GRPOBatch` (flat prompt-major rows) or the seed dict form
                 (``observations``, ``actions``, ``rewards``, optional ``log_probs``,
                 ``ref_log_probs``, ``group_size``).
+            num_microbatches: Accumulate gradients over this many equal row slices of the batch
+                inside the compiled step (a ``lax.scan``): the update is the full-batch update
+                (advantages and loss normalization use the whole batch) with less peak memory.
 
         Returns:
             Metrics as Python floats: those of :func:`grpo_objective` plus ``grad_norm``
             (before clipping).
 
         Raises:
-            ValueError: Invalid batch (raised before anything is traced).
+            ValueError: Invalid batch or ``num_microbatches`` (raised before anything is traced).
             TypeError: Wrong batch type or dtypes.
             NonFiniteUpdateError: Non-finite loss or gradient; nothing was updated.
         """
         batch = self.prepare_batch(batch)
+        if (
+            isinstance(num_microbatches, bool)
+            or not isinstance(num_microbatches, int)
+            or num_microbatches < 1
+            or batch.batch_size % num_microbatches
+        ):
+            msg = (
+                f"num_microbatches must be an int >= 1 dividing the {batch.batch_size} batch "
+                f"rows, got {num_microbatches!r}"
+            )
+            raise ValueError(msg)
         if (
             self.config.beta > 0.0
             and batch.ref_log_probs is None
@@ -540,7 +673,7 @@ class GRPOTrainer:
         model_state = nnx.state(self.model)
         opt_state = nnx.state(self.optimizer)
         new_model_state, new_opt_state, metrics, ok = self._step_fn(
-            model_state, opt_state, ref_state, batch
+            model_state, opt_state, ref_state, batch, num_microbatches
         )
         nnx.update(self.model, new_model_state)
         nnx.update(self.optimizer, new_opt_state)

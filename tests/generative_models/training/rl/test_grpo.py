@@ -537,3 +537,83 @@ def test_wrong_types_are_type_errors():
         GRPOTrainer(model, opt).train_step([1, 2, 3])
     with pytest.raises(TypeError, match="integer"):
         GRPOTrainer(model, opt).train_step(dict(seed_batch(), actions=np.zeros(8, np.float32)))
+
+
+# ------------------------------------------------------------------ accumulation, log-probs
+def lm_batch(seed=0, b=8, t=5, g=4):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, t + 1, size=b)
+    mask = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
+    return GRPOBatch(
+        prompt_ids=jnp.asarray(rng.integers(0, 6, size=(b, 3)), jnp.int32),
+        completion_ids=jnp.asarray(rng.integers(0, 6, size=(b, t)), jnp.int32),
+        completion_mask=jnp.asarray(mask),
+        rewards=jnp.asarray(rng.normal(size=b), jnp.float32),
+        old_log_probs=jnp.asarray(-1.8 + 0.2 * rng.normal(size=(b, t)), jnp.float32),
+        group_size=g,
+    )
+
+
+@pytest.mark.parametrize("agg", ["sequence_mean", "token_mean", "constant_length"])
+def test_gradient_accumulation_equals_full_batch_update(agg):
+    cfg = GRPOConfig(loss_aggregation=agg, beta=0.05, clip_param=0.1)
+    results = []
+    for micro in (1, 2, 4):
+        model = BigramLM(6, 8, nnx.Rngs(0))
+        ref = BigramLM(6, 8, nnx.Rngs(9))
+        trainer = GRPOTrainer(
+            model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), cfg, reference_model=ref
+        )
+        metrics = trainer.train_step(lm_batch(), num_microbatches=micro)
+        results.append((metrics, [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]))
+    (m1, p1) = results[0]
+    for m, p in results[1:]:
+        for x, y in zip(p1, p, strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+        for key in (
+            "total_loss",
+            "policy_loss",
+            "kl",
+            "entropy",
+            "grad_norm",
+            "approx_kl",
+            "clip_fraction",
+            "reward_mean",
+            "advantage_std",
+            "num_tokens",
+        ):
+            np.testing.assert_allclose(m[key], m1[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_num_microbatches_must_divide_rows():
+    model = BigramLM(6, 8, nnx.Rngs(0))
+    trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+    with pytest.raises(ValueError, match="num_microbatches"):
+        trainer.train_step(lm_batch(), num_microbatches=3)
+
+
+def test_compute_log_probs_scores_policy_and_reference():
+    model = BigramLM(6, 8, nnx.Rngs(0))
+    ref = BigramLM(6, 8, nnx.Rngs(3))
+    trainer = GRPOTrainer(
+        model,
+        nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param),
+        GRPOConfig(beta=0.1),
+        reference_model=ref,
+    )
+    batch = lm_batch().replace(old_log_probs=None)
+    filled = trainer.compute_log_probs(batch)
+
+    def score(m):
+        seq = jnp.concatenate([batch.prompt_ids, batch.completion_ids], 1)
+        logits = m(seq)[:, 2:-1]
+        lp = jax.nn.log_softmax(logits)
+        return np.take_along_axis(np.asarray(lp), np.asarray(batch.completion_ids)[..., None], -1)[
+            ..., 0
+        ]
+
+    np.testing.assert_allclose(filled.old_log_probs, score(model), atol=1e-5)
+    np.testing.assert_allclose(filled.ref_log_probs, score(ref), atol=1e-5)
+    # With both fields filled, a step is exactly the on-policy step at its first iteration.
+    m = trainer.train_step(filled)
+    assert abs(m["approx_kl"]) < 1e-6 and m["kl"] > 0
