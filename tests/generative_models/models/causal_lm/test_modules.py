@@ -142,3 +142,23 @@ def test_attention_matches_naive_gqa(overrides, seed):
     real = key_mask.astype(bool)
     np.testing.assert_allclose(_np(got)[real], want[real], rtol=1e-4, atol=1e-5)
     assert np.all(np.isfinite(_np(got)))  # padding query rows stay finite
+
+
+@pytest.mark.parametrize(("n", "k"), [(4, 2), (4, 1), (6, 3), (2, 2)])
+def test_decode_attention_equals_grouped(n, k):
+    from artifex.generative_models.models.causal_lm.modules import (
+        _decode_attention,
+        _grouped_attention,
+    )
+
+    rng = np.random.default_rng(n * 10 + k)
+    b, s, h = 3, 7, 8
+    q = jnp.asarray(rng.normal(size=(b, 1, n, h)), jnp.float32)
+    keys = jnp.asarray(rng.normal(size=(b, s, k, h)), jnp.float32)
+    values = jnp.asarray(rng.normal(size=(b, s, k, h)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, 1, s)) > 0.4).at[2].set(False)  # row 2: nothing visible
+    got = _decode_attention(q, keys, values, mask)
+    want = _grouped_attention(q, keys, values, mask)
+    # rows that see at least one slot agree; a row that sees nothing only has to stay finite
+    np.testing.assert_allclose(np.asarray(got[:2]), np.asarray(want[:2]), rtol=1e-5, atol=1e-6)
+    assert np.all(np.isfinite(np.asarray(got)))
