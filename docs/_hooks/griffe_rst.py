@@ -4,6 +4,8 @@ The docstrings are Google style with a few reStructuredText constructs that Mark
 know. When the package has been loaded, this extension rewrites, in every docstring:
 
 - ``.. math::`` blocks into ``$$ ... $$`` blocks (typeset by MathJax through arithmatex);
+- the literal-block marker ``text::`` into ``text:`` (the indented block after it is already a
+  Markdown code block), and a lone ``Example::`` into a bold label, not a Google section;
 - ``:func:`name```, ``:class:`~pkg.mod.Name``` and the other Python roles into links to the
   object's API entry (``~`` shows the last component only). Names are resolved like Python
   would, from the object's class and module; a link whose target is not rendered anywhere falls
@@ -19,6 +21,7 @@ import griffe
 
 _ROLE_RE = re.compile(r":(?:py:)?(?:func|class|meth|mod|attr|data|obj|exc|const):`(~?)([^`]+)`")
 _MATH_RE = re.compile(r"^(?P<indent>[ \t]*)\.\. math::[ \t]*$")
+_LITERAL_RE = re.compile(r"^(?P<indent>[ \t]*)(?P<text>.*?)::[ \t]*$")
 
 
 def math_blocks(text: str) -> str:
@@ -53,6 +56,31 @@ def math_blocks(text: str) -> str:
         strip = min((len(b) - len(b.lstrip()) for b in content), default=0)
         out += [f"{indent}$$"] + [f"{indent}{b[strip:]}" for b in content] + [f"{indent}$$", ""]
     return "\n".join(out)
+
+
+def literal_markers(text: str) -> str:
+    """Turns reST literal-block markers (``text::``) into Markdown.
+
+    Args:
+        text: A docstring (after :func:`math_blocks`).
+
+    Returns:
+        The docstring with ``text::`` as ``text:``, a lone word (``Example::``) as a bold label
+        and a bare ``::`` line dropped.
+    """
+
+    def convert(line: str) -> str | None:
+        match = _LITERAL_RE.match(line)
+        if match is None or line.lstrip().startswith(".."):
+            return line
+        indent, body = match.group("indent"), match.group("text").rstrip()
+        if not body:
+            return None
+        if re.fullmatch(r"\w+", body):
+            return f"{indent}**{body}:**"
+        return f"{indent}{body}:"
+
+    return "\n".join(line for line in map(convert, text.splitlines()) if line is not None)
 
 
 def _resolve(name: str, obj: griffe.Object) -> str | None:
@@ -113,7 +141,7 @@ class RestToMarkdown(griffe.Extension):
             return
         seen.add(obj.path)
         if obj.docstring is not None:
-            obj.docstring.value = roles(math_blocks(obj.docstring.value), obj)
+            obj.docstring.value = roles(literal_markers(math_blocks(obj.docstring.value)), obj)
         for member in obj.members.values():
             if not member.is_alias:
                 self._visit(member, seen)
