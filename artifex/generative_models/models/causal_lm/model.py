@@ -23,6 +23,7 @@ LoRA adapters (see `apply_lora`) add `<proj>.lora.lora_a` (in, r) and `<proj>.lo
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -294,7 +295,7 @@ class CausalLM(nnx.Module):
     @classmethod
     def from_pretrained(
         cls,
-        path: str,
+        path: str | os.PathLike[str],
         dtype: str | jnp.dtype | None = None,
         mesh: Mesh | None = None,
         rules: Callable[[str, tuple[int, ...]], PartitionSpec] | None = None,
@@ -314,7 +315,9 @@ class CausalLM(nnx.Module):
 
         return from_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
 
-    def save_pretrained(self, path: str, *, max_shard_size: int | str | None = None) -> None:
+    def save_pretrained(
+        self, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None
+    ) -> None:
         """Writes a Hugging Face checkpoint directory; see `hf_io.save_pretrained`.
 
         Args:

@@ -91,13 +91,16 @@ class Embed(nnx.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         """Looks up token ids.
 
+        Ids outside [0, V) are clipped into range rather than producing NaN rows (a NaN key at a
+        masked position would still poison the attention output through `0 * NaN`).
+
         Args:
             ids: Integer ids (B, T).
 
         Returns:
             Embeddings (B, T, D).
         """
-        return jnp.take(self.embedding[...], ids, axis=0)
+        return jnp.take(self.embedding[...], ids, axis=0, mode="clip")
 
 
 class Linear(nnx.Module):

@@ -230,3 +230,13 @@ def test_jit_compiles_once(model):
         ids, mask = _left_padded(np.random.default_rng(seed), 64, [3, 5], 5)
         f(state, ids, mask)
     assert len(traces) == 1
+
+
+def test_out_of_range_ids_do_not_poison_other_rows(model):
+    ids = jnp.array([[-1, 3, 4], [1, 3, 4]], jnp.int32)
+    mask = jnp.array([[0, 1, 1], [1, 1, 1]], jnp.int32)
+    out = _fwd(model, ids, mask)
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_allclose(
+        np.asarray(out[0, 1:]), np.asarray(_fwd(model, ids[:1, 1:])[0]), atol=1e-5
+    )
