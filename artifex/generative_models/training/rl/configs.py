@@ -135,6 +135,9 @@ class GRPOConfig:
             arXiv:2507.18071), clipped per sequence.
         max_grad_norm: Gradients are rescaled so their global L2 norm is at most this
             (Pascanu et al., 2013). ``None`` disables clipping (the norm is still reported).
+        temperature: Sampling temperature ``tau > 0``. The policy being optimized is
+            ``softmax(z / tau)``: completions are sampled at ``tau`` and their log-probs are
+            scored at ``tau`` in the loss (as TRL does), so the update is on-policy.
     """
 
     num_generations: int = 4
@@ -153,6 +156,7 @@ class GRPOConfig:
     max_completion_length: int | None = None
     importance_sampling_level: ImportanceSamplingLevel = "token"
     max_grad_norm: float | None = 1.0
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int("num_generations", self.num_generations)
@@ -199,6 +203,10 @@ class GRPOConfig:
                 "GRPOConfig.max_completion_length must be >= 1 or None, "
                 f"got {self.max_completion_length}"
             )
+            raise ValueError(msg)
+        _check_real("temperature", self.temperature)
+        if self.temperature <= 0.0:
+            msg = f"GRPOConfig.temperature must be > 0, got {self.temperature}"
             raise ValueError(msg)
         _check_real("max_grad_norm", self.max_grad_norm, allow_none=True)
         if self.max_grad_norm is not None and self.max_grad_norm <= 0.0:

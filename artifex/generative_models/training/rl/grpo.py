@@ -323,7 +323,8 @@ def make_grpo_loss(
         ``grpo_loss``.
     """
     graphdef, _, rest = nnx.split(model, wrt, ...)
-    log_prob_fn = default_log_prob_fn(model) if log_prob_fn is None else log_prob_fn
+    if log_prob_fn is None:
+        log_prob_fn = default_log_prob_fn(model, temperature=config.temperature)
 
     @jax.jit
     def _loss(params: nnx.State, rest: nnx.State, batch: GRPOBatch):
@@ -439,7 +440,11 @@ class GRPOTrainer:
         self.config = config
         self.reference_model = reference_model
         self.wrt = optimizer.wrt
-        self.log_prob_fn = default_log_prob_fn(model) if log_prob_fn is None else log_prob_fn
+        self.log_prob_fn = (
+            default_log_prob_fn(model, temperature=config.temperature)
+            if log_prob_fn is None
+            else log_prob_fn
+        )
         self._lora_reference = reference_model is None and _is_lora_only(model, self.wrt)
         self._warned_no_reference = False
         self._num_traces = 0

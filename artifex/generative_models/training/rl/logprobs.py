@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -200,7 +201,9 @@ def causal_lm_log_probs_fn(*, chunk_size: int | None = None, temperature: float 
     return fn
 
 
-def categorical_log_probs(model: Any, batch: GRPOBatch) -> tuple[jax.Array, jax.Array]:
+def categorical_log_probs(
+    model: Any, batch: GRPOBatch, *, temperature: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
     """Log-probs and entropies for a policy ``model(observations) -> logits``.
 
     ``logits`` of shape ``(B, V)`` score a single action per row (completion length 1);
@@ -209,6 +212,7 @@ def categorical_log_probs(model: Any, batch: GRPOBatch) -> tuple[jax.Array, jax.
     Args:
         model: Callable on ``batch.prompt_ids`` (the observations).
         batch: The batch; ``completion_ids`` holds the actions.
+        temperature: Logits are divided by it.
 
     Returns:
         ``(log_probs, entropy)``, each ``(B, T)`` float32.
@@ -217,6 +221,8 @@ def categorical_log_probs(model: Any, batch: GRPOBatch) -> tuple[jax.Array, jax.
         ValueError: If the logits' shape does not fit the actions.
     """
     logits = model(batch.prompt_ids)
+    if temperature != 1.0:
+        logits = logits / temperature
     b, t = batch.completion_ids.shape
     if logits.ndim == 2:
         logits = logits[:, None, :]
@@ -229,7 +235,7 @@ def categorical_log_probs(model: Any, batch: GRPOBatch) -> tuple[jax.Array, jax.
     return token_log_probs(logits, batch.completion_ids)
 
 
-def default_log_prob_fn(model: Any) -> LogProbFn:
+def default_log_prob_fn(model: Any, *, temperature: float = 1.0) -> LogProbFn:
     """Chooses the log-prob function for ``model``.
 
     Models with ``hidden_states`` and ``output_embedding`` methods (the library's causal LMs)
@@ -238,10 +244,13 @@ def default_log_prob_fn(model: Any) -> LogProbFn:
 
     Args:
         model: The policy.
+        temperature: Logits are divided by it (the sampling temperature).
 
     Returns:
         A log-prob function.
     """
     if hasattr(model, "hidden_states") and hasattr(model, "output_embedding"):
-        return causal_lm_log_probs_fn()
-    return categorical_log_probs
+        return causal_lm_log_probs_fn(temperature=temperature)
+    if temperature == 1.0:
+        return categorical_log_probs
+    return partial(categorical_log_probs, temperature=temperature)
