@@ -10,6 +10,10 @@ know. When the package has been loaded, this extension rewrites, in every docstr
   object's API entry (``~`` shows the last component only). Names are resolved like Python
   would, from the object's class and module; a link whose target is not rendered anywhere falls
   back to plain code, so this never breaks a strict build.
+
+It also hides the undocumented special methods of classes (``__post_init__``, ``__repr__``...),
+which the reference would otherwise list because it shows members without docstrings;
+``__init__`` (merged into the class signature) and ``__call__`` stay.
 """
 
 from __future__ import annotations
@@ -142,6 +146,14 @@ class RestToMarkdown(griffe.Extension):
         seen.add(obj.path)
         if obj.docstring is not None:
             obj.docstring.value = roles(literal_markers(math_blocks(obj.docstring.value)), obj)
+        if obj.is_class:
+            for name in [n for n, m in obj.members.items() if _hidden(n, m)]:
+                del obj.members[name]
         for member in obj.members.values():
             if not member.is_alias:
                 self._visit(member, seen)
+
+
+def _hidden(name: str, member: griffe.Object | griffe.Alias) -> bool:
+    special = name.startswith("__") and name.endswith("__")
+    return special and name not in ("__init__", "__call__") and member.docstring is None
