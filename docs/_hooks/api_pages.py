@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import re
 from pathlib import Path
 from typing import Any
@@ -56,16 +57,22 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def _dunder_all(tree: ast.Module) -> tuple[str, ...] | None:
+def _dunder_all(tree: ast.Module, module: str) -> tuple[str, ...] | None:
+    """The module's ``__all__``: read statically, or by importing it when it is computed."""
+    values = []
     for node in tree.body:
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets, value = node.targets, node.value
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            targets, value = [node.target], node.value
-        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
-            return tuple(ast.literal_eval(value))
-    return None
+        if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                values.append(node.value if isinstance(node, ast.Assign) else None)
+    if not values:
+        return None
+    if len(values) == 1 and values[0] is not None:
+        try:
+            return tuple(ast.literal_eval(values[0]))
+        except ValueError:
+            pass
+    return tuple(importlib.import_module(module).__all__)
 
 
 def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -135,7 +142,7 @@ def public_modules(root: Path = ROOT) -> list[ModuleInfo]:
 
     modules = []
     for name, tree in sorted(trees.items()):
-        public = _dunder_all(tree)
+        public = _dunder_all(tree, name)
         if public is None:
             continue
         local = tuple(n for n in public if n in defined[name])
