@@ -1,0 +1,341 @@
+"""The built-in end-to-end demo: a tiny Llama-style model learns 2-digit addition with GRPO.
+
+The task is verifiable: prompts ``"<bos>23+41="``, reference answers ``"64"``, reward 1 when
+the completion's number equals the answer (:func:`math_answer_reward`). A randomly initialized
+model cannot find the answers by chance, so the demo first runs a short supervised warm-up on a
+small part of the training problems (the usual "SFT, then RL" recipe) that leaves the model
+partly right, then trains with GRPO through the full loop (sampler, rewards, group
+normalization, clipped surrogate with a KL penalty to the warmed-up reference) and reports
+held-out greedy accuracy (pass@1) before and after, with a reward-curve plot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig, Tokenizer
+from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.grpo import GRPOTrainer
+from artifex.generative_models.training.rl.loop import TrainConfig, TrainResult, evaluate, train
+from artifex.generative_models.training.rl.rewards import math_answer_reward
+from artifex.generative_models.training.rl.rollout import RolloutConfig
+
+__all__ = [
+    "DemoConfig",
+    "addition_dataset",
+    "demo_model",
+    "demo_tokenizer",
+    "plot_rewards",
+    "run_demo",
+    "supervised_warmup",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Settings of the demo (the defaults run in about five minutes on a 2-core CPU).
+
+    Attributes:
+        seed: Seeds everything.
+        num_eval: Held-out problems for pass@1.
+        warmup_examples: Training problems seen by the supervised warm-up.
+        warmup_steps: Supervised steps.
+        grpo_steps: GRPO steps (generation batches).
+        prompts_per_step: Prompts per GRPO step.
+        num_generations: Completions per prompt (the group size).
+        learning_rate: GRPO learning rate (AdamW, constant after a short warm-up).
+        beta: KL coefficient to the warmed-up reference.
+        out_dir: Where metrics, checkpoints and the plot go (``None``: a temporary directory).
+    """
+
+    seed: int = 0
+    num_eval: int = 200
+    warmup_examples: int = 2000
+    warmup_steps: int = 500
+    grpo_steps: int = 1000
+    prompts_per_step: int = 32
+    num_generations: int = 8
+    learning_rate: float = 3e-4
+    beta: float = 0.02
+    out_dir: str | None = None
+
+
+def addition_dataset(seed: int = 0, num_eval: int = 200) -> tuple[list[dict], list[dict]]:
+    """All 2-digit additions ``a+b`` (0 <= a, b < 100), split into train and held-out rows.
+
+    Args:
+        seed: Seeds the split.
+        num_eval: Held-out rows.
+
+    Returns:
+        ``(train_rows, eval_rows)``; each row has ``prompt`` (``"a+b="``) and ``answer``.
+    """
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    order = np.random.default_rng(seed).permutation(len(pairs))
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in (pairs[i] for i in order)]
+    return rows[num_eval:], rows[:num_eval]
+
+
+def demo_tokenizer() -> Tokenizer:
+    """Character-level tokenizer over digits, ``+`` and ``=`` (pad 0, bos 1, eos 2, unk 3).
+
+    Returns:
+        The tokenizer.
+    """
+    return Tokenizer.for_characters("0123456789+=")
+
+
+def demo_model(tokenizer: Tokenizer, seed: int = 0) -> CausalLM:
+    """A tiny Llama-style model sized for the tokenizer (about 0.2M parameters).
+
+    Args:
+        tokenizer: The demo tokenizer.
+        seed: Initialization seed.
+
+    Returns:
+        The model.
+    """
+    config = CausalLMConfig.tiny(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=192,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=32,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_ids,
+        pad_token_id=tokenizer.pad_id,
+    )
+    return CausalLM(config, rngs=nnx.Rngs(seed))
+
+
+def supervised_warmup(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    rows: Sequence[dict[str, Any]],
+    *,
+    steps: int,
+    batch_size: int = 64,
+    learning_rate: float = 3e-3,
+    seed: int = 0,
+) -> list[float]:
+    """Teacher-forced next-token training on ``prompt + answer + EOS`` (answer tokens only).
+
+    Args:
+        model: The model (updated in place).
+        tokenizer: Its tokenizer.
+        rows: Rows with ``prompt`` and ``answer``.
+        steps: Optimizer steps.
+        batch_size: Rows per step.
+        learning_rate: Adam learning rate.
+        seed: Seeds the row sampling.
+
+    Returns:
+        The loss of each step.
+    """
+    seqs, masks = [], []
+    for row in rows:
+        prompt = tokenizer.encode(row["prompt"])
+        answer = [*tokenizer.encode(row["answer"], add_special_tokens=False), tokenizer.eos_ids[0]]
+        seqs.append(prompt + answer)
+        masks.append([0] * len(prompt) + [1] * len(answer))
+    width = max(len(s) for s in seqs)
+    ids = np.zeros((len(seqs), width), np.int32)
+    loss_mask = np.zeros((len(seqs), width), np.float32)
+    attn = np.zeros((len(seqs), width), np.int32)
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+        ids[i, : len(s)] = s
+        loss_mask[i, : len(m)] = m
+        attn[i, : len(s)] = 1
+    optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model: CausalLM, optimizer: nnx.Optimizer, ids, attn, loss_mask):
+        def loss_fn(m: CausalLM) -> jax.Array:
+            logits = m(ids, attention_mask=attn)[:, :-1]
+            logp = jax.nn.log_softmax(logits)
+            tok = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+            w = loss_mask[:, 1:]
+            return -jnp.sum(tok * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(steps):
+        idx = rng.integers(0, len(seqs), size=batch_size)
+        losses.append(float(step(model, optimizer, ids[idx], attn[idx], loss_mask[idx])))
+    return losses
+
+
+def plot_rewards(result: TrainResult, path: str) -> None:
+    """Writes the reward curve (mean reward per GRPO step, smoothed) to a PNG.
+
+    Args:
+        result: The training result.
+        path: The PNG path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rewards = np.asarray([m["reward_mean"] for m in result.history])
+    steps = np.arange(result.start_step + 1, result.start_step + 1 + rewards.size)
+    window = max(1, rewards.size // 20)
+    smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, rewards, alpha=0.35, label="mean reward per step")
+    ax.plot(steps[window - 1 :], smooth, label=f"moving average ({window})")
+    for step, ev in result.evaluations:
+        ax.scatter([step], [ev["eval/pass@1"]], color="black", zorder=3)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward / held-out pass@1 (dots)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="lower right")
+    ax.set_title("artifex-grpo demo: 2-digit addition")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[str, Any]:
+    """Runs the whole demo and returns its summary.
+
+    Args:
+        config: Demo settings.
+        verbose: Print progress and the summary.
+
+    Returns:
+        A JSON-able summary: accuracy and mean reward before/after, times, file paths.
+    """
+    import tempfile
+
+    cfg = DemoConfig() if config is None else config
+    out_dir = cfg.out_dir or tempfile.mkdtemp(prefix="artifex-grpo-demo-")
+    os.makedirs(out_dir, exist_ok=True)
+    say = print if verbose else (lambda *a, **k: None)
+    t_start = time.perf_counter()
+    train_rows, eval_rows = addition_dataset(cfg.seed, cfg.num_eval)
+    tokenizer = demo_tokenizer()
+    model = demo_model(tokenizer, cfg.seed)
+    say(
+        f"model: {sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))):,} "
+        f"parameters; {len(train_rows)} training / {len(eval_rows)} held-out problems"
+    )
+
+    say(f"supervised warm-up: {cfg.warmup_steps} steps on {cfg.warmup_examples} problems ...")
+    t0 = time.perf_counter()
+    sft_losses = supervised_warmup(
+        model,
+        tokenizer,
+        train_rows[: cfg.warmup_examples],
+        steps=cfg.warmup_steps,
+        seed=cfg.seed,
+    )
+    t_warmup = time.perf_counter() - t0
+
+    reference = nnx.clone(model)
+    schedule = optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, cfg.learning_rate, 10),
+            optax.constant_schedule(cfg.learning_rate),
+        ],
+        [10],
+    )
+    optimizer = nnx.Optimizer(
+        model,
+        optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.0),
+        wrt=nnx.Param,
+    )
+    grpo = GRPOConfig(
+        num_generations=cfg.num_generations,
+        beta=cfg.beta,
+        entropy_coeff=0.0,
+        loss_aggregation="token_mean",
+        clip_param=0.2,
+        clip_param_high=0.28,
+    )
+    trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference)
+    reward = math_answer_reward(last_number_fallback=True)
+    rollout_config = RolloutConfig(max_new_tokens=4)
+
+    def measure() -> dict[str, float]:
+        return evaluate(trainer, tokenizer, eval_rows, reward, rollout_config)
+
+    before = measure()
+    say(
+        f"after warm-up: held-out pass@1 {before['eval/pass@1']:.3f} "
+        f"(warm-up loss {sft_losses[0]:.2f} -> {sft_losses[-1]:.2f}, {t_warmup:.0f} s)"
+    )
+    say(
+        f"GRPO: {cfg.grpo_steps} steps x {cfg.prompts_per_step} prompts x "
+        f"{cfg.num_generations} completions ..."
+    )
+    t0 = time.perf_counter()
+    result = train(
+        trainer,
+        tokenizer,
+        train_rows,
+        [reward],
+        TrainConfig(
+            num_steps=cfg.grpo_steps,
+            prompts_per_step=cfg.prompts_per_step,
+            seed=cfg.seed,
+            eval_every=max(cfg.grpo_steps // 5, 1),
+            log_dir=os.path.join(out_dir, "logs"),
+            checkpoint_dir=os.path.join(out_dir, "checkpoints"),
+            checkpoint_every=max(cfg.grpo_steps // 3, 1),
+            progress=verbose,
+        ),
+        rollout_config,
+        eval_dataset=eval_rows,
+        eval_reward=reward,
+    )
+    t_grpo = time.perf_counter() - t0
+    after = result.evaluations[-1][1]
+    first = float(np.mean([m["reward_mean"] for m in result.history[:10]]))
+    last = float(np.mean([m["reward_mean"] for m in result.history[-10:]]))
+    plot_path = os.path.join(out_dir, "reward_curve.png")
+    plot_rewards(result, plot_path)
+    summary = {
+        "held_out_pass@1_before": before["eval/pass@1"],
+        "held_out_pass@1_after": after["eval/pass@1"],
+        "train_reward_first_10_steps": first,
+        "train_reward_last_10_steps": last,
+        "warmup_seconds": round(t_warmup, 1),
+        "grpo_seconds": round(t_grpo, 1),
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+        "reward_curve": plot_path,
+        "metrics": os.path.join(out_dir, "logs", "metrics.jsonl"),
+        "out_dir": out_dir,
+    }
+    with open(os.path.join(out_dir, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+    say("")
+    say(f"mean training reward: {first:.3f} (first 10 steps) -> {last:.3f} (last 10 steps)")
+    say(
+        f"held-out pass@1:      {before['eval/pass@1']:.3f} (before GRPO) -> "
+        f"{after['eval/pass@1']:.3f} (after)"
+    )
+    say(f"reward curve: {plot_path}")
+    say(
+        f"time: warm-up {t_warmup:.0f} s, GRPO {t_grpo:.0f} s, "
+        f"total {summary['total_seconds']:.0f} s"
+    )
+    return summary

@@ -1,0 +1,566 @@
+"""The whole GRPO training loop: rollouts, ``mu`` iterations, logging, evaluation, checkpoints.
+
+Each step (Algorithm 1 of DeepSeekMath, outer loop):
+
+1. take ``prompts_per_step`` rows of the dataset (shuffled per epoch, deterministically);
+2. roll out ``num_generations`` completions per prompt and score them
+   (:func:`~artifex.generative_models.training.rl.rollout.rollout`); with dynamic sampling
+   (DAPO) drop the groups whose rewards are all equal and refill from further rows;
+3. normalize rewards within groups over the whole generation batch;
+4. run ``num_iterations`` (GRPO's ``mu``) passes over the batch, each split into
+   ``num_minibatches`` optimizer updates, each accumulating gradients over
+   ``gradient_accumulation_steps`` microbatches (the update does not depend on the split);
+5. log the metrics (JSONL every step, TensorBoard when installed, a progress bar), evaluate
+   pass@1 on held-out prompts every ``eval_every`` steps, checkpoint every ``checkpoint_every``.
+
+Everything random derives from ``seed`` and the step number, and the data position is saved in
+checkpoints, so a run interrupted at step ``k`` and resumed reaches the same parameters at step
+``n`` as the uninterrupted run.
+
+References:
+    Shao et al., 2024, "DeepSeekMath", arXiv:2402.03300, Algorithm 1.
+    Yu et al., 2025, "DAPO", arXiv:2503.14476 (dynamic sampling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from artifex.generative_models.inference.sampling import generate
+from artifex.generative_models.training.checkpointing import (
+    CheckpointManager,
+    training_fingerprint,
+)
+from artifex.generative_models.training.logging import MetricLogger
+from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.grpo import compute_advantages
+from artifex.generative_models.training.rl.rewards import RewardCombiner
+from artifex.generative_models.training.rl.rollout import (
+    Rollout,
+    RolloutConfig,
+    encode_prompts,
+    rollout,
+)
+
+__all__ = ["DataIterator", "TrainConfig", "TrainResult", "concat_batches", "evaluate", "train"]
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        msg = f"TrainConfig.{name} must be an int >= {minimum}, got {value!r}"
+        raise ValueError(msg)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Settings of the training loop (the objective's are in ``GRPOConfig``).
+
+    Attributes:
+        num_steps: Generation batches to train on (outer steps).
+        prompts_per_step: Prompts per generation batch; the batch has
+            ``prompts_per_step * num_generations`` rows.
+        num_iterations: GRPO's ``mu``: optimization passes over each generation batch.
+        num_minibatches: Optimizer updates per pass, each on an equal slice of the batch rows
+            (shuffled per pass); advantages are computed on the whole batch first.
+        gradient_accumulation_steps: Microbatches accumulated into each update inside the
+            compiled step (same update, less memory).
+        shuffle: Shuffle the dataset each epoch (deterministically from ``seed``).
+        seed: Seeds the data order and every PRNG key of the run.
+        dynamic_sampling: Drop groups whose rewards are all equal and refill from further
+            prompts (DAPO); groups are then handled by the segment form of the kernel.
+        max_resample_rounds: Extra rollouts allowed per step to refill; if the batch is still
+            short, zero-variance groups fill it (their advantages are 0).
+        eval_every: Evaluate every this many steps (0: only before and after training, when
+            an evaluation set is given).
+        pass_threshold: A greedy completion passes (pass@1) when its evaluation reward is at
+            least this.
+        log_dir: Directory for ``metrics.jsonl`` and TensorBoard events (``None``: no files).
+        checkpoint_dir: Orbax checkpoint directory (``None``: no checkpoints).
+        checkpoint_every: Save every this many steps (0: only at the end).
+        keep_checkpoints: Keep the newest this many checkpoints.
+        resume: Continue from the newest checkpoint in ``checkpoint_dir`` if there is one.
+        progress: Show a progress bar.
+    """
+
+    num_steps: int
+    prompts_per_step: int = 8
+    num_iterations: int = 1
+    num_minibatches: int = 1
+    gradient_accumulation_steps: int = 1
+    shuffle: bool = True
+    seed: int = 0
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 4
+    eval_every: int = 0
+    pass_threshold: float = 1.0
+    log_dir: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_steps",
+            "prompts_per_step",
+            "num_iterations",
+            "num_minibatches",
+            "gradient_accumulation_steps",
+            "keep_checkpoints",
+        ):
+            _positive_int(name, getattr(self, name))
+        for name in ("max_resample_rounds", "eval_every", "checkpoint_every", "seed"):
+            _positive_int(name, getattr(self, name), minimum=0)
+        if not isinstance(self.pass_threshold, int | float) or not math.isfinite(
+            self.pass_threshold
+        ):
+            msg = f"TrainConfig.pass_threshold must be a finite number, got {self.pass_threshold!r}"
+            raise ValueError(msg)
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings a resumed run must share (they shape batches and the data order)."""
+        return {
+            "prompts_per_step": self.prompts_per_step,
+            "num_iterations": self.num_iterations,
+            "num_minibatches": self.num_minibatches,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "dynamic_sampling": self.dynamic_sampling,
+            "max_resample_rounds": self.max_resample_rounds,
+        }
+
+
+class DataIterator:
+    """Deterministic, resumable pass over a dataset of rows, epoch after epoch.
+
+    The order of epoch ``e`` is a permutation drawn from ``(seed, e)``; the position is
+    ``(epoch, index)`` and can be saved and restored.
+
+    Args:
+        dataset: Rows (mappings), indexable.
+        seed: Seeds the per-epoch permutations.
+        shuffle: Shuffle each epoch.
+    """
+
+    def __init__(self, dataset: Sequence[Mapping[str, Any]], *, seed: int, shuffle: bool):
+        if len(dataset) == 0:
+            msg = "the dataset is empty"
+            raise ValueError(msg)
+        self.dataset = dataset
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.index = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        n = len(self.dataset)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    def take(self, n: int) -> list[Mapping[str, Any]]:
+        """The next ``n`` rows (crossing into the next epoch as needed).
+
+        Args:
+            n: How many rows.
+
+        Returns:
+            The rows.
+        """
+        rows = []
+        while len(rows) < n:
+            if self.index == len(self.dataset):
+                self.epoch += 1
+                self.index = 0
+                self._order = self._permutation(self.epoch)
+            rows.append(self.dataset[int(self._order[self.index])])
+            self.index += 1
+        return rows
+
+    def state(self) -> dict[str, int]:
+        """The position, JSON-able.
+
+        Returns:
+            ``{"epoch": ..., "index": ...}``.
+        """
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: Mapping[str, int]) -> None:
+        """Moves to a saved position.
+
+        Args:
+            state: What :meth:`state` returned.
+        """
+        self.epoch = int(state["epoch"])
+        self.index = int(state["index"])
+        self._order = self._permutation(self.epoch)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What :func:`train` returns.
+
+    Attributes:
+        history: One metrics dict per step trained in this call.
+        evaluations: ``(step, metrics)`` of each evaluation.
+        start_step: The step the call started from (0, or the resumed checkpoint's).
+    """
+
+    history: list[dict[str, float]]
+    evaluations: list[tuple[int, dict[str, float]]]
+    start_step: int
+
+
+# ------------------------------------------------------------------------------ batches
+def concat_batches(batches: Sequence[GRPOBatch]) -> GRPOBatch:
+    """Concatenates batches row-wise, left-padding prompts to a common width.
+
+    Args:
+        batches: Batches with the same completion width and the same optional fields.
+
+    Returns:
+        One batch (group size of the first).
+    """
+    width = max(b.prompt_ids.shape[1] for b in batches)
+
+    def left_pad(x: jax.Array | None) -> jax.Array | None:
+        if x is None or x.shape[1] == width:
+            return x
+        return jnp.pad(x, ((0, 0), (width - x.shape[1], 0)))
+
+    padded = [
+        b.replace(prompt_ids=left_pad(b.prompt_ids), prompt_mask=left_pad(b.prompt_mask))
+        for b in batches
+    ]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *padded)
+
+
+def _take_rows(batch: GRPOBatch, rows: np.ndarray) -> GRPOBatch:
+    idx = jnp.asarray(rows)
+    return jax.tree.map(lambda x: x[idx], batch)
+
+
+def _nonconstant_groups(rewards: np.ndarray, g: int) -> np.ndarray:
+    """Per group: True when its valid rewards are not all equal (the group has signal)."""
+    r = rewards.reshape(-1, g)
+    out = np.zeros(r.shape[0], bool)
+    for i, row in enumerate(r):
+        v = row[~np.isnan(row)]
+        out[i] = v.size >= 2 and v.max() > v.min()
+    return out
+
+
+# ------------------------------------------------------------------------------ evaluation
+def evaluate(
+    trainer: Any,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    reward_fn: Callable[..., Sequence[float | None]],
+    rollout_config: RolloutConfig,
+    *,
+    pass_threshold: float = 1.0,
+    batch_size: int = 64,
+) -> dict[str, float]:
+    """Greedy pass@1 and mean reward on held-out rows.
+
+    One greedy completion per prompt; ``pass@1`` is the fraction of prompts whose completion
+    scores at least ``pass_threshold`` (rows without a reward count as failures).
+
+    Args:
+        trainer: The trainer (its model generates).
+        tokenizer: The tokenizer.
+        rows: Evaluation rows.
+        reward_fn: Scores completions like a training reward function.
+        rollout_config: Prompt column, ``max_new_tokens``, prompt length limit.
+        pass_threshold: Reward needed to pass.
+        batch_size: Prompts per generation call.
+
+    Returns:
+        ``{"eval/pass@1": ..., "eval/reward_mean": ...}``.
+    """
+    scores: list[float] = []
+    for start in range(0, len(rows), batch_size):
+        chunk = list(rows[start : start + batch_size])
+        texts, ids, mask = encode_prompts(
+            tokenizer,
+            chunk,
+            prompt_column=rollout_config.prompt_column,
+            max_prompt_length=rollout_config.max_prompt_length,
+        )
+        out = generate(
+            trainer.model,
+            ids,
+            mask,
+            key=jax.random.key(0),
+            num_generations=1,
+            max_new_tokens=rollout_config.max_new_tokens,
+            temperature=0.0,
+            eos_ids=tokenizer.eos_ids,
+            pad_id=tokenizer.pad_id,
+        )
+        comp, lengths = jax.device_get((out.completion_ids, out.lengths))
+        completions = tokenizer.batch_decode(
+            [c[:n] for c, n in zip(comp, lengths, strict=True)], skip_special_tokens=True
+        )
+        names = sorted({k for r in chunk for k in r} - {rollout_config.prompt_column})
+        columns = {k: [r.get(k) for r in chunk] for k in names}
+        columns["completion_length"] = [int(n) for n in lengths]
+        values = reward_fn(texts, completions, **columns)
+        scores += [float("nan") if v is None else float(v) for v in values]
+    s = np.asarray(scores, np.float64)
+    valid = ~np.isnan(s)
+    return {
+        "eval/pass@1": float(np.mean(np.where(valid, s, -np.inf) >= pass_threshold)),
+        "eval/reward_mean": float(s[valid].mean()) if valid.any() else float("nan"),
+    }
+
+
+# ------------------------------------------------------------------------------ the loop
+def _learning_rate(trainer: Any) -> float | None:
+    """The current learning rate when the optimizer uses ``optax.inject_hyperparams``."""
+    state = trainer.optimizer.opt_state
+    for node in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "hyperparams")):
+        hp = getattr(node, "hyperparams", None)
+        if isinstance(hp, Mapping) and "learning_rate" in hp:
+            return float(jnp.asarray(hp["learning_rate"]))
+    return None
+
+
+def _rollout_step(
+    trainer: Any,
+    tokenizer: Any,
+    data: DataIterator,
+    rewards: RewardCombiner,
+    rcfg: RolloutConfig,
+    cfg: TrainConfig,
+    key: jax.Array,
+) -> tuple[Rollout, GRPOBatch, dict[str, float]]:
+    need_old = cfg.num_iterations > 1 or cfg.num_minibatches > 1
+    g = trainer.config.num_generations
+    n = cfg.prompts_per_step
+    first = rollout(
+        trainer,
+        tokenizer,
+        data.take(n),
+        rewards,
+        rcfg,
+        key=jax.random.fold_in(key, 0),
+        need_old_log_probs=need_old,
+    )
+    info: dict[str, float] = {}
+    if not cfg.dynamic_sampling:
+        return first, first.batch, info
+    kept: list[GRPOBatch] = []
+    dropped: list[GRPOBatch] = []
+    rollouts = [first]
+    kept_groups = 0
+    total_groups = 0
+    for round_ in range(cfg.max_resample_rounds + 1):
+        if round_ > 0:
+            if kept_groups >= n:
+                break
+            rollouts.append(
+                rollout(
+                    trainer,
+                    tokenizer,
+                    data.take(n),
+                    rewards,
+                    rcfg,
+                    key=jax.random.fold_in(key, round_),
+                    need_old_log_probs=need_old,
+                )
+            )
+        ro = rollouts[-1]
+        good = _nonconstant_groups(np.asarray(ro.batch.rewards), g)
+        total_groups += good.size
+        for i, ok in enumerate(good):
+            rows = np.arange(i * g, (i + 1) * g)
+            (kept if ok else dropped).append(_take_rows(ro.batch, rows))
+        kept_groups = len(kept)
+    groups = (kept + dropped)[:n]
+    batch = concat_batches(groups)
+    batch = batch.replace(group_ids=jnp.repeat(jnp.arange(n, dtype=jnp.int32), g))
+    info = {
+        "dynamic_sampling/rounds": float(len(rollouts)),
+        "dynamic_sampling/kept_fraction": float(kept_groups / max(total_groups, 1)),
+        "dynamic_sampling/zero_std_filled": float(max(n - kept_groups, 0)),
+    }
+    return first, batch, info
+
+
+def _host_reward_metrics(batch: GRPOBatch) -> dict[str, float]:
+    r = np.asarray(batch.rewards, np.float64)
+    valid = ~np.isnan(r)
+    return {
+        "reward_mean": float(r[valid].mean()) if valid.any() else float("nan"),
+        "reward_std": float(r[valid].std()) if valid.any() else float("nan"),
+    }
+
+
+def train(
+    trainer: Any,
+    tokenizer: Any,
+    dataset: Sequence[Mapping[str, Any]],
+    rewards: RewardCombiner | Callable[..., Any] | Sequence[Callable[..., Any]],
+    config: TrainConfig,
+    rollout_config: RolloutConfig | None = None,
+    *,
+    eval_dataset: Sequence[Mapping[str, Any]] | None = None,
+    eval_reward: Callable[..., Sequence[float | None]] | None = None,
+) -> TrainResult:
+    """Trains ``trainer``'s policy with GRPO on prompts from ``dataset``.
+
+    Args:
+        trainer: A :class:`~artifex.generative_models.training.rl.grpo.GRPOTrainer` on a causal
+            LM.
+        tokenizer: Its tokenizer.
+        dataset: Rows (mappings) with a prompt column and whatever the rewards read.
+        rewards: A :class:`RewardCombiner`, one reward function or a list of them (summed).
+        config: Loop settings.
+        rollout_config: Generation settings (defaults to ``RolloutConfig()``).
+        eval_dataset: Held-out rows for pass@1 (optional).
+        eval_reward: Scores evaluation completions; defaults to the first reward function.
+
+    Returns:
+        A :class:`TrainResult`.
+
+    Raises:
+        ValueError: Bad dataset rows, reward outputs or settings (before any update).
+        IncompatibleCheckpointError: Resuming from a checkpoint written by another setup.
+    """
+    rcfg = RolloutConfig() if rollout_config is None else rollout_config
+    if not isinstance(rewards, RewardCombiner):
+        funcs = list(rewards) if isinstance(rewards, Sequence) else [rewards]
+        rewards = RewardCombiner(funcs)
+    if eval_reward is None:
+        eval_reward = rewards.funcs[0]
+    rows_per_batch = config.prompts_per_step * trainer.config.num_generations
+    per_update = rows_per_batch // config.num_minibatches
+    if rows_per_batch % config.num_minibatches or per_update % config.gradient_accumulation_steps:
+        msg = (
+            f"the {rows_per_batch} rows of a generation batch (prompts_per_step * "
+            f"num_generations) must split into num_minibatches={config.num_minibatches} "
+            f"updates of gradient_accumulation_steps={config.gradient_accumulation_steps} "
+            "equal microbatches"
+        )
+        raise ValueError(msg)
+    prompt_column = rcfg.prompt_column
+    for i, row in enumerate(dataset):
+        if not isinstance(row, Mapping) or prompt_column not in row:
+            msg = f"dataset row {i} has no prompt column {prompt_column!r}"
+            raise ValueError(msg)
+
+    data = DataIterator(dataset, seed=config.seed, shuffle=config.shuffle)
+    base_key = jax.random.key(config.seed)
+    fingerprint = training_fingerprint(
+        trainer, loop=config.fingerprint, max_new_tokens=rcfg.max_new_tokens
+    )
+    manager = None
+    start_step = 0
+    if config.checkpoint_dir is not None:
+        manager = CheckpointManager(config.checkpoint_dir, max_to_keep=config.keep_checkpoints)
+        if config.resume and manager.latest_step() is not None:
+            meta = manager.restore(trainer, fingerprint=fingerprint)
+            start_step = int(meta["step"])
+            data.restore(meta["data"])
+            base_key = jax.random.wrap_key_data(jnp.asarray(meta["key"], jnp.uint32))
+
+    logger = MetricLogger(
+        jsonl_path=None
+        if config.log_dir is None
+        else os.path.join(config.log_dir, "metrics.jsonl"),
+        tensorboard_dir=None if config.log_dir is None else os.path.join(config.log_dir, "tb"),
+        progress_total=config.num_steps if config.progress else None,
+        progress_initial=start_step,
+    )
+    history: list[dict[str, float]] = []
+    evaluations: list[tuple[int, dict[str, float]]] = []
+
+    def run_eval(step: int) -> None:
+        if eval_dataset is None:
+            return
+        metrics = evaluate(
+            trainer,
+            tokenizer,
+            eval_dataset,
+            eval_reward,
+            rcfg,
+            pass_threshold=config.pass_threshold,
+        )
+        evaluations.append((step, metrics))
+        logger.log(step, metrics, advance=False)
+
+    def save(step: int) -> None:
+        if manager is None or manager.latest_step() == step:
+            return
+        manager.save(
+            step,
+            trainer,
+            {
+                "step": step,
+                "data": data.state(),
+                "key": np.asarray(jax.random.key_data(base_key)).tolist(),
+                "fingerprint": fingerprint,
+            },
+        )
+
+    try:
+        if start_step == 0:
+            run_eval(0)
+        for step in range(start_step + 1, config.num_steps + 1):
+            t0 = time.perf_counter()
+            key = jax.random.fold_in(base_key, step)
+            ro, batch, info = _rollout_step(trainer, tokenizer, data, rewards, rcfg, config, key)
+            t_rollout = time.perf_counter() - t0
+            if config.num_minibatches > 1:
+                batch = batch.replace(
+                    advantages=compute_advantages(trainer.prepare_batch(batch), trainer.config)
+                )
+            updates: list[dict[str, float]] = []
+            rows = batch.batch_size
+            for it in range(config.num_iterations):
+                order = np.arange(rows)
+                if config.num_minibatches > 1:
+                    perm_key = jax.random.fold_in(jax.random.fold_in(key, 1000), it)
+                    order = np.asarray(jax.random.permutation(perm_key, rows))
+                for part in np.split(order, config.num_minibatches):
+                    mb = batch if config.num_minibatches == 1 else _take_rows(batch, part)
+                    updates.append(
+                        trainer.train_step(mb, num_microbatches=config.gradient_accumulation_steps)
+                    )
+            metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
+            metrics.update(_host_reward_metrics(batch))
+            metrics.update(ro.metrics())
+            metrics.update(info)
+            lr = _learning_rate(trainer)
+            if lr is not None:
+                metrics["learning_rate"] = lr
+            metrics["rollout_time"] = t_rollout
+            metrics["step_time"] = time.perf_counter() - t0
+            history.append(metrics)
+            logger.log(step, metrics)
+            if config.eval_every and step % config.eval_every == 0 and step != config.num_steps:
+                run_eval(step)
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                save(step)
+        if start_step < config.num_steps:
+            run_eval(config.num_steps)
+            save(config.num_steps)
+    finally:
+        logger.close()
+        if manager is not None:
+            manager.close()
+    return TrainResult(history=history, evaluations=evaluations, start_step=start_step)

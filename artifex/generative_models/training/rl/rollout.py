@@ -1,0 +1,298 @@
+"""Rollouts: dataset rows -> K sampled completions per prompt -> rewards -> a ``GRPOBatch``.
+
+``rollout(trainer, tokenizer, rows, rewards, config, key=...)`` tokenizes each row's prompt
+(a string, or a list of chat messages rendered with the tokenizer's chat template), left-pads the
+prompts, samples ``num_generations`` completions per prompt with the compiled KV-cache sampler,
+decodes them, scores them with the reward functions (dataset columns repeated per generation,
+plus ``completion_length`` in tokens), and assembles the prompt-major ``GRPOBatch``.
+
+Old log-probs (needed when the policy changes between updates on one generation batch, i.e.
+``num_iterations > 1`` or several minibatches) come from the sampler when its distribution is
+the one the loss scores (no top-k/top-p truncation, float32 parameters), and are otherwise
+recomputed by the training graph. Reference log-probs are computed once per batch in that case
+(``beta > 0``, a frozen reference model or the LoRA-disabled base); with a single update per
+batch the trainer computes them inside its compiled step instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from artifex.generative_models.inference.sampling import generate
+from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.rewards import RewardCombiner
+
+__all__ = ["Rollout", "RolloutConfig", "encode_prompts", "rollout"]
+
+OldLogProbs = Literal["auto", "sampler", "recompute"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    """How prompts become scored completions.
+
+    The group size and the temperature come from the trainer's ``GRPOConfig``
+    (``num_generations``, ``temperature``).
+
+    Attributes:
+        max_new_tokens: Most tokens per completion (DAPO's overlong penalty can use it).
+        top_k: Sample among the ``top_k`` most likely tokens only (``None``: all).
+        top_p: Nucleus mass in (0, 1] (1: off).
+        prompt_column: Dataset column holding the prompt (a string or chat messages).
+        max_prompt_length: Longest prompt allowed, in tokens; a longer one is an error
+            (prompts are never truncated silently). ``None``: limited by the model's positions.
+        old_log_probs: Where old log-probs come from when they are needed: ``"sampler"``,
+            ``"recompute"`` (a forward pass of the training graph), or ``"auto"`` (the sampler's
+            when its distribution is the one the loss scores, else recompute).
+    """
+
+    max_new_tokens: int = 128
+    top_k: int | None = None
+    top_p: float = 1.0
+    prompt_column: str = "prompt"
+    max_prompt_length: int | None = None
+    old_log_probs: OldLogProbs = "auto"
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or (self.max_new_tokens < 1)
+        ):
+            msg = f"RolloutConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}"
+            raise ValueError(msg)
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            msg = f"RolloutConfig.top_k must be an int >= 1 or None, got {self.top_k!r}"
+            raise ValueError(msg)
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            msg = f"RolloutConfig.top_p must be in (0, 1], got {self.top_p!r}"
+            raise ValueError(msg)
+        if not isinstance(self.prompt_column, str) or not self.prompt_column:
+            msg = f"RolloutConfig.prompt_column must be a non-empty str, got {self.prompt_column!r}"
+            raise ValueError(msg)
+        if self.max_prompt_length is not None and (
+            not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1
+        ):
+            msg = (
+                "RolloutConfig.max_prompt_length must be an int >= 1 or None, "
+                f"got {self.max_prompt_length!r}"
+            )
+            raise ValueError(msg)
+        if self.old_log_probs not in ("auto", "sampler", "recompute"):
+            msg = (
+                "RolloutConfig.old_log_probs must be 'auto', 'sampler' or 'recompute', "
+                f"got {self.old_log_probs!r}"
+            )
+            raise ValueError(msg)
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One generation batch and what the loop logs about it.
+
+    Attributes:
+        batch: The prompt-major ``GRPOBatch`` (``num_prompts * num_generations`` rows).
+        rows: The dataset rows, one per prompt.
+        prompts: The prompt texts as the model saw them (after the chat template).
+        completions: The decoded completions, one per batch row.
+        rewards_per_function: ``(B, F)`` raw rewards of each function (NaN: none).
+        reward_names: The functions' names.
+        truncated: ``(B,)`` rows that hit ``max_new_tokens`` without EOS.
+    """
+
+    batch: GRPOBatch
+    rows: list[Mapping[str, Any]]
+    prompts: list[str]
+    completions: list[str]
+    rewards_per_function: np.ndarray
+    reward_names: list[str]
+    truncated: np.ndarray
+
+    def metrics(self) -> dict[str, float]:
+        """Per-rollout statistics: each reward function's mean, truncation rate, lengths.
+
+        Returns:
+            Scalar metrics.
+        """
+        out = {}
+        for name, column in zip(self.reward_names, self.rewards_per_function.T, strict=True):
+            valid = ~np.isnan(column)
+            out[f"rewards/{name}"] = float(column[valid].mean()) if valid.any() else float("nan")
+        lengths = np.asarray(self.batch.completion_mask).sum(axis=1)
+        out["completion_length_max"] = float(lengths.max())
+        out["truncated_fraction"] = float(np.mean(self.truncated))
+        return out
+
+
+def _prompt_text(tokenizer: Any, prompt: Any, row: int, column: str) -> tuple[str, list[int]]:
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
+        text = tokenizer.apply_chat_template(
+            list(prompt), add_generation_prompt=True, tokenize=False
+        )
+        return text, tokenizer.encode(text, add_special_tokens=False)
+    msg = (
+        f"row {row}: column {column!r} must hold a string or a list of chat messages "
+        f"(dicts with 'role' and 'content'), got {type(prompt).__name__}"
+    )
+    raise TypeError(msg)
+
+
+def encode_prompts(
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    prompt_column: str = "prompt",
+    max_prompt_length: int | None = None,
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Tokenizes and left-pads the prompts of ``rows``.
+
+    Args:
+        tokenizer: A :class:`~artifex.generative_models.models.causal_lm.Tokenizer`.
+        rows: Dataset rows (mappings).
+        prompt_column: The column with the prompt.
+        max_prompt_length: Longest allowed prompt in tokens (error beyond).
+
+    Returns:
+        ``(texts, ids (N, P) int32, mask (N, P) int32)``.
+
+    Raises:
+        ValueError: A row lacks the prompt column, a prompt is empty or too long.
+    """
+    texts, encoded = [], []
+    for i, row in enumerate(rows):
+        if prompt_column not in row:
+            msg = (
+                f"dataset row {i} has no prompt column {prompt_column!r} "
+                f"(it has {sorted(row)}); set prompt_column to the right name"
+            )
+            raise ValueError(msg)
+        text, ids = _prompt_text(tokenizer, row[prompt_column], i, prompt_column)
+        if not ids:
+            msg = f"dataset row {i}: the prompt encodes to no tokens"
+            raise ValueError(msg)
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            msg = (
+                f"dataset row {i}: the prompt has {len(ids)} tokens, more than "
+                f"max_prompt_length={max_prompt_length} (prompts are never truncated)"
+            )
+            raise ValueError(msg)
+        texts.append(text)
+        encoded.append(ids)
+    ids, mask = tokenizer.pad_batch(encoded, side="left")
+    return texts, np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+
+
+def _repeat_columns(
+    rows: Sequence[Mapping[str, Any]], k: int, exclude: str
+) -> dict[str, list[Any]]:
+    names = sorted({name for row in rows for name in row} - {exclude})
+    return {name: [row.get(name) for row in rows for _ in range(k)] for name in names}
+
+
+def _sampler_matches_loss(trainer: Any, config: RolloutConfig) -> bool:
+    """Whether the sampler's log-probs are the ones the loss scores."""
+    dtype = getattr(trainer.model, "dtype", jnp.float32)
+    return config.top_k is None and config.top_p >= 1.0 and jnp.dtype(dtype) == jnp.float32
+
+
+def rollout(
+    trainer: Any,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    rewards: RewardCombiner,
+    config: RolloutConfig,
+    *,
+    key: jax.Array,
+    need_old_log_probs: bool = False,
+) -> Rollout:
+    """Samples ``num_generations`` completions per row, scores them and builds the batch.
+
+    Args:
+        trainer: The :class:`~artifex.generative_models.training.rl.grpo.GRPOTrainer` (its
+            model samples; its config gives ``num_generations`` and ``temperature``).
+        tokenizer: The tokenizer (encode, decode, pad, chat template, EOS/pad ids).
+        rows: Dataset rows, one per prompt.
+        rewards: The reward functions and how they combine.
+        config: Rollout settings.
+        key: PRNG key for sampling.
+        need_old_log_probs: Fill ``old_log_probs`` (and ``ref_log_probs`` when the trainer
+            has a reference and ``beta > 0``): needed when the policy changes between updates
+            on this batch.
+
+    Returns:
+        A :class:`Rollout`.
+
+    Raises:
+        ValueError: Missing prompt column, empty or too-long prompts, a reward function with
+            the wrong output (see the rewards module).
+    """
+    if not rows:
+        msg = "rollout needs at least one dataset row"
+        raise ValueError(msg)
+    grpo = trainer.config
+    k = grpo.num_generations
+    texts, ids, mask = encode_prompts(
+        tokenizer,
+        rows,
+        prompt_column=config.prompt_column,
+        max_prompt_length=config.max_prompt_length,
+    )
+    out = generate(
+        trainer.model,
+        ids,
+        mask,
+        key=key,
+        num_generations=k,
+        max_new_tokens=config.max_new_tokens,
+        temperature=grpo.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        eos_ids=tokenizer.eos_ids,
+        pad_id=tokenizer.pad_id,
+    )
+    completion_ids, lengths, truncated = jax.device_get(
+        (out.completion_ids, out.lengths, out.truncated)
+    )
+    completions = tokenizer.batch_decode(
+        [row[:n] for row, n in zip(completion_ids, lengths, strict=True)],
+        skip_special_tokens=True,
+    )
+    columns = _repeat_columns(rows, k, exclude=config.prompt_column)
+    if "completion_length" in columns:
+        msg = "dataset column 'completion_length' clashes with the rollout's own column"
+        raise ValueError(msg)
+    columns["completion_length"] = [int(n) for n in lengths]
+    prompts_rep = [t for t in texts for _ in range(k)]
+    combined = rewards(prompts_rep, completions, **columns)
+    batch = GRPOBatch(
+        prompt_ids=out.prompt_ids,
+        prompt_mask=out.prompt_mask,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        rewards=jnp.asarray(combined.total, jnp.float32),
+        group_size=k,
+    )
+    if need_old_log_probs:
+        use_sampler = config.old_log_probs == "sampler" or (
+            config.old_log_probs == "auto" and _sampler_matches_loss(trainer, config)
+        )
+        if use_sampler:
+            batch = batch.replace(old_log_probs=out.log_probs)
+        batch = trainer.compute_log_probs(batch)
+    return Rollout(
+        batch=batch,
+        rows=list(rows),
+        prompts=texts,
+        completions=completions,
+        rewards_per_function=np.asarray(combined.per_function),
+        reward_names=list(rewards.names),
+        truncated=np.asarray(truncated),
+    )
