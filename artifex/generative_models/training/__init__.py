@@ -1,7 +1,8 @@
-"""Training: the GRPO trainer and its numeric core.
+"""Training: the GRPO trainer, its numeric core, and sharding over a device mesh.
 
 ``from artifex.generative_models.training import GRPOConfig, GRPOTrainer`` is the entry point;
-every RL name is also available from :mod:`artifex.generative_models.training.rl`.
+every RL name is also available from :mod:`artifex.generative_models.training.rl`, every
+sharding name from :mod:`artifex.generative_models.training.sharding`.
 """
 
 from artifex.generative_models.training.rl import (
@@ -14,14 +15,46 @@ from artifex.generative_models.training.rl import (
     make_grpo_loss,
     segment_advantages,
 )
+from artifex.generative_models.training.sharding import (
+    CAUSAL_LM_RULES,
+    DATA_AXES,
+    MESH_AXES,
+    PartitionRules,
+    batch_partition_spec,
+    current_mesh,
+    is_primary_process,
+    make_mesh,
+    num_data_shards,
+    process_row_range,
+    shard_batch,
+    shard_model,
+    shard_optimizer,
+    state_partition_specs,
+    state_shardings,
+)
 
 __all__ = [
+    "CAUSAL_LM_RULES",
+    "DATA_AXES",
+    "MESH_AXES",
     "GRPOBatch",
     "GRPOConfig",
     "GRPOTrainer",
     "NonFiniteUpdateError",
+    "PartitionRules",
+    "batch_partition_spec",
+    "current_mesh",
     "group_advantages",
     "grpo_objective",
+    "is_primary_process",
     "make_grpo_loss",
+    "make_mesh",
+    "num_data_shards",
+    "process_row_range",
     "segment_advantages",
+    "shard_batch",
+    "shard_model",
+    "shard_optimizer",
+    "state_partition_specs",
+    "state_shardings",
 ]

@@ -21,19 +21,27 @@ equals ``total_loss`` because all three use the same aggregation.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from artifex.generative_models.training.rl import advantages as adv_lib
 from artifex.generative_models.training.rl import losses
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.logprobs import LogProbFn, default_log_prob_fn
+from artifex.generative_models.training.sharding import (
+    PartitionRules,
+    current_mesh,
+    shard_batch,
+    shard_model,
+    shard_optimizer,
+)
 
 __all__ = [
     "GRPOTrainer",
@@ -405,6 +413,14 @@ class GRPOTrainer:
         config: GRPO options; defaults to ``GRPOConfig()``.
         reference_model: Optional frozen reference policy (same kind of model).
         log_prob_fn: Optional ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
+        mesh: Optional ``jax.sharding.Mesh`` (default: the mesh set with ``jax.set_mesh``, if
+            any). The model, reference and optimizer state are placed on it when the trainer is
+            built (:func:`~artifex.generative_models.training.sharding.shard_model`,
+            :func:`~artifex.generative_models.training.sharding.shard_optimizer`), each batch
+            is split over its data axes, and the same compiled step runs with its outputs kept
+            in the inputs' layout (so donation reuses the buffers).
+        partition_rules: :class:`~artifex.generative_models.training.sharding.PartitionRules`
+            (or ``(regex, PartitionSpec)`` pairs) for ``mesh``; default ``PartitionRules()``.
     """
 
     def __init__(
@@ -415,6 +431,8 @@ class GRPOTrainer:
         reference_model: nnx.Module | None = None,
         *,
         log_prob_fn: LogProbFn | None = None,
+        mesh: Mesh | None = None,
+        partition_rules: PartitionRules | Sequence[tuple[str, Any]] | None = None,
     ):
         config = GRPOConfig() if config is None else config
         if not isinstance(model, nnx.Module):
@@ -435,6 +453,19 @@ class GRPOTrainer:
                 "not the policy itself"
             )
             raise ValueError(msg)
+        mesh = current_mesh() if mesh is None else mesh
+        if mesh is not None and not isinstance(mesh, Mesh):
+            msg = f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}"
+            raise TypeError(msg)
+        if partition_rules is not None and mesh is None:
+            msg = "partition_rules were given without a mesh; pass mesh= as well"
+            raise TypeError(msg)
+        if mesh is not None:
+            shard_model(model, mesh, partition_rules)
+            shard_optimizer(optimizer, model, mesh, partition_rules)
+            if reference_model is not None:
+                shard_model(reference_model, mesh, partition_rules)
+        self.mesh = mesh
         self.model = model
         self.optimizer = optimizer
         self.config = config
@@ -453,7 +484,15 @@ class GRPOTrainer:
         self._ref_graphdef = None if reference_model is None else nnx.graphdef(reference_model)
         if reference_model is not None:
             _unshare_buffers(reference_model, model)
-        self._step_fn = jax.jit(self._step, donate_argnums=(0, 1), static_argnums=(4,))
+        shardings = {}
+        if mesh is not None:
+            # New model/optimizer states keep their inputs' layout: the donated buffers are reused.
+            model_layout, opt_layout = (
+                jax.tree.map(lambda x: x.sharding, nnx.state(obj)) for obj in (model, optimizer)
+            )
+            replicated = NamedSharding(mesh, PartitionSpec())
+            shardings["out_shardings"] = (model_layout, opt_layout, replicated, replicated)
+        self._step_fn = jax.jit(self._step, donate_argnums=(0, 1), static_argnums=(4,), **shardings)
         self._log_probs_fn = jax.jit(self._log_probs)
         self.grpo_loss = make_grpo_loss(model, config, wrt=self.wrt, log_prob_fn=self.log_prob_fn)
 
@@ -591,17 +630,21 @@ class GRPOTrainer:
             batch: A :class:`GRPOBatch` or the seed dict form.
 
         Returns:
-            The validated ``GRPOBatch`` of JAX arrays.
+            The validated ``GRPOBatch`` of JAX arrays (with a mesh: rows split over its data
+            axes by :func:`~artifex.generative_models.training.sharding.shard_batch`).
 
         Raises:
-            ValueError: The batch breaks its contract (see :meth:`GRPOBatch.validate`), or its
-                group size is < 2 without precomputed advantages.
+            ValueError: The batch breaks its contract (see :meth:`GRPOBatch.validate`), its
+                group size is < 2 without precomputed advantages, or (with a mesh) its rows
+                cannot be split evenly over the data shards.
             TypeError: Wrong batch type or dtypes.
         """
         batch = as_grpo_batch(batch, self.config).validate()
         if batch.group_size < 2 and batch.advantages is None and batch.group_ids is None:
             msg = f"batch group_size must be >= 2 to compare completions, got {batch.group_size}"
             raise ValueError(msg)
+        if self.mesh is not None:
+            batch = shard_batch(batch, self.mesh)
         return batch
 
     def compute_log_probs(self, batch: GRPOBatch | Mapping[str, Any]) -> GRPOBatch:

@@ -1,0 +1,801 @@
+r"""Scale-out through ``jax.sharding``: the mesh, partition rules, and batch sharding.
+
+The same compiled functions run on one device or on a mesh; only where the arrays live changes
+(GSPMD propagates the shardings through the step and inserts the collectives). This module
+decides where they live:
+
+- :func:`make_mesh` builds a ``Mesh`` with the named axes ``("data", "fsdp", "tensor")`` (any of
+  size 1) in GSPMD (``AxisType.Auto``) mode.
+- :class:`PartitionRules` maps a parameter path (``"layers.0.attn.q_proj.kernel"``, as written
+  by :func:`~artifex.generative_models.models.causal_lm.hf_io.param_path_str`) and shape to a
+  ``PartitionSpec``: Megatron-style tensor parallelism over ``"tensor"`` from a table of regular
+  expressions (:data:`CAUSAL_LM_RULES`), plus FSDP (ZeRO-3) sharding of the largest free
+  dimension of every large parameter over ``"fsdp"``. Variables that carry their own
+  annotation (``nnx.with_partitioning`` / ``out_sharding`` metadata) keep it.
+- :func:`shard_model` and :func:`shard_optimizer` place a model (policy or reference) and its
+  ``nnx.Optimizer`` state; the optimizer state follows its parameters (Adam's ``mu``/``nu`` get
+  the spec of their parameter, scalars such as ``count`` are replicated).
+- :func:`shard_batch` splits a :class:`~artifex.generative_models.training.rl.batch.GRPOBatch`
+  (or any pytree of row-major arrays) along its rows over the data-like axes ``("data",
+  "fsdp")`` together.
+
+Tensor parallelism (Shoeybi et al., 2019): for a block ``y = (\sigma(x W_1)) W_2`` the first
+matrix is split by columns, ``W_1 = [W_1^{(1)} \dots W_1^{(n)}]`` (column-parallel: q/k/v,
+gate/up, each shard computes its own output features), the second by rows (row-parallel: o,
+down), so ``y = \sum_i \sigma(x W_1^{(i)}) W_2^{(i)}`` needs one all-reduce per block. The
+embedding and output head are split over the vocabulary. FSDP (Rajbhandari et al., 2020) stores
+``1/n`` of every large parameter and its optimizer state on each of the ``n`` devices of the
+``"fsdp"`` axis and all-gathers a parameter where it is used; the batch is split over ``"data"``
+and ``"fsdp"`` together, so FSDP is also data parallelism. Mesh axes of size 1 shard nothing
+and are dropped from the specs (on a mesh without tensor parallelism the embedding is
+FSDP-sharded over its vocabulary, its largest dimension).
+
+**Fallback.** A spec entry whose mesh axes do not divide the dimension (e.g. 2 kv heads of
+width 8 over ``tensor=4`` is fine, a vocabulary of 50 over ``fsdp=4`` is not) is dropped: that
+dimension is replicated instead of raising. FSDP only picks dimensions it divides. Small
+parameters (fewer than ``fsdp_min_size`` elements: norms, biases) are not FSDP-sharded.
+
+**Batch layout.** Rows stay contiguous and prompt-major: with ``S`` data shards (``S = data *
+fsdp``) shard ``s`` holds rows ``[s B/S, (s+1) B/S)``. When the number of groups is a multiple
+of ``S`` every group lies on one shard (the group statistics need no communication); otherwise
+some groups straddle two shards, which is still exact (the compiler inserts the collectives).
+A batch whose rows are not a multiple of ``S`` is an error (no silent padding).
+
+**Multi-host.** Call ``jax.distributed.initialize()`` in every process before anything else
+touches JAX, build the mesh over all (global) devices with :func:`make_mesh`, and give every
+process the same model and rules: :func:`shard_model` places each process's part of every
+parameter (each process must hold the same full host values, e.g. from the same seed or
+checkpoint). Each process then loads only its rows of the global batch, the contiguous range
+:func:`process_row_range` returns, and calls ``shard_batch(local_batch, mesh,
+process_local=True)``, which assembles the global array with
+``jax.make_array_from_process_local_data``. ``GRPOTrainer.train_step`` accepts such a global
+batch as is (host-side value checks skip arrays not fully addressable from one process).
+Logging and checkpoint writers should act only where :func:`is_primary_process` is true.
+Nothing here assumes a single process; in a single process (what the tests run) the local
+batch is the global batch and the same code path is exercised.
+
+References:
+    Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+    Model Parallelism", arXiv:1909.08053. Rajbhandari et al., 2020, "ZeRO: Memory Optimizations
+    Toward Training Trillion Parameter Models", arXiv:1910.02054. Xu et al., 2021, "GSPMD:
+    General and Scalable Parallelization for ML Computation Graphs", arXiv:2105.04663.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.nnx import spmd
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from artifex.generative_models.training.rl.batch import GRPOBatch
+
+__all__ = [
+    "CAUSAL_LM_RULES",
+    "DATA_AXES",
+    "MESH_AXES",
+    "PartitionRules",
+    "batch_partition_spec",
+    "current_mesh",
+    "is_primary_process",
+    "make_mesh",
+    "num_data_shards",
+    "process_row_range",
+    "shard_batch",
+    "shard_model",
+    "shard_optimizer",
+    "state_partition_specs",
+    "state_shardings",
+]
+
+T = TypeVar("T")
+
+#: Names of the mesh axes, outermost first.
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+#: The axes a batch is split over (its rows), together.
+DATA_AXES: tuple[str, ...] = ("data", "fsdp")
+
+_COLUMN = r"(q_proj|k_proj|v_proj|gate_proj|up_proj)"
+_ROW = r"(o_proj|down_proj)"
+
+#: Megatron-style tensor-parallel rules for the causal LM's parameter paths (first match wins;
+#: unmatched parameters are replicated over ``"tensor"``). Kernels are ``(in, out)``.
+CAUSAL_LM_RULES: tuple[tuple[str, PartitionSpec], ...] = (
+    # Column-parallel: output features over "tensor" (with their biases and LoRA B (r, out)).
+    (rf"(^|\.){_COLUMN}\.kernel$", PartitionSpec(None, "tensor")),
+    (rf"(^|\.){_COLUMN}\.bias$", PartitionSpec("tensor")),
+    (rf"(^|\.){_COLUMN}\.lora\.lora_b$", PartitionSpec(None, "tensor")),
+    # Row-parallel: input features over "tensor" (and LoRA A (in, r)); outputs are all-reduced.
+    (rf"(^|\.){_ROW}\.kernel$", PartitionSpec("tensor", None)),
+    (rf"(^|\.){_ROW}\.lora\.lora_a$", PartitionSpec("tensor", None)),
+    # Vocabulary-parallel embedding (V, D) and output head (D, V).
+    (r"(^|\.)embed\.embedding$", PartitionSpec("tensor", None)),
+    (r"(^|\.)lm_head\.kernel$", PartitionSpec(None, "tensor")),
+)
+
+
+# ------------------------------------------------------------------------------ processes
+def is_primary_process() -> bool:
+    """Whether this is process 0, the one that should log and write checkpoints.
+
+    Returns:
+        ``jax.process_index() == 0`` (always true in a single process).
+    """
+    return jax.process_index() == 0
+
+
+# ------------------------------------------------------------------------------ the mesh
+def make_mesh(
+    data: int | None = None,
+    fsdp: int = 1,
+    tensor: int = 1,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds a ``Mesh`` with axes ``("data", "fsdp", "tensor")`` over the given devices.
+
+    ``data * fsdp * tensor`` must equal the number of devices. The axes are of type
+    ``AxisType.Auto`` (GSPMD propagation; ``jax.make_mesh`` otherwise defaults to explicit
+    sharding, which the model code is not written for). Device order follows
+    ``jax.make_mesh`` (topology-aware on TPU/GPU; by process, so each process's devices form
+    contiguous data shards).
+
+    Args:
+        data: Size of the pure data-parallel axis; ``None`` uses all devices left over by
+            ``fsdp * tensor`` (by default every device is on ``"data"``).
+        fsdp: Size of the FSDP axis (parameters and optimizer state split ``1/fsdp``; the batch
+            is split over it as well).
+        tensor: Size of the tensor-parallel axis (Megatron-style).
+        devices: Devices to use (default: ``jax.devices()``, all processes' devices).
+
+    Returns:
+        The mesh.
+
+    Raises:
+        ValueError: An axis size is not a positive int, or the product of the sizes is not
+            the number of devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    for name, size in (("fsdp", fsdp), ("tensor", tensor), ("data", data)):
+        if size is None:
+            continue
+        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+            msg = f"make_mesh: {name} must be a positive int, got {size!r}"
+            raise ValueError(msg)
+    if data is None:
+        if n % (fsdp * tensor):
+            msg = (
+                f"make_mesh: fsdp * tensor = {fsdp} * {tensor} = {fsdp * tensor} does not divide "
+                f"the {n} devices"
+            )
+            raise ValueError(msg)
+        data = n // (fsdp * tensor)
+    if data * fsdp * tensor != n:
+        msg = (
+            f"make_mesh: data * fsdp * tensor = {data} * {fsdp} * {tensor} = "
+            f"{data * fsdp * tensor} must equal the number of devices, {n}"
+        )
+        raise ValueError(msg)
+    shape = (int(data), int(fsdp), int(tensor))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def current_mesh() -> Mesh | None:
+    """The concrete mesh set with ``jax.set_mesh(mesh)`` (as a context or globally), if any.
+
+    Returns:
+        The mesh, or ``None`` when no mesh is set.
+    """
+    mesh = jax.sharding.get_mesh()
+    return None if mesh.empty else mesh
+
+
+def _check_mesh(mesh: Any, where: str) -> None:
+    if not isinstance(mesh, Mesh):
+        msg = f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}"
+        raise TypeError(msg)
+    for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True):
+        if kind != AxisType.Auto:
+            msg = (
+                f"{where}: mesh axis {name!r} is {kind}, but the model code relies on GSPMD "
+                "propagation (AxisType.Auto); build the mesh with make_mesh(...) or "
+                "jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)"
+            )
+            raise ValueError(msg)
+
+
+# ------------------------------------------------------------------------------ rules
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes named by one entry of a ``PartitionSpec`` (None, a name or a tuple)."""
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    return tuple(a for entry in spec for a in _entry_axes(entry))
+
+
+def _check_axes(spec: PartitionSpec, mesh: Mesh, what: str) -> None:
+    for axis in _spec_axes(spec):
+        if axis not in mesh.axis_names:
+            msg = (
+                f"{what} names mesh axis {axis!r}, which the mesh does not have "
+                f"(mesh axes: {tuple(mesh.axis_names)})"
+            )
+            raise ValueError(msg)
+
+
+def _fit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, what: str) -> list[Any]:
+    """``spec`` padded to ``len(shape)``; size-1 axes and non-dividing entries dropped."""
+    if len(spec) > len(shape):
+        msg = f"{what}: spec {spec} has {len(spec)} entries but the array has shape {shape}"
+        raise ValueError(msg)
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for i, entry in enumerate(entries):
+        axes = tuple(a for a in _entry_axes(entry) if mesh.shape[a] > 1)  # size 1: no-op
+        if not axes or shape[i] % math.prod(mesh.shape[a] for a in axes):
+            entries[i] = None  # documented fallback: replicate this dimension
+        else:
+            entries[i] = axes[0] if len(axes) == 1 else axes
+    return entries
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PartitionRules:
+    """How parameters are laid out on a mesh: regex rules, FSDP and annotations.
+
+    For a variable at dotted ``path`` with ``shape``:
+
+    1. If it carries a sharding annotation (``nnx.with_partitioning`` or ``out_sharding``
+       metadata, resolved through Flax's logical-axis rules when set) and
+       ``use_annotations``, that spec is used as is (no FSDP is added).
+    2. Otherwise the first rule whose regular expression matches (``re.search``) gives the
+       spec; no match means replicated. Then, if the mesh has ``fsdp_axis`` of size ``n > 1``
+       and the parameter has at least ``fsdp_min_size`` elements, the largest dimension that
+       is still unsharded and divisible by ``n`` is sharded over ``fsdp_axis``.
+    3. Axes of size 1 are dropped from the spec (they shard nothing, and FSDP may then take
+       that dimension), and so are entries whose mesh axes do not divide their dimension
+       (that dimension is replicated) rather than raising.
+
+    Rules that name an axis the mesh does not have raise ``ValueError`` (at :meth:`bind`).
+
+    Args:
+        rules: ``(regex, PartitionSpec)`` pairs, first match wins (a tuple spec is converted);
+            default :data:`CAUSAL_LM_RULES` (Megatron-style over ``"tensor"``).
+        fsdp_axis: Mesh axis for FSDP, or ``None`` to disable FSDP.
+        fsdp_min_size: Parameters with fewer elements are not FSDP-sharded.
+        use_annotations: Whether variables' own sharding annotations take precedence.
+
+    Raises:
+        ValueError: Naming the field: an invalid regular expression or spec, or a negative
+            ``fsdp_min_size``.
+
+    References:
+        Shoeybi et al., 2019, arXiv:1909.08053 (tensor parallelism); Rajbhandari et al.,
+        2020, arXiv:1910.02054 (ZeRO-3 / FSDP).
+    """
+
+    rules: tuple[tuple[str, PartitionSpec], ...] = CAUSAL_LM_RULES
+    fsdp_axis: str | None = "fsdp"
+    fsdp_min_size: int = 1024
+    use_annotations: bool = True
+
+    def __post_init__(self) -> None:
+        converted = []
+        for i, rule in enumerate(self.rules):
+            if not isinstance(rule, tuple | list) or len(rule) != 2:
+                msg = (
+                    f"PartitionRules.rules[{i}] must be a (regex, PartitionSpec) pair, got {rule!r}"
+                )
+                raise ValueError(msg)
+            pattern, spec = rule
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as err:
+                msg = f"PartitionRules.rules[{i}]: invalid regular expression {pattern!r} ({err})"
+                raise ValueError(msg) from err
+            if not isinstance(spec, PartitionSpec):
+                if not isinstance(spec, tuple | list):
+                    msg = f"PartitionRules.rules[{i}]: spec must be a PartitionSpec, got {spec!r}"
+                    raise ValueError(msg)
+                spec = PartitionSpec(*spec)
+            converted.append((pattern, spec))
+        object.__setattr__(self, "rules", tuple(converted))
+        if self.fsdp_axis is not None and not isinstance(self.fsdp_axis, str):
+            msg = (
+                f"PartitionRules.fsdp_axis must be a mesh axis name or None, got {self.fsdp_axis!r}"
+            )
+            raise ValueError(msg)
+        size = self.fsdp_min_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            msg = f"PartitionRules.fsdp_min_size must be an int >= 0, got {size!r}"
+            raise ValueError(msg)
+
+    def validate(self, mesh: Mesh) -> PartitionRules:
+        """Checks that every axis the rules name exists in ``mesh``.
+
+        Args:
+            mesh: The mesh.
+
+        Returns:
+            ``self``, for chaining.
+
+        Raises:
+            ValueError: Naming the unknown axis and the rule.
+        """
+        for pattern, spec in self.rules:
+            _check_axes(spec, mesh, f"partition rule {pattern!r} -> {spec}")
+        if self.fsdp_axis is not None and self.fsdp_axis not in mesh.axis_names:
+            msg = (
+                f"PartitionRules.fsdp_axis names mesh axis {self.fsdp_axis!r}, which the mesh "
+                f"does not have (mesh axes: {tuple(mesh.axis_names)}); pass fsdp_axis=None"
+            )
+            raise ValueError(msg)
+        return self
+
+    def spec(
+        self,
+        path: str,
+        shape: Sequence[int],
+        mesh: Mesh,
+        annotation: PartitionSpec | None = None,
+    ) -> PartitionSpec:
+        """The ``PartitionSpec`` of one parameter (steps 1 to 3 of the class docstring).
+
+        Args:
+            path: Dotted parameter path, e.g. ``"layers.0.mlp.up_proj.kernel"``.
+            shape: The parameter's shape.
+            mesh: The mesh (gives axis sizes for the divisibility fallback and FSDP).
+            annotation: The variable's own annotation, if it has one.
+
+        Returns:
+            A spec with one entry per dimension.
+
+        Raises:
+            ValueError: The spec names an unknown axis or has more entries than ``shape`` has
+                dimensions.
+        """
+        shape = tuple(int(s) for s in shape)
+        if annotation is not None and self.use_annotations:
+            _check_axes(annotation, mesh, f"sharding annotation of {path!r}")
+            return PartitionSpec(*_fit(annotation, shape, mesh, f"annotation of {path!r}"))
+        spec, where = PartitionSpec(), "default"
+        for pattern, rule_spec in self.rules:
+            if re.search(pattern, path):
+                spec, where = rule_spec, f"rule {pattern!r}"
+                break
+        _check_axes(spec, mesh, f"partition {where} (for {path!r})")
+        entries = _fit(spec, shape, mesh, f"{path!r} ({where})")
+        axis = self.fsdp_axis
+        if axis is not None:
+            _check_axes(PartitionSpec(axis), mesh, "PartitionRules.fsdp_axis")
+            n = mesh.shape[axis]
+            used = _spec_axes(PartitionSpec(*entries))
+            if n > 1 and axis not in used and math.prod(shape) >= self.fsdp_min_size:
+                free = [i for i, e in enumerate(entries) if e is None and shape[i] % n == 0]
+                if free:
+                    largest = max(free, key=lambda i: (shape[i], -i))
+                    entries[largest] = axis
+        return PartitionSpec(*entries)
+
+    def bind(self, mesh: Mesh) -> Callable[[str, tuple[int, ...]], PartitionSpec]:
+        """The ``rules(path, shape) -> PartitionSpec`` hook of ``from_pretrained`` for ``mesh``.
+
+        Example::
+
+            mesh = make_mesh(data=2, fsdp=4)
+            model = CausalLM.from_pretrained(path, mesh=mesh, rules=PartitionRules().bind(mesh))
+
+        Args:
+            mesh: The mesh.
+
+        Returns:
+            The function.
+
+        Raises:
+            ValueError: The rules name an axis the mesh does not have.
+        """
+        _check_mesh(mesh, "PartitionRules.bind")
+        self.validate(mesh)
+
+        def rules(path: str, shape: tuple[int, ...]) -> PartitionSpec:
+            return self.spec(path, shape, mesh)
+
+        return rules
+
+
+def _as_rules(rules: PartitionRules | Sequence[tuple[str, Any]] | None) -> PartitionRules:
+    if rules is None:
+        return PartitionRules()
+    if isinstance(rules, PartitionRules):
+        return rules
+    if isinstance(rules, str) or not isinstance(rules, Sequence):
+        msg = (
+            "partition rules must be a PartitionRules or a sequence of (regex, PartitionSpec) "
+            f"pairs, got {type(rules).__name__}"
+        )
+        raise TypeError(msg)
+    return PartitionRules(rules=tuple(rules))
+
+
+# ------------------------------------------------------------------------------ states
+def _path_parts(keypath: tuple[Any, ...]) -> tuple[Any, ...]:
+    parts = []
+    for k in keypath:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(k.key)
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(k.idx)
+        else:
+            parts.append(getattr(k, "key", k))
+    return tuple(parts)
+
+
+def _annotation(var: Any) -> PartitionSpec | None:
+    if not isinstance(var, nnx.Variable):
+        return None
+    if not var.get_metadata().get("out_sharding"):
+        return None
+    return spmd.get_var_pspec(var)
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _map_vars(fn: Callable[[tuple[Any, ...], Any, Any], Any], tree: Any) -> Any:
+    """Maps ``fn(path_parts, variable_or_array, value)`` over a state; keeps Variable boxes."""
+
+    def leaf(keypath: tuple[Any, ...], x: Any) -> Any:
+        parts = _path_parts(keypath)
+        if isinstance(x, nnx.Variable):
+            return x.replace(fn(parts, x, x.get_value()))
+        if hasattr(x, "shape"):
+            return fn(parts, None, x)
+        return x
+
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=_is_var)
+
+
+def _flat_vars(tree: Any) -> list[tuple[tuple[Any, ...], Any, Any]]:
+    """``(path_parts, variable or None, value)`` for every array (or spec) of a state."""
+    out = []
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)
+    for keypath, x in flat:
+        if isinstance(x, nnx.Variable):
+            out.append((_path_parts(keypath), x, x.get_value()))
+        else:
+            out.append((_path_parts(keypath), None, x))
+    return out
+
+
+def state_partition_specs(
+    tree: Any, mesh: Mesh, rules: PartitionRules | Sequence[tuple[str, Any]] | None = None
+) -> Any:
+    """``PartitionSpec`` of every array of a module or state under ``rules`` (see the class).
+
+    Args:
+        tree: An NNX module, an ``nnx.State`` or any pytree of (Variable-boxed) arrays.
+        mesh: The mesh.
+        rules: :class:`PartitionRules` or ``(regex, spec)`` pairs; default ``PartitionRules()``.
+
+    Returns:
+        The tree (the module's state for a module) with each array replaced by its spec.
+
+    Raises:
+        ValueError: The rules or an annotation name an axis the mesh does not have.
+    """
+    _check_mesh(mesh, "state_partition_specs")
+    rules = _as_rules(rules).validate(mesh)
+    state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+
+    def spec(parts: tuple[Any, ...], var: Any, value: Any) -> PartitionSpec:
+        path = ".".join(str(p) for p in parts)
+        return rules.spec(path, np.shape(value), mesh, _annotation(var))
+
+    return _map_vars(spec, state)
+
+
+def state_shardings(
+    tree: Any, mesh: Mesh, rules: PartitionRules | Sequence[tuple[str, Any]] | None = None
+) -> Any:
+    """``NamedSharding`` of every array of a module or state (:func:`state_partition_specs`).
+
+    Args:
+        tree: An NNX module, an ``nnx.State`` or a pytree of arrays.
+        mesh: The mesh.
+        rules: :class:`PartitionRules` or ``(regex, spec)`` pairs; default ``PartitionRules()``.
+
+    Returns:
+        The tree with each array replaced by its ``NamedSharding``.
+    """
+    specs = state_partition_specs(tree, mesh, rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def _put(x: Any, sharding: NamedSharding) -> Any:
+    """``x`` with ``sharding``; across processes, built from the full host value of ``x``."""
+    if getattr(x, "sharding", None) == sharding:
+        return x
+    local = not isinstance(x, jax.Array) or x.is_fully_addressable
+    if (
+        sharding.is_fully_addressable
+        or not local
+        or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    ):
+        return jax.device_put(x, sharding)
+    # Several processes: each holds the same full value and keeps only its own shards.
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _place(module: nnx.Module, shardings: Any) -> None:
+    nnx.update(module, jax.tree.map(_put, nnx.state(module), shardings))
+
+
+def shard_model(
+    model: nnx.Module, mesh: Mesh, rules: PartitionRules | Sequence[tuple[str, Any]] | None = None
+) -> nnx.Module:
+    """Places every array of ``model`` (a policy or a reference) on ``mesh``, in place.
+
+    Each array gets ``NamedSharding(mesh, spec)`` with the spec from
+    :func:`state_partition_specs`. In several processes every process must hold the same full
+    values (``jax.device_put`` then keeps only this process's shards).
+
+    Args:
+        model: The NNX module.
+        mesh: The mesh.
+        rules: :class:`PartitionRules` or ``(regex, spec)`` pairs; default ``PartitionRules()``.
+
+    Returns:
+        ``model`` (the same object), now sharded.
+
+    Raises:
+        TypeError: ``model`` is not an NNX module or ``mesh`` not a ``Mesh``.
+        ValueError: The rules or an annotation name an axis the mesh does not have.
+    """
+    if not isinstance(model, nnx.Module):
+        msg = f"shard_model: model must be an nnx.Module, got {type(model).__name__}"
+        raise TypeError(msg)
+    _place(model, state_shardings(model, mesh, rules))
+    return model
+
+
+def shard_optimizer(
+    optimizer: nnx.Optimizer,
+    model: nnx.Module,
+    mesh: Mesh,
+    rules: PartitionRules | Sequence[tuple[str, Any]] | None = None,
+) -> nnx.Optimizer:
+    """Places an ``nnx.Optimizer``'s state on ``mesh`` following the parameters of ``model``.
+
+    Every optimizer array whose path ends with a parameter's path and has that parameter's
+    shape (Adam's ``mu`` and ``nu``, momentum, ...) gets the parameter's spec (as
+    :func:`state_partition_specs` computes it for ``model``); every other array (the step,
+    ``count``, factored statistics) is replicated.
+
+    Args:
+        optimizer: The optimizer built on ``model``.
+        model: The model whose parameters the optimizer updates.
+        mesh: The mesh.
+        rules: The rules used for ``model``.
+
+    Returns:
+        ``optimizer`` (the same object), now sharded.
+
+    Raises:
+        TypeError: ``optimizer`` is not an ``nnx.Optimizer``.
+        ValueError: The rules or an annotation name an axis the mesh does not have.
+    """
+    if not isinstance(optimizer, nnx.Optimizer):
+        msg = f"shard_optimizer: optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}"
+        raise TypeError(msg)
+    shapes = {parts: np.shape(value) for parts, _, value in _flat_vars(nnx.state(model))}
+    param_specs = {
+        parts: (spec, tuple(shapes[parts]))
+        for parts, _, spec in _flat_vars(state_partition_specs(model, mesh, rules))
+    }
+
+    def follow(parts: tuple[Any, ...], var: Any, value: Any) -> NamedSharding:
+        shape = tuple(np.shape(value))
+        for k in range(len(parts)):
+            hit = param_specs.get(parts[k:])
+            if hit is not None and hit[1] == shape:
+                return NamedSharding(mesh, hit[0])
+        return NamedSharding(mesh, PartitionSpec())
+
+    _place(optimizer, _map_vars(follow, nnx.state(optimizer)))
+    return optimizer
+
+
+# ------------------------------------------------------------------------------ batches
+def _data_axes(mesh: Mesh, data_axes: Sequence[str] | None) -> tuple[str, ...]:
+    if data_axes is None:
+        axes = tuple(a for a in DATA_AXES if a in mesh.axis_names)
+        if not axes:
+            msg = (
+                f"the mesh has none of the data axes {DATA_AXES} (mesh axes: "
+                f"{tuple(mesh.axis_names)}); pass data_axes="
+            )
+            raise ValueError(msg)
+        return axes
+    axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    _check_axes(PartitionSpec(axes), mesh, f"data_axes={axes}")
+    return axes
+
+
+def num_data_shards(mesh: Mesh, data_axes: Sequence[str] | None = None) -> int:
+    """How many row shards a batch is split into: the product of the data axes' sizes.
+
+    Args:
+        mesh: The mesh.
+        data_axes: Axes the rows are split over (default: those of ``("data", "fsdp")`` the
+            mesh has).
+
+    Returns:
+        ``S = prod(mesh.shape[a] for a in data_axes)``.
+    """
+    return math.prod(mesh.shape[a] for a in _data_axes(mesh, data_axes))
+
+
+def batch_partition_spec(mesh: Mesh, data_axes: Sequence[str] | None = None) -> PartitionSpec:
+    """The spec of a row-major batch array: rows over the data axes together, rest replicated.
+
+    Args:
+        mesh: The mesh.
+        data_axes: Axes the rows are split over (default: ``("data", "fsdp")`` as present).
+
+    Returns:
+        ``PartitionSpec(("data", "fsdp"))``.
+    """
+    return PartitionSpec(_data_axes(mesh, data_axes))
+
+
+def _local_shards(sharding: NamedSharding, rows: int) -> list[tuple[int, int]]:
+    """Distinct ``(start, stop)`` row ranges this process's devices hold, in row order."""
+    ranges = set()
+    for index in sharding.addressable_devices_indices_map((rows,)).values():
+        sl = index[0]
+        ranges.add((sl.start or 0, rows if sl.stop is None else sl.stop))
+    return sorted(ranges)
+
+
+def process_row_range(
+    num_rows: int, mesh: Mesh, data_axes: Sequence[str] | None = None
+) -> tuple[int, int]:
+    """The contiguous rows ``[start, stop)`` of a global batch that this process feeds.
+
+    With :func:`make_mesh` the data shards of one process are contiguous, so each process
+    loads ``global_batch[start:stop]`` (whole groups when ``num_groups`` is a multiple of the
+    number of processes) and passes it to ``shard_batch(..., process_local=True)``.
+
+    Args:
+        num_rows: Rows ``B`` of the global batch.
+        mesh: The mesh.
+        data_axes: Axes the rows are split over (default: ``("data", "fsdp")`` as present).
+
+    Returns:
+        ``(start, stop)``; ``(0, num_rows)`` in a single process.
+
+    Raises:
+        ValueError: ``num_rows`` is not a multiple of the number of data shards, or this
+            process's shards are not contiguous (a hand-built mesh).
+    """
+    shards = num_data_shards(mesh, data_axes)
+    if num_rows % shards:
+        msg = (
+            f"a batch of {num_rows} rows cannot be split evenly over {shards} data shards "
+            f"({_axes_desc(mesh, data_axes)})"
+        )
+        raise ValueError(msg)
+    sharding = NamedSharding(mesh, batch_partition_spec(mesh, data_axes))
+    ranges = _local_shards(sharding, num_rows)
+    for (_, stop), (start, _) in itertools.pairwise(ranges):
+        if stop != start:
+            msg = (
+                f"this process's data shards {ranges} are not contiguous rows; build the mesh "
+                "with make_mesh (devices ordered by process)"
+            )
+            raise ValueError(msg)
+    return ranges[0][0], ranges[-1][1]
+
+
+def _axes_desc(mesh: Mesh, data_axes: Sequence[str] | None) -> str:
+    return " * ".join(f"{a}={mesh.shape[a]}" for a in _data_axes(mesh, data_axes))
+
+
+def shard_batch(
+    batch: T,
+    mesh: Mesh,
+    *,
+    process_local: bool = False,
+    data_axes: Sequence[str] | None = None,
+) -> T:
+    """Splits a batch's rows over the data axes of ``mesh`` (contiguous, prompt-major).
+
+    Every array's leading dimension (rows) is sharded over ``data_axes`` together
+    (``PartitionSpec(("data", "fsdp"))``), the rest replicated, so shard ``s`` of ``S`` holds
+    rows ``[s B/S, (s+1) B/S)``: with ``num_groups % S == 0`` each group lies on one shard.
+    Arrays already laid out that way are left as they are.
+
+    With ``process_local=True`` the batch holds only this process's rows (the range
+    :func:`process_row_range` gives, as NumPy or JAX arrays) and the global arrays are
+    assembled with ``jax.make_array_from_process_local_data``; in a single process that is
+    the whole batch.
+
+    Args:
+        batch: A :class:`GRPOBatch` or any pytree of row-major arrays ``(B, ...)``.
+        mesh: The mesh.
+        process_local: Whether ``batch`` holds only this process's rows.
+        data_axes: Axes the rows are split over (default: ``("data", "fsdp")`` as present).
+
+    Returns:
+        The same pytree with sharded ``jax.Array`` leaves.
+
+    Raises:
+        ValueError: The rows (or, for a ``GRPOBatch``, the groups) cannot be split evenly over
+            the data shards; the message names both numbers. Leaves disagree on the rows, or
+            ``data_axes`` names an unknown axis.
+        TypeError: ``mesh`` is not a ``Mesh``.
+    """
+    _check_mesh(mesh, "shard_batch")
+    shards = num_data_shards(mesh, data_axes)
+    spec = batch_partition_spec(mesh, data_axes)
+    rows_sharding = NamedSharding(mesh, spec)
+    leaves = [x for x in jax.tree.leaves(batch) if np.ndim(x) > 0]
+    if not leaves:
+        return batch
+    rows = {int(np.shape(x)[0]) for x in leaves}
+    if len(rows) != 1:
+        msg = f"shard_batch: every array must have the same number of rows, got {sorted(rows)}"
+        raise ValueError(msg)
+    (b,) = rows
+    where = "this process's" if process_local else "a"
+    if process_local:
+        local = _local_shards(rows_sharding, shards)  # one row per shard: which shards are here
+        n_local = len(local)
+        if b % n_local:
+            msg = (
+                f"{where} batch of {b} rows cannot be split evenly over its {n_local} local data "
+                f"shards (of {shards}: {_axes_desc(mesh, data_axes)})"
+            )
+            raise ValueError(msg)
+        global_rows = b * shards // n_local
+    else:
+        global_rows = b
+    if global_rows % shards:
+        msg = (
+            f"a batch of {global_rows} rows cannot be split evenly over {shards} data shards "
+            f"({_axes_desc(mesh, data_axes)}); use a multiple of {shards} rows"
+        )
+        if isinstance(batch, GRPOBatch) and batch.group_ids is None and batch.group_size > 0:
+            g = batch.group_size
+            msg += f" (e.g. a multiple of {shards // math.gcd(shards, g)} groups of {g})"
+        raise ValueError(msg)
+
+    def put(x: Any) -> Any:
+        if np.ndim(x) == 0:
+            return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+        if process_local:
+            data = np.asarray(x)
+            shape = (global_rows, *np.shape(x)[1:])
+            return jax.make_array_from_process_local_data(rows_sharding, data, shape)
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(rows_sharding, x.ndim):
+            return x
+        return jax.device_put(x, rows_sharding)
+
+    return jax.tree.map(put, batch)
