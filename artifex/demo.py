@@ -15,7 +15,8 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +29,7 @@ from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig,
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.grpo import GRPOTrainer
 from artifex.generative_models.training.rl.loop import TrainConfig, TrainResult, evaluate, train
-from artifex.generative_models.training.rl.rewards import math_answer_reward
+from artifex.generative_models.training.rl.rewards import RewardCombiner, math_answer_reward
 from artifex.generative_models.training.rl.rollout import RolloutConfig
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "addition_dataset",
     "demo_model",
     "demo_tokenizer",
+    "digit_reward",
     "plot_rewards",
     "run_demo",
     "supervised_warmup",
@@ -50,24 +52,30 @@ class DemoConfig:
         seed: Seeds everything.
         num_eval: Held-out problems for pass@1.
         warmup_examples: Training problems seen by the supervised warm-up.
-        warmup_steps: Supervised steps.
+        warmup_max_steps: Most supervised steps.
+        warmup_target: The warm-up stops once greedy accuracy on 200 validation problems
+            (taken from the training split, never the held-out set) reaches this.
         grpo_steps: GRPO steps (generation batches).
         prompts_per_step: Prompts per GRPO step.
         num_generations: Completions per prompt (the group size).
         learning_rate: GRPO learning rate (AdamW, constant after a short warm-up).
         beta: KL coefficient to the warmed-up reference.
+        partial_credit: Weight of :func:`digit_reward` added to the exact-answer reward
+            (denser signal early on; 0 disables it).
         out_dir: Where metrics, checkpoints and the plot go (``None``: a temporary directory).
     """
 
     seed: int = 0
     num_eval: int = 200
     warmup_examples: int = 2000
-    warmup_steps: int = 500
+    warmup_max_steps: int = 2000
+    warmup_target: float = 0.35
     grpo_steps: int = 1000
     prompts_per_step: int = 32
     num_generations: int = 8
     learning_rate: float = 3e-4
     beta: float = 0.02
+    partial_credit: float = 0.5
     out_dir: str | None = None
 
 
@@ -127,24 +135,33 @@ def supervised_warmup(
     tokenizer: Tokenizer,
     rows: Sequence[dict[str, Any]],
     *,
-    steps: int,
+    max_steps: int,
     batch_size: int = 64,
     learning_rate: float = 3e-3,
     seed: int = 0,
+    stop: Callable[[], bool] | None = None,
+    check_every: int = 50,
 ) -> list[float]:
     """Teacher-forced next-token training on ``prompt + answer + EOS`` (answer tokens only).
+
+    Training stops after ``max_steps``, or earlier at the first check (every ``check_every``
+    steps) where ``stop()`` returns True. Stopping on a measured accuracy rather than after a
+    fixed number of steps makes the starting point of GRPO reproducible: addition is learned
+    through a sudden transition whose timing varies with the seed and with float rounding.
 
     Args:
         model: The model (updated in place).
         tokenizer: Its tokenizer.
         rows: Rows with ``prompt`` and ``answer``.
-        steps: Optimizer steps.
+        max_steps: Most optimizer steps.
         batch_size: Rows per step.
         learning_rate: Adam learning rate.
         seed: Seeds the row sampling.
+        stop: Optional early-stopping test, e.g. "validation accuracy >= 0.3".
+        check_every: Steps between calls of ``stop``.
 
     Returns:
-        The loss of each step.
+        The loss of each step taken.
     """
     seqs, masks = [], []
     for row in rows:
@@ -177,10 +194,37 @@ def supervised_warmup(
 
     rng = np.random.default_rng(seed)
     losses = []
-    for _ in range(steps):
+    for i in range(max_steps):
         idx = rng.integers(0, len(seqs), size=batch_size)
         losses.append(float(step(model, optimizer, ids[idx], attn[idx], loss_mask[idx])))
+        if stop is not None and (i + 1) % check_every == 0 and stop():
+            break
     return losses
+
+
+def digit_reward(
+    prompts: list[str], completions: list[str], answer: list[str], **columns: Any
+) -> list[float]:
+    """Partial credit: the fraction of the answer's digits the completion gets right.
+
+    Digits are compared position by position from the left; a completion of the wrong length is
+    compared over the longer length (missing digits count as wrong).
+
+    Args:
+        prompts: The prompts (unused).
+        completions: Decoded completions.
+        answer: Reference answers.
+        **columns: Other dataset columns (unused).
+
+    Returns:
+        One score in [0, 1] per completion.
+    """
+    scores = []
+    for text, ref in zip(completions, answer, strict=True):
+        got = text.strip()
+        hits = sum(a == b for a, b in zip(got, ref, strict=False))
+        scores.append(hits / max(len(got), len(ref), 1))
+    return scores
 
 
 def plot_rewards(result: TrainResult, path: str) -> None:
@@ -195,12 +239,12 @@ def plot_rewards(result: TrainResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rewards = np.asarray([m["reward_mean"] for m in result.history])
+    rewards = np.asarray([m["rewards/math_answer_reward"] for m in result.history])
     steps = np.arange(result.start_step + 1, result.start_step + 1 + rewards.size)
     window = max(1, rewards.size // 20)
     smooth = np.convolve(rewards, np.ones(window) / window, mode="valid")
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, rewards, alpha=0.35, label="mean reward per step")
+    ax.plot(steps, rewards, alpha=0.35, label="training accuracy per step (sampled)")
     ax.plot(steps[window - 1 :], smooth, label=f"moving average ({window})")
     for step, ev in result.evaluations:
         ax.scatter([step], [ev["eval/pass@1"]], color="black", zorder=3)
@@ -239,14 +283,27 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
         f"parameters; {len(train_rows)} training / {len(eval_rows)} held-out problems"
     )
 
-    say(f"supervised warm-up: {cfg.warmup_steps} steps on {cfg.warmup_examples} problems ...")
+    reward = math_answer_reward(last_number_fallback=True)
+    rollout_config = RolloutConfig(max_new_tokens=4)
+    val_rows = train_rows[-200:]
+    holder = types.SimpleNamespace(model=model)
+
+    def accurate_enough() -> bool:
+        acc = evaluate(holder, tokenizer, val_rows, reward, rollout_config)["eval/pass@1"]
+        return acc >= cfg.warmup_target
+
+    say(
+        f"supervised warm-up on {cfg.warmup_examples} problems until validation accuracy "
+        f">= {cfg.warmup_target} ..."
+    )
     t0 = time.perf_counter()
     sft_losses = supervised_warmup(
         model,
         tokenizer,
         train_rows[: cfg.warmup_examples],
-        steps=cfg.warmup_steps,
+        max_steps=cfg.warmup_max_steps,
         seed=cfg.seed,
+        stop=accurate_enough,
     )
     t_warmup = time.perf_counter() - t0
 
@@ -272,8 +329,6 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
         clip_param_high=0.28,
     )
     trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference)
-    reward = math_answer_reward(last_number_fallback=True)
-    rollout_config = RolloutConfig(max_new_tokens=4)
 
     def measure() -> dict[str, float]:
         return evaluate(trainer, tokenizer, eval_rows, reward, rollout_config)
@@ -281,18 +336,23 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
     before = measure()
     say(
         f"after warm-up: held-out pass@1 {before['eval/pass@1']:.3f} "
-        f"(warm-up loss {sft_losses[0]:.2f} -> {sft_losses[-1]:.2f}, {t_warmup:.0f} s)"
+        f"({len(sft_losses)} warm-up steps, loss {sft_losses[0]:.2f} -> {sft_losses[-1]:.2f}, "
+        f"{t_warmup:.0f} s)"
     )
     say(
         f"GRPO: {cfg.grpo_steps} steps x {cfg.prompts_per_step} prompts x "
         f"{cfg.num_generations} completions ..."
     )
     t0 = time.perf_counter()
+    funcs, weights = [reward], [1.0]
+    if cfg.partial_credit > 0:
+        funcs.append(digit_reward)
+        weights.append(cfg.partial_credit)
     result = train(
         trainer,
         tokenizer,
         train_rows,
-        [reward],
+        RewardCombiner(funcs, weights=weights),
         TrainConfig(
             num_steps=cfg.grpo_steps,
             prompts_per_step=cfg.prompts_per_step,
@@ -309,8 +369,9 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
     )
     t_grpo = time.perf_counter() - t0
     after = result.evaluations[-1][1]
-    first = float(np.mean([m["reward_mean"] for m in result.history[:10]]))
-    last = float(np.mean([m["reward_mean"] for m in result.history[-10:]]))
+    key = "rewards/math_answer_reward"
+    first = float(np.mean([m[key] for m in result.history[:10]]))
+    last = float(np.mean([m[key] for m in result.history[-10:]]))
     plot_path = os.path.join(out_dir, "reward_curve.png")
     plot_rewards(result, plot_path)
     summary = {

@@ -263,6 +263,39 @@ class Tokenizer:
             **tokens,
         )
 
+    def save_pretrained(self, path: str | os.PathLike[str]) -> None:
+        """Writes the tokenizer files that `from_pretrained` and transformers read back.
+
+        `tokenizer.json` holds the tokenizer itself; the special tokens and the chat template
+        go to `tokenizer_config.json`; end-of-sequence ids beyond `eos_token` go to
+        `generation_config.json` only if that file does not exist yet (a model's
+        `save_pretrained` may have written it).
+
+        Args:
+            path: The directory (created).
+        """
+        directory = os.fspath(path)
+        os.makedirs(directory, exist_ok=True)
+        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": self.clean_up_tokenization_spaces,
+        }
+        for name in _SPECIAL_NAMES:
+            value = getattr(self, name, None)
+            if value is not None:
+                config[name] = value
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        eos = self.backend.token_to_id(self.eos_token) if self.eos_token else None
+        extra = [e for e in self._eos_ids if e != eos]
+        generation = os.path.join(directory, "generation_config.json")
+        if extra and not os.path.exists(generation):
+            with open(generation, "w", encoding="utf-8") as f:
+                json.dump({"eos_token_id": list(self._eos_ids)}, f, indent=2)
+
     @classmethod
     def for_characters(
         cls,

@@ -1,0 +1,226 @@
+"""The training loop: bitwise resume, dynamic sampling, logging, evaluation, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.checkpointing import (
+    CheckpointManager,
+    IncompatibleCheckpointError,
+)
+from artifex.generative_models.training.rl.loop import DataIterator, TrainConfig, train
+from artifex.generative_models.training.rl.rewards import math_answer_reward
+from artifex.generative_models.training.rl.rollout import RolloutConfig
+
+TRAIN, EVAL = addition_dataset(seed=0, num_eval=16)
+TRAIN = TRAIN[:64]
+REWARD = math_answer_reward(last_number_fallback=True)
+ROLLOUT = RolloutConfig(max_new_tokens=4)
+
+
+def make_trainer(seed=0, **cfg):
+    tok = demo_tokenizer()
+    model = demo_model(tok, seed=seed)
+    ref = demo_model(tok, seed=seed + 100)
+    opt = nnx.Optimizer(
+        model, optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), wrt=nnx.Param
+    )
+    config = GRPOConfig(num_generations=4, beta=0.05, **cfg)
+    return GRPOTrainer(model, opt, config, reference_model=ref), tok
+
+
+def params(trainer):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.model))]
+
+
+LOOP = dict(prompts_per_step=4, num_iterations=2, num_minibatches=2, progress=False, seed=3)
+
+
+@pytest.mark.slow
+def test_resume_reaches_the_same_parameters_bitwise(tmp_path):
+    full, tok = make_trainer()
+    train(full, tok, TRAIN, [REWARD], TrainConfig(num_steps=4, **LOOP), ROLLOUT)
+
+    first, tok = make_trainer()
+    ckpt = str(tmp_path / "ckpt")
+    train(
+        first, tok, TRAIN, [REWARD], TrainConfig(num_steps=2, checkpoint_dir=ckpt, **LOOP), ROLLOUT
+    )
+    resumed, tok = make_trainer()  # a fresh process would start from the same initial model
+    result = train(
+        resumed,
+        tok,
+        TRAIN,
+        [REWARD],
+        TrainConfig(num_steps=4, checkpoint_dir=ckpt, **LOOP),
+        ROLLOUT,
+    )
+    assert result.start_step == 2 and len(result.history) == 2
+    for a, b in zip(params(full), params(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    opt_full = jax.tree.leaves(nnx.state(full.optimizer))
+    opt_res = jax.tree.leaves(nnx.state(resumed.optimizer))
+    for a, b in zip(opt_full, opt_res, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_incompatible_resume_is_an_error_and_writes_nothing(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    trainer, tok = make_trainer()
+    train(
+        trainer,
+        tok,
+        TRAIN,
+        [REWARD],
+        TrainConfig(num_steps=1, checkpoint_dir=ckpt, **LOOP),
+        ROLLOUT,
+    )
+    before = sorted(os.listdir(ckpt))
+    other, tok = make_trainer(clip_param=0.1)
+    with pytest.raises(IncompatibleCheckpointError, match="clip_param"):
+        train(
+            other,
+            tok,
+            TRAIN,
+            [REWARD],
+            TrainConfig(num_steps=3, checkpoint_dir=ckpt, **LOOP),
+            ROLLOUT,
+        )
+    with pytest.raises(IncompatibleCheckpointError, match="prompts_per_step"):
+        train(
+            trainer,
+            tok,
+            TRAIN,
+            [REWARD],
+            TrainConfig(num_steps=3, checkpoint_dir=ckpt, **{**LOOP, "prompts_per_step": 8}),
+            ROLLOUT,
+        )
+    assert sorted(os.listdir(ckpt)) == before
+
+
+def test_checkpoints_keep_the_last_n(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    trainer, tok = make_trainer()
+    train(
+        trainer,
+        tok,
+        TRAIN,
+        [REWARD],
+        TrainConfig(
+            num_steps=4,
+            checkpoint_dir=ckpt,
+            checkpoint_every=1,
+            keep_checkpoints=2,
+            prompts_per_step=4,
+            progress=False,
+        ),
+        ROLLOUT,
+    )
+    assert CheckpointManager(ckpt).all_steps() == [3, 4]
+    meta = CheckpointManager(ckpt).read_metadata()
+    assert meta["step"] == 4 and meta["data"] == {"epoch": 0, "index": 16}
+
+
+def test_logs_jsonl_every_step_and_evaluates(tmp_path):
+    trainer, tok = make_trainer()
+    result = train(
+        trainer,
+        tok,
+        TRAIN,
+        [REWARD],
+        TrainConfig(
+            num_steps=3, prompts_per_step=4, eval_every=2, log_dir=str(tmp_path), progress=False
+        ),
+        ROLLOUT,
+        eval_dataset=EVAL,
+    )
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "total_loss" in r]
+    assert [r["step"] for r in train_records] == [1, 2, 3]
+    for key in (
+        "reward_mean",
+        "kl",
+        "approx_kl",
+        "entropy",
+        "grad_norm",
+        "step_time",
+        "rewards/math_answer_reward",
+        "learning_rate",
+        "clip_fraction_high",
+    ):
+        assert key in train_records[0], key
+    assert [s for s, _ in result.evaluations] == [0, 2, 3]
+    for _, ev in result.evaluations:
+        assert 0.0 <= ev["eval/pass@1"] <= 1.0
+
+
+def test_dynamic_sampling_drops_constant_groups_and_uses_segments():
+    trainer, tok = make_trainer()
+    seen = []
+
+    def reward(prompts, completions, id_, **k):
+        seen.append(list(id_))
+        # Rows of even ids get constant rewards (no signal); odd ids get varied ones.
+        return [0.0 if i % 2 == 0 else float(j % 2) for j, i in enumerate(id_)]
+
+    rows = [{"prompt": f"{i}+1=", "id_": i} for i in range(40)]
+    result = train(
+        trainer,
+        tok,
+        rows,
+        [reward],
+        TrainConfig(
+            num_steps=1, prompts_per_step=4, dynamic_sampling=True, shuffle=False, progress=False
+        ),
+        ROLLOUT,
+    )
+    m = result.history[0]
+    assert m["dynamic_sampling/rounds"] == 2.0  # 2 of 4 groups kept per round -> one refill
+    assert m["dynamic_sampling/zero_std_filled"] == 0.0
+    assert m["dynamic_sampling/kept_fraction"] == 0.5
+    assert m["frac_reward_zero_std"] == 0.0  # only groups with signal were trained on
+
+
+def test_data_iterator_is_deterministic_and_resumable():
+    rows = [{"prompt": str(i)} for i in range(5)]
+    a = DataIterator(rows, seed=1, shuffle=True)
+    first = [r["prompt"] for r in a.take(7)]
+    state = a.state()
+    rest = [r["prompt"] for r in a.take(6)]
+    b = DataIterator(rows, seed=1, shuffle=True)
+    b.restore(state)
+    assert [r["prompt"] for r in b.take(6)] == rest
+    assert sorted(first[:5]) == sorted(str(i) for i in range(5))  # an epoch is a permutation
+
+
+def test_bad_loop_settings():
+    trainer, tok = make_trainer()
+    with pytest.raises(ValueError, match="num_minibatches=3"):
+        train(
+            trainer,
+            tok,
+            TRAIN,
+            [REWARD],
+            TrainConfig(num_steps=1, prompts_per_step=4, num_minibatches=3, progress=False),
+            ROLLOUT,
+        )
+    with pytest.raises(ValueError, match="row 0 has no prompt column 'prompt'"):
+        train(
+            trainer,
+            tok,
+            [{"question": "1+1="}],
+            [REWARD],
+            TrainConfig(num_steps=1, progress=False),
+            ROLLOUT,
+        )
+    with pytest.raises(ValueError, match="num_steps"):
+        TrainConfig(num_steps=0)

@@ -1,0 +1,210 @@
+"""Rollouts: prompt-major batches, reward columns, old/reference log-probs, bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.demo import demo_model, demo_tokenizer
+from artifex.generative_models.models.causal_lm import Tokenizer
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl.rewards import RewardCombiner, RewardFunctionError
+from artifex.generative_models.training.rl.rollout import RolloutConfig, encode_prompts, rollout
+
+ROWS = [
+    {"prompt": "12+3=", "answer": "15", "id": 0},
+    {"prompt": "7+8=", "answer": "15", "id": 1},
+    {"prompt": "40+2=", "answer": "42", "id": 2},
+]
+
+
+def make_trainer(beta=0.0, reference=True, temperature=1.0, **cfg):
+    tok = demo_tokenizer()
+    model = demo_model(tok, seed=0)
+    ref = demo_model(tok, seed=1) if reference else None
+    trainer = GRPOTrainer(
+        model,
+        nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+        GRPOConfig(num_generations=4, beta=beta, temperature=temperature, **cfg),
+        reference_model=ref,
+    )
+    return trainer, tok
+
+
+def test_rollout_builds_prompt_major_batch_and_passes_columns():
+    trainer, tok = make_trainer()
+    seen = {}
+
+    def spy(prompts, completions, **columns):
+        seen.update(prompts=prompts, completions=completions, **columns)
+        return [float(len(c)) for c in completions]
+
+    ro = rollout(
+        trainer,
+        tok,
+        ROWS,
+        RewardCombiner([spy]),
+        RolloutConfig(max_new_tokens=5),
+        key=jax.random.key(0),
+    )
+    b = ro.batch
+    assert b.batch_size == 12 and b.group_size == 4 and b.completion_ids.shape == (12, 5)
+    # Row i belongs to prompt i // 4: columns repeated per generation.
+    assert seen["id"] == [0] * 4 + [1] * 4 + [2] * 4
+    assert seen["answer"][4:8] == ["15"] * 4
+    assert seen["prompts"][8] == "40+2="
+    lengths = np.asarray(b.completion_mask).sum(1)
+    assert seen["completion_length"] == lengths.tolist()
+    # Decoded text is what the tokens say (cut at EOS, specials skipped).
+    for i in range(12):
+        ids = np.asarray(b.completion_ids[i, : lengths[i]])
+        assert ro.completions[i] == tok.decode(ids)
+    np.testing.assert_allclose(b.rewards, [len(c) for c in ro.completions])
+    # Prompts decode back to the rows, left-padded.
+    for i in range(12):
+        ids = np.asarray(b.prompt_ids[i])[np.asarray(b.prompt_mask[i]) > 0]
+        assert tok.decode(ids) == ROWS[i // 4]["prompt"]
+    assert b.old_log_probs is None and b.ref_log_probs is None
+    assert set(ro.metrics()) >= {"rewards/spy", "truncated_fraction", "completion_length_max"}
+
+
+def scored(trainer, batch, model):
+    fn = trainer.log_prob_fn
+    return np.asarray(fn(model, batch)[0])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_old_log_probs_from_sampler_equal_recomputed(temperature):
+    trainer, tok = make_trainer(beta=0.1, temperature=temperature)
+    rewards = RewardCombiner([lambda p, c, **k: [0.0] * len(c)])
+    kw = dict(key=jax.random.key(1), need_old_log_probs=True)
+    a = rollout(
+        trainer, tok, ROWS, rewards, RolloutConfig(max_new_tokens=5, old_log_probs="sampler"), **kw
+    )
+    b = rollout(
+        trainer,
+        tok,
+        ROWS,
+        rewards,
+        RolloutConfig(max_new_tokens=5, old_log_probs="recompute"),
+        **kw,
+    )
+    mask = np.asarray(a.batch.completion_mask) > 0
+    np.testing.assert_array_equal(a.batch.completion_ids, b.batch.completion_ids)
+    np.testing.assert_allclose(
+        np.asarray(a.batch.old_log_probs)[mask], np.asarray(b.batch.old_log_probs)[mask], atol=1e-4
+    )
+    # Recomputed = the training graph's log-probs at the sampling temperature.
+    np.testing.assert_allclose(
+        np.asarray(b.batch.old_log_probs)[mask],
+        scored(trainer, b.batch, trainer.model)[mask],
+        atol=1e-6,
+    )
+    # Reference log-probs come from the reference model.
+    np.testing.assert_allclose(
+        np.asarray(a.batch.ref_log_probs)[mask],
+        scored(trainer, a.batch, trainer.reference_model)[mask],
+        atol=1e-5,
+    )
+
+
+def test_auto_recomputes_when_sampling_is_truncated():
+    trainer, tok = make_trainer()
+    rewards = RewardCombiner([lambda p, c, **k: [0.0] * len(c)])
+    ro = rollout(
+        trainer,
+        tok,
+        ROWS,
+        rewards,
+        RolloutConfig(max_new_tokens=5, top_k=3),
+        key=jax.random.key(2),
+        need_old_log_probs=True,
+    )
+    mask = np.asarray(ro.batch.completion_mask) > 0
+    np.testing.assert_allclose(
+        np.asarray(ro.batch.old_log_probs)[mask],
+        scored(trainer, ro.batch, trainer.model)[mask],
+        atol=1e-6,
+    )
+
+
+def test_chat_messages_use_the_chat_template():
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"  # noqa: E501
+    tok = Tokenizer.for_characters("0123456789+=", chat_template=template)
+    texts, ids, mask = encode_prompts(tok, [{"prompt": [{"role": "user", "content": "1+2"}]}])
+    assert texts == ["1+2="]
+    assert tok.decode(ids[0][mask[0] > 0]) == "1+2="
+
+
+def test_missing_prompt_column_is_an_error():
+    trainer, tok = make_trainer()
+    with pytest.raises(ValueError, match="row 1 has no prompt column 'prompt'"):
+        rollout(
+            trainer,
+            tok,
+            [ROWS[0], {"question": "1+1="}],
+            RewardCombiner([lambda p, c, **k: [0.0] * len(c)]),
+            RolloutConfig(),
+            key=jax.random.key(0),
+        )
+
+
+def test_prompt_longer_than_allowed_is_an_error_not_a_truncation():
+    tok = demo_tokenizer()
+    with pytest.raises(ValueError, match="max_prompt_length=3"):
+        encode_prompts(tok, ROWS, max_prompt_length=3)
+
+
+def test_reward_function_wrong_length_names_the_function():
+    trainer, tok = make_trainer()
+
+    def short_reward(prompts, completions, **k):
+        return [1.0]
+
+    with pytest.raises(ValueError, match="short_reward"):
+        rollout(
+            trainer,
+            tok,
+            ROWS,
+            RewardCombiner([short_reward]),
+            RolloutConfig(max_new_tokens=3),
+            key=jax.random.key(0),
+        )
+
+
+def test_reward_exception_names_function_and_row():
+    trainer, tok = make_trainer()
+
+    def fragile(prompts, completions, id, **k):
+        if 2 in id:
+            raise KeyError("boom")
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match=r"fragile.*row 8"):
+        rollout(
+            trainer,
+            tok,
+            ROWS,
+            RewardCombiner([fragile]),
+            RolloutConfig(max_new_tokens=3),
+            key=jax.random.key(0),
+        )
+
+
+def test_none_rewards_become_nan():
+    trainer, tok = make_trainer()
+    ro = rollout(
+        trainer,
+        tok,
+        ROWS,
+        RewardCombiner([lambda p, c, id, **k: [None if i == 1 else 1.0 for i in id]]),
+        RolloutConfig(max_new_tokens=3),
+        key=jax.random.key(0),
+    )
+    r = np.asarray(ro.batch.rewards)
+    assert np.isnan(r[4:8]).all() and (r[:4] == 1).all()
+    assert jnp.isfinite(trainer.train_step(ro.batch)["total_loss"])

@@ -1,0 +1,141 @@
+"""The artifex-grpo command: train on a local HF directory and JSONL, errors, the demo."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from artifex.cli import load_rows, main
+from artifex.demo import DemoConfig, addition_dataset, demo_model, demo_tokenizer, run_demo
+from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    tok = demo_tokenizer()
+    model = demo_model(tok)
+    path = tmp_path / "model"
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture()
+def data_file(tmp_path):
+    rows, _ = addition_dataset(num_eval=8)
+    path = tmp_path / "train.jsonl"
+    with open(path, "w") as fh:
+        for row in rows[:32]:
+            fh.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+ARGS = [
+    "--reward",
+    "math",
+    "--num-steps",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--num-generations",
+    "4",
+    "--max-new-tokens",
+    "4",
+    "--progress",
+    "false",
+    "--learning-rate",
+    "1e-3",
+]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_train_command_saves_a_loadable_model(tmp_path, model_dir, data_file, lora):
+    out = str(tmp_path / "out" / "model")
+    extra = ["--lora-rank", "2"] if lora else []
+    rc = main(
+        [
+            "train",
+            "--model",
+            model_dir,
+            "--data",
+            data_file,
+            "--output",
+            out,
+            "--beta",
+            "0.04",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            *ARGS,
+            *extra,
+        ]
+    )
+    assert rc == 0
+    trained = CausalLM.from_pretrained(out)
+    base = CausalLM.from_pretrained(model_dir)
+    ids = np.array([[1, 5, 6, 14, 7, 15]], np.int32)
+    assert not np.allclose(np.asarray(trained(ids)), np.asarray(base(ids)))
+    assert os.path.exists(tmp_path / "out" / "logs" / "metrics.jsonl")
+    assert os.listdir(tmp_path / "ckpt")
+
+
+def test_missing_model_directory(tmp_path, data_file, capsys):
+    rc = main(["train", "--model", str(tmp_path / "nope"), "--data", data_file, *ARGS])
+    assert rc == 2
+    assert "model directory not found" in capsys.readouterr().err
+
+
+def test_dataset_without_prompt_column_leaves_no_checkpoint(tmp_path, model_dir, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    ckpt = tmp_path / "ckpt"
+    rc = main(
+        [
+            "train",
+            "--model",
+            model_dir,
+            "--data",
+            str(bad),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--output",
+            str(tmp_path / "o" / "m"),
+            *ARGS,
+        ]
+    )
+    assert rc == 2
+    assert "no prompt column 'prompt'" in capsys.readouterr().err
+    assert not ckpt.exists() or not os.listdir(ckpt)
+
+
+def test_load_rows_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_rows(str(tmp_path / "missing.jsonl"))
+    p = tmp_path / "x.jsonl"
+    p.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_rows(str(p))
+    csv = tmp_path / "x.csv"
+    csv.write_text("a,b\n")
+    with pytest.raises(ValueError, match="unknown dataset format"):
+        load_rows(str(csv))
+
+
+def test_tokenizer_round_trip(tmp_path):
+    tok = demo_tokenizer()
+    tok.save_pretrained(str(tmp_path))
+    again = Tokenizer.from_pretrained(str(tmp_path))
+    assert again.encode("12+30=") == tok.encode("12+30=")
+    assert (again.bos_id, again.eos_ids, again.pad_id) == (tok.bos_id, tok.eos_ids, tok.pad_id)
+
+
+@pytest.mark.slow
+def test_short_demo_raises_held_out_accuracy(tmp_path):
+    summary = run_demo(DemoConfig(grpo_steps=150, out_dir=str(tmp_path)), verbose=False)
+    # The warm-up stops near 35% validation accuracy; 150 GRPO steps lift held-out pass@1 by
+    # about 0.3 (0.33 -> 0.64 with seed 0 on the development machine).
+    assert summary["held_out_pass@1_after"] > summary["held_out_pass@1_before"] + 0.1
+    assert summary["train_reward_last_10_steps"] > summary["train_reward_first_10_steps"]
+    assert os.path.getsize(summary["reward_curve"]) > 1000
