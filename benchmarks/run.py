@@ -56,7 +56,7 @@ def bench_train_step(ctx: dict) -> list[Row]:
         nnx.state(trainer.reference_model),
         batch,
     )
-    flops = common.compiled_flops(trainer._step_fn, *args)
+    flops = common.compiled_flops(trainer._step_fn, *args, 1)
     t = common.time_fn(lambda: trainer.train_step(batch), warmup=2, repeats=5)
     tokens = W1.batch_size * (W1.prompt_length + W1.completion_length)
     achieved = flops / t["median_s"]

@@ -347,19 +347,23 @@ def generate(
         if pad_id is None:
             pad_id = eos[0] if eos else 0
 
+    # Device arrays stay where they are (a batch sharded over a mesh stays sharded, so the
+    # generation runs data-parallel); host arrays are uploaded.
+    dev_ids = jnp.asarray(prompt_ids if isinstance(prompt_ids, jax.Array) else ids, jnp.int32)
+    dev_mask = jnp.asarray(prompt_mask if isinstance(prompt_mask, jax.Array) else mask, jnp.int32)
     # Left-pad to the prompt-length bucket (padding never changes a row's result).
     width = ids.shape[1] if prompt_buckets is None else bucket_length(ids.shape[1], prompt_buckets)
     if width > ids.shape[1]:
         extra = width - ids.shape[1]
-        ids = np.pad(ids, ((0, 0), (extra, 0)), constant_values=pad_id)
-        mask = np.pad(mask, ((0, 0), (extra, 0)))
+        dev_ids = jnp.pad(dev_ids, ((0, 0), (extra, 0)), constant_values=pad_id)
+        dev_mask = jnp.pad(dev_mask, ((0, 0), (extra, 0)))
     graphdef, state = nnx.split(model)
     greedy = temperature == 0
     return _generate(
         graphdef,
         state,
-        jnp.asarray(ids, jnp.int32),
-        jnp.asarray(mask, jnp.int32),
+        dev_ids,
+        dev_mask,
         key,
         jnp.asarray(1.0 if greedy else temperature, jnp.float32),
         jnp.asarray(top_p, jnp.float32),

@@ -5,15 +5,24 @@ every RL name is also available from :mod:`artifex.generative_models.training.rl
 sharding name from :mod:`artifex.generative_models.training.sharding`.
 """
 
+from artifex.generative_models.training.checkpointing import (
+    CheckpointManager,
+    IncompatibleCheckpointError,
+)
+from artifex.generative_models.training.logging import MetricLogger
 from artifex.generative_models.training.rl import (
     GRPOBatch,
     GRPOConfig,
     GRPOTrainer,
     NonFiniteUpdateError,
+    RewardCombiner,
+    RolloutConfig,
+    TrainConfig,
     group_advantages,
     grpo_objective,
     make_grpo_loss,
     segment_advantages,
+    train,
 )
 from artifex.generative_models.training.sharding import (
     CAUSAL_LM_RULES,
@@ -37,11 +46,17 @@ __all__ = [
     "CAUSAL_LM_RULES",
     "DATA_AXES",
     "MESH_AXES",
+    "CheckpointManager",
     "GRPOBatch",
     "GRPOConfig",
     "GRPOTrainer",
+    "IncompatibleCheckpointError",
+    "MetricLogger",
     "NonFiniteUpdateError",
     "PartitionRules",
+    "RewardCombiner",
+    "RolloutConfig",
+    "TrainConfig",
     "batch_partition_spec",
     "current_mesh",
     "group_advantages",
@@ -57,4 +72,5 @@ __all__ = [
     "shard_optimizer",
     "state_partition_specs",
     "state_shardings",
+    "train",
 ]

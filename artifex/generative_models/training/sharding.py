@@ -76,6 +76,7 @@ from flax import nnx
 from flax.nnx import spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from artifex.generative_models.training.logging import is_primary_process
 from artifex.generative_models.training.rl.batch import GRPOBatch
 
 __all__ = [
@@ -123,15 +124,6 @@ CAUSAL_LM_RULES: tuple[tuple[str, PartitionSpec], ...] = (
 
 
 # ------------------------------------------------------------------------------ processes
-def is_primary_process() -> bool:
-    """Whether this is process 0, the one that should log and write checkpoints.
-
-    Returns:
-        ``jax.process_index() == 0`` (always true in a single process).
-    """
-    return jax.process_index() == 0
-
-
 # ------------------------------------------------------------------------------ the mesh
 def make_mesh(
     data: int | None = None,

@@ -411,3 +411,6 @@ def test_generate_on_mesh_matches_unsharded_greedy():
     np.testing.assert_array_equal(got.completion_mask, want.completion_mask)
     np.testing.assert_allclose(got.log_probs, want.log_probs, atol=1e-5)
     assert model.layers[0].attn.q_proj.kernel[...].sharding.spec == P("fsdp", "tensor")
+    # The generation ran data-parallel: its outputs are split over the data axes, not copied.
+    shard_rows = {s.data.shape[0] for s in got.completion_ids.addressable_shards}
+    assert shard_rows == {got.completion_ids.shape[0] // 4}, shard_rows

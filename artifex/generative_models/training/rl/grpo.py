@@ -59,6 +59,10 @@ logger = logging.getLogger(__name__)
 class NonFiniteUpdateError(FloatingPointError):
     """A step produced a non-finite loss or gradient; the update was not applied.
 
+    Args:
+        message: The error message.
+        metrics: The step's metrics.
+
     Attributes:
         metrics: The step's metrics (as floats), to see what went wrong.
     """
@@ -733,3 +737,56 @@ class GRPOTrainer:
             )
             raise NonFiniteUpdateError(msg, host)
         return host
+
+    # ----------------------------------------------------------------- the whole loop
+    def train(
+        self,
+        dataset: Any,
+        *,
+        tokenizer: Any,
+        rewards: Any,
+        num_steps: int | None = None,
+        config: Any = None,
+        rollout_config: Any = None,
+        eval_dataset: Any = None,
+        eval_reward: Any = None,
+        **loop_options: Any,
+    ) -> Any:
+        """Runs the full GRPO loop on ``dataset``: rollouts, updates, logging, checkpoints.
+
+        A shortcut for :func:`artifex.generative_models.training.rl.loop.train`.
+
+        Args:
+            dataset: Rows (mappings) with a prompt column and the columns the rewards read.
+            tokenizer: The policy's tokenizer.
+            rewards: A ``RewardCombiner``, a reward function or a list of them.
+            num_steps: Generation batches to train on (shortcut for ``TrainConfig.num_steps``).
+            config: A ``TrainConfig``; ``num_steps`` and ``loop_options`` override its fields.
+            rollout_config: A ``RolloutConfig`` (generation settings).
+            eval_dataset: Held-out rows for pass@1.
+            eval_reward: Scores evaluation completions (default: the first reward function).
+            **loop_options: Other ``TrainConfig`` fields (``prompts_per_step=16``, ...).
+
+        Returns:
+            The loop's ``TrainResult``.
+        """
+        import dataclasses as _dc
+
+        from artifex.generative_models.training.rl.loop import TrainConfig
+        from artifex.generative_models.training.rl.loop import train as run_loop
+
+        if num_steps is not None:
+            loop_options["num_steps"] = num_steps
+        config = (
+            TrainConfig(**loop_options) if config is None else _dc.replace(config, **loop_options)
+        )
+        return run_loop(
+            self,
+            tokenizer,
+            dataset,
+            rewards,
+            config,
+            rollout_config,
+            eval_dataset=eval_dataset,
+            eval_reward=eval_reward,
+        )

@@ -95,6 +95,12 @@ class RewardFunctionError(RuntimeError):
 
     The original exception is chained as ``__cause__``.
 
+    Args:
+        message: The error message.
+        function_name: Name of the failing reward function.
+        function_index: Its position in the list of reward functions.
+        row: The first failing row, or ``None``.
+
     Attributes:
         function_name: name of the failing reward function (see :func:`reward_names`).
         function_index: its position in the list of reward functions.

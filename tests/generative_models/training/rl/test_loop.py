@@ -224,3 +224,18 @@ def test_bad_loop_settings():
         )
     with pytest.raises(ValueError, match="num_steps"):
         TrainConfig(num_steps=0)
+
+
+def test_trainer_train_method_runs_the_loop():
+    trainer, tok = make_trainer()
+    result = trainer.train(
+        TRAIN,
+        tokenizer=tok,
+        rewards=[REWARD],
+        num_steps=2,
+        prompts_per_step=4,
+        progress=False,
+        rollout_config=ROLLOUT,
+    )
+    assert len(result.history) == 2 and result.start_step == 0
+    assert int(trainer.optimizer.step[...]) == 2
