@@ -68,11 +68,11 @@ def build_trainer(w: Workload, *, seed: int = 0, lr: float = 1e-5) -> GRPOTraine
 def random_batch(w: Workload, *, seed: int = 0, with_old_log_probs: bool = False) -> GRPOBatch:
     """A GRPOBatch of ``w``'s shapes with random tokens, left-padded prompts, full completions."""
     k = jax.random.split(jax.random.key(seed), 4)
-    b, p, t, v = w.batch_size, w.prompt_length, w.completion_length, w.model.vocab_size
-    prompt_lens = jax.random.randint(k[0], (w.num_prompts,), p // 2, p + 1)
-    prompt_lens = jnp.repeat(prompt_lens, w.num_generations)
-    prompt_mask = (jnp.arange(p)[None, :] >= (p - prompt_lens)[:, None]).astype(jnp.int32)
-    prompt_ids = jax.random.randint(k[1], (b, p), 1, v) * prompt_mask
+    b, _p, t, v = w.batch_size, w.prompt_length, w.completion_length, w.model.vocab_size
+    # One prompt per group, repeated for its generations (prompt-major), as a rollout makes.
+    prompt_ids, prompt_mask = random_prompts(w, seed=seed)
+    prompt_ids = jnp.repeat(prompt_ids, w.num_generations, axis=0)
+    prompt_mask = jnp.repeat(prompt_mask, w.num_generations, axis=0)
     completion_ids = jax.random.randint(k[2], (b, t), 1, v)
     return GRPOBatch(
         prompt_ids=prompt_ids.astype(jnp.int32),

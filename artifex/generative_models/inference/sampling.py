@@ -89,6 +89,18 @@ def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS) 
     return int(length)
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, -1)`` (first index of the maximum) as two plain reductions.
+
+    XLA:CPU lowers ``argmax`` to a variadic (value, index) reduce that runs several times slower
+    than a max followed by a min over matching indices; this runs once per generated token.
+    """
+    v = x.shape[-1]
+    hit = x == jnp.max(x, axis=-1, keepdims=True)
+    idx = jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+    return jnp.minimum(idx, v - 1).astype(jnp.int32)  # all-NaN rows: a valid id, never v
+
+
 def sample_logits(
     logits: jax.Array,
     key: jax.Array,
@@ -113,7 +125,7 @@ def sample_logits(
     """
     z = jnp.asarray(logits, jnp.float32) / jnp.asarray(temperature, jnp.float32)
     if greedy:
-        token = jnp.argmax(z, axis=-1).astype(jnp.int32)
+        token = _argmax(z)
         logp = jax.nn.log_softmax(z, axis=-1)
         return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
     neg = jnp.finfo(jnp.float32).min
@@ -131,8 +143,13 @@ def sample_logits(
         keep = jnp.zeros(z.shape, jnp.bool_).at[rows, order].set(keep_sorted)
         z = jnp.where(keep, z, neg)
     logp = jax.nn.log_softmax(z, axis=-1)
-    gumbel = jax.random.gumbel(key, z.shape, jnp.float32)
-    token = jnp.argmax(jnp.where(z > neg, z + gumbel, neg), axis=-1).astype(jnp.int32)
+    # Inverse-CDF sampling: one uniform per row (instead of a Gumbel draw per vocabulary entry,
+    # which costs a random hash per entry at every step). Token v is drawn iff
+    # cdf[v-1] < u <= cdf[v], i.e. with probability p[v]; excluded tokens have p = 0 exactly.
+    cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
+    tiny = jnp.finfo(jnp.float32).tiny
+    u = jax.random.uniform(key, (z.shape[0], 1), jnp.float32, minval=tiny) * cdf[:, -1:]
+    token = jnp.minimum(jnp.sum(cdf < u, axis=-1), z.shape[-1] - 1).astype(jnp.int32)
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 

@@ -143,12 +143,16 @@ class Linear(nnx.Module):
         Returns:
             Array (..., out) in the dtype of `x`.
         """
-        y = jnp.matmul(x, self.kernel[...])
+        # Tokens are flattened to one row axis: XLA:CPU runs a 2-D (N, in) x (in, out) matmul
+        # and its gradient much faster than the same product with (B, T, in) activations.
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = jnp.matmul(x2, self.kernel[...])
         if self.bias is not None:
             y = y + self.bias[...]
         if self.lora is not None:
-            y = y + self.lora(x).astype(y.dtype)
-        return y
+            y = y + self.lora(x2).astype(y.dtype)
+        return y.reshape(*lead, y.shape[-1])
 
 
 class Attention(nnx.Module):
@@ -244,10 +248,15 @@ class Attention(nnx.Module):
 
 
 def _grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """GQA with K as a batch axis: `softmax(q k^T / sqrt(H))` per (B, K, G) then `@ v`.
+    """GQA with the G query heads of a kv head folded into the query axis.
+
+    Queries are laid out (B, K, Q, H) with Q = G * T (row `g * T + t`), keys and values
+    (B, K, S, H), so both matmuls are batched over (B, K) with the contracted axis minor: the
+    layout XLA's dot kernels want, with no relayout of the score matrices in the forward or the
+    backward pass (2-3x faster than contracting over (B, T, K, G, H) views on CPU).
 
     Args:
-        q: Queries (B, T, N, H).
+        q: Queries (B, T, N, H), query head `n = kv_head * G + g`.
         k: Keys (B, S, K, H).
         v: Values (B, S, K, H).
         mask: Bool (B, T, S).
@@ -257,14 +266,17 @@ def _grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
     """
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
-    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    # BKTGS is dot_general's natural output order (batch, lhs free, rhs free): no relayout of
-    # the (T, S) score matrices between the two matmuls.
-    scores = jnp.einsum("BTKGH,BSKH->BKTGS", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, :, None, :], scores * (h**-0.5), MASK_VALUE)
+    groups = n // kv_heads
+    queries = q.reshape(b, t, kv_heads, groups, h).transpose(0, 2, 3, 1, 4)
+    queries = queries.reshape(b, kv_heads, groups * t, h)
+    keys = k.transpose(0, 2, 1, 3)
+    values = v.transpose(0, 2, 1, 3)
+    scores = jnp.einsum("BKQH,BKSH->BKQS", queries, keys, preferred_element_type=jnp.float32)
+    allowed = jnp.tile(mask, (1, groups, 1))[:, None]  # (B, 1, G*T, S)
+    scores = jnp.where(allowed, scores * (h**-0.5), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKTGS,BSKH->BKTGH", probs, v)
-    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values)
+    return out.reshape(b, kv_heads, groups, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def _decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -75,6 +75,10 @@ class GRPOBatch:
             the segment form of the kernel is used and ``B`` need not be a multiple of
             ``group_size``.
         group_size: Static group size ``G`` (pytree metadata).
+        shared_prompts: Static flag: the ``G`` rows of each group have the same prompt (as in
+            every GRPO rollout), so a causal LM can encode each prompt once for its group.
+            :meth:`validate` checks it against the data; ``GRPOTrainer.prepare_batch`` sets it
+            when it finds the prompts shared.
     """
 
     prompt_ids: jax.Array
@@ -88,6 +92,7 @@ class GRPOBatch:
     step_rewards: jax.Array | None = None
     group_ids: jax.Array | None = None
     group_size: int = dataclasses.field(default=4, metadata=dict(static=True))
+    shared_prompts: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -117,6 +122,27 @@ class GRPOBatch:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ validation
+    def prompts_shared_within_groups(self) -> bool | None:
+        """Whether each group's rows have identical prompts (ids and mask).
+
+        Returns:
+            The answer, or ``None`` when the arrays are not all addressable from this process
+            or groups are given by ``group_ids``.
+        """
+        if self.group_ids is not None or self.batch_size % self.group_size:
+            return None
+        ids = _host_values(self.prompt_ids)
+        mask = None if self.prompt_mask is None else _host_values(self.prompt_mask)
+        if ids is None or (self.prompt_mask is not None and mask is None):
+            return None
+        g = self.group_size
+        groups = ids.reshape(-1, g, *ids.shape[1:])
+        same = bool((groups == groups[:, :1]).all())
+        if mask is not None:
+            m = mask.reshape(-1, g, *mask.shape[1:])
+            same = same and bool((m == m[:, :1]).all())
+        return same
+
     def validate(self, *, check_values: bool = True) -> GRPOBatch:
         """Checks the shape contract on the host, before anything is traced.
 
@@ -198,6 +224,16 @@ class GRPOBatch:
                 f"got {_shape(self.advantages)}"
             )
             raise ValueError(msg)
+        if self.shared_prompts:
+            if self.group_ids is not None:
+                msg = "GRPOBatch.shared_prompts requires fixed-size groups (no group_ids)"
+                raise ValueError(msg)
+            if check_values and self.prompts_shared_within_groups() is False:
+                msg = (
+                    "GRPOBatch.shared_prompts is True but the rows of some group have different "
+                    "prompt_ids or prompt_mask"
+                )
+                raise ValueError(msg)
         if check_values:
             self._check_values(b)
         return self
@@ -217,7 +253,7 @@ class GRPOBatch:
         for name in ("completion_mask", "prompt_mask"):
             value = getattr(self, name)
             host = None if value is None else _host_values(value)
-            if host is not None and not np.isin(host, (0, 1)).all():
+            if host is not None and not ((host == 0) | (host == 1)).all():
                 msg = f"GRPOBatch.{name} must hold only 0 and 1, got values {np.unique(host)[:8]}"
                 raise ValueError(msg)
         mask = _host_values(self.completion_mask)

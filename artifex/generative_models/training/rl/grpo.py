@@ -586,6 +586,8 @@ class GRPOTrainer:
             (loss, metrics), grads = grad_fn(trainable, batch, advantages)
         else:
             micro = split_microbatches(batch, num_microbatches)
+            if (batch.batch_size // num_microbatches) % batch.group_size:
+                micro = micro.replace(shared_prompts=False)  # slices cut through groups
             micro_adv = advantages.reshape(num_microbatches, -1, *advantages.shape[1:])
 
             def accumulate(acc: nnx.State, xs: tuple[GRPOBatch, jax.Array]):
@@ -644,6 +646,8 @@ class GRPOTrainer:
             TypeError: Wrong batch type or dtypes.
         """
         batch = as_grpo_batch(batch, self.config).validate()
+        if not batch.shared_prompts and batch.prompts_shared_within_groups():
+            batch = batch.replace(shared_prompts=True)  # encode each prompt once per group
         if batch.group_size < 2 and batch.advantages is None and batch.group_ids is None:
             msg = f"batch group_size must be >= 2 to compare completions, got {batch.group_size}"
             raise ValueError(msg)

@@ -139,21 +139,29 @@ def causal_lm_log_probs(
     prompt_mask: jax.Array | None = None,
     chunk_size: int | None = None,
     temperature: float = 1.0,
+    shared_prompt_group: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies of completions under a causal LM.
 
-    Runs the model once over ``[prompt ; completion]`` (prompt left-padded, positions derived
-    from the attention mask) and projects only the ``T`` hidden states that predict completion
-    tokens, chunked by :func:`chunked_token_log_probs`.
+    Runs the model over ``[prompt ; completion]`` (prompt left-padded, positions derived from the
+    attention mask) and projects only the ``T`` hidden states that predict completion tokens,
+    chunked by :func:`chunked_token_log_probs`.
+
+    With ``shared_prompt_group=G`` (every ``G`` consecutive rows share one prompt, as in a GRPO
+    batch) each prompt is encoded once into a KV cache that its ``G`` completions then attend to:
+    the same values (gradients flow back through the shared prefix and add up), with the prompt
+    part of the forward and backward pass done ``G`` times less.
 
     Args:
-        model: A causal LM with ``hidden_states(ids, attention_mask=...) -> (h, cache)`` and
-            ``output_embedding() -> (D, V)``.
+        model: A causal LM with ``hidden_states(ids, attention_mask=..., cache=...)``,
+            ``init_cache`` and ``output_embedding() -> (D, V)``.
         prompt_ids: ``(B, P)`` int, left-padded, ``P >= 1``.
         completion_ids: ``(B, T)`` int.
         prompt_mask: ``(B, P)`` 1 on real prompt tokens; ``None`` means no padding.
         chunk_size: Rows per logits chunk (see :func:`chunked_token_log_probs`).
         temperature: Logits are divided by it (to score under the sampling distribution).
+        shared_prompt_group: ``G`` when rows ``i`` and ``i // G * G`` always have the same
+            prompt; ``None`` or 1 encodes every row's prompt.
 
     Returns:
         ``(log_probs, entropy)``, each ``(B, T)`` float32.
@@ -165,12 +173,25 @@ def causal_lm_log_probs(
         raise ValueError(msg)
     if prompt_mask is None:
         prompt_mask = jnp.ones((b, p), jnp.int32)
-    ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
-    mask = jnp.concatenate(
-        [jnp.asarray(prompt_mask, jnp.int32), jnp.ones((b, t), jnp.int32)], axis=1
-    )
-    hidden, _ = model.hidden_states(ids, attention_mask=mask)
-    hidden = hidden[:, p - 1 : p + t - 1]
+    prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
+    g = shared_prompt_group
+    if g is not None and g > 1 and b % g == 0 and hasattr(model, "init_cache"):
+        cache = model.init_cache(b // g, p + t)
+        prompt_hidden, cache = model.hidden_states(
+            prompt_ids[::g].astype(jnp.int32), attention_mask=prompt_mask[::g], cache=cache
+        )
+        completion_hidden, _ = model.hidden_states(
+            completion_ids.astype(jnp.int32),
+            attention_mask=jnp.ones((b, t), jnp.int32),
+            cache=cache.repeat(g),
+        )
+        first = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)
+        hidden = jnp.concatenate([first, completion_hidden[:, :-1]], axis=1)
+    else:
+        ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
+        mask = jnp.concatenate([prompt_mask, jnp.ones((b, t), jnp.int32)], axis=1)
+        hidden, _ = model.hidden_states(ids, attention_mask=mask)
+        hidden = hidden[:, p - 1 : p + t - 1]
     weight = model.output_embedding()
     if temperature != 1.0:
         hidden = hidden / jnp.asarray(temperature, hidden.dtype)
@@ -196,6 +217,7 @@ def causal_lm_log_probs_fn(*, chunk_size: int | None = None, temperature: float 
             prompt_mask=batch.prompt_mask,
             chunk_size=chunk_size,
             temperature=temperature,
+            shared_prompt_group=batch.group_size if batch.shared_prompts else None,
         )
 
     return fn

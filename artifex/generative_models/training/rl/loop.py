@@ -249,8 +249,9 @@ def concat_batches(batches: Sequence[GRPOBatch]) -> GRPOBatch:
 
 
 def _take_rows(batch: GRPOBatch, rows: np.ndarray) -> GRPOBatch:
+    """Rows ``rows`` of every per-row field (prompt sharing is re-detected by the trainer)."""
     idx = jnp.asarray(rows)
-    return jax.tree.map(lambda x: x[idx], batch)
+    return jax.tree.map(lambda x: x[idx], batch).replace(shared_prompts=False)
 
 
 def _nonconstant_groups(rewards: np.ndarray, g: int) -> np.ndarray:

@@ -279,6 +279,7 @@ def rollout(
         completion_mask=out.completion_mask,
         rewards=jnp.asarray(combined.total, jnp.float32),
         group_size=k,
+        shared_prompts=True,
     )
     if need_old_log_probs:
         use_sampler = config.old_log_probs == "sampler" or (

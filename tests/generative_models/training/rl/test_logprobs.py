@@ -1,0 +1,195 @@
+"""Token log-probs: chunked vs naive, causal-LM scoring, shared prompts, temperature."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl import (
+    GRPOBatch,
+    auto_chunk_size,
+    categorical_log_probs,
+    causal_lm_log_probs,
+    chunked_token_log_probs,
+    token_log_probs,
+)
+
+
+def np_log_probs(z, y):
+    z = z.astype(np.float64)
+    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    p = np.exp(z - lse[..., None])
+    return np.take_along_axis(z, y[..., None], -1)[..., 0] - lse, lse - (p * z).sum(-1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_log_probs_match_numpy(seed):
+    rng = np.random.default_rng(seed)
+    z = rng.normal(scale=3, size=(5, 7, 33)).astype(np.float32)
+    y = rng.integers(0, 33, size=(5, 7))
+    lp, ent = token_log_probs(z, y)
+    want_lp, want_ent = np_log_probs(z, y)
+    np.testing.assert_allclose(lp, want_lp, atol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64, None])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunked_equals_naive_with_matching_gradients(chunk, seed):
+    k = jax.random.split(jax.random.key(seed), 4)
+    h = jax.random.normal(k[0], (3, 13, 16))  # 39 rows: not a multiple of most chunk sizes
+    w = jax.random.normal(k[1], (16, 50)) * 0.3
+    bias = jax.random.normal(k[2], (50,)) * 0.1
+    y = jax.random.randint(k[3], (3, 13), 0, 50)
+
+    def naive(h, w, bias):
+        return token_log_probs(jnp.einsum("btd,dv->btv", h, w) + bias, y)
+
+    def chunked(h, w, bias):
+        return chunked_token_log_probs(h, w, y, bias=bias, chunk_size=chunk)
+
+    for a, b in zip(naive(h, w, bias), chunked(h, w, bias), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+    def loss(fn):
+        def f(h, w, bias):
+            lp, ent = fn(h, w, bias)
+            return jnp.sum(lp * jnp.arange(13)) + 0.3 * jnp.sum(ent)
+
+        return jax.grad(f, argnums=(0, 1, 2))(h, w, bias)
+
+    for a, b in zip(loss(naive), loss(chunked), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_chunk_size_bounds_the_logits_block():
+    for v in (4096, 32_000, 151_936):
+        c = auto_chunk_size(v)
+        assert c & (c - 1) == 0 and c >= 16
+        assert c * v * 4 <= 64 * 2**20 or c == 16
+
+
+@pytest.fixture(scope="module")
+def lm():
+    cfg = CausalLMConfig.tiny(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
+    return CausalLM(cfg, rngs=nnx.Rngs(0))
+
+
+def grouped_batch(g=3, n=2, p=6, t=5, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, p + 1, size=n)
+    mask = (np.arange(p)[None] >= (p - lens)[:, None]).astype(np.int32)
+    ids = rng.integers(4, 64, size=(n, p)) * mask
+    return (
+        np.repeat(ids, g, 0).astype(np.int32),
+        np.repeat(mask, g, 0),
+        rng.integers(4, 64, size=(n * g, t)).astype(np.int32),
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_causal_lm_log_probs_equal_full_forward(lm, temperature):
+    ids, mask, comp = grouped_batch()
+    lp, ent = causal_lm_log_probs(lm, ids, comp, prompt_mask=mask, temperature=temperature)
+    seq = np.concatenate([ids, comp], 1)
+    full_mask = np.concatenate([mask, np.ones_like(comp)], 1)
+    logits = np.asarray(lm(jnp.asarray(seq), attention_mask=jnp.asarray(full_mask)))
+    want_lp, want_ent = np_log_probs(logits[:, 5:-1] / temperature, comp)
+    np.testing.assert_allclose(lp, want_lp, atol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=1e-5)
+
+
+def test_shared_prompt_encoding_equals_per_row_encoding(lm):
+    ids, mask, comp = grouped_batch(g=3, n=3)
+    graphdef, state = nnx.split(lm)
+
+    def f(state, group):
+        model = nnx.merge(graphdef, state)
+        lp, ent = causal_lm_log_probs(model, ids, comp, prompt_mask=mask, shared_prompt_group=group)
+        return jnp.sum(lp * jnp.arange(5)) + 0.1 * jnp.sum(ent), (lp, ent)
+
+    (_l1, (lp1, e1)), g1 = jax.value_and_grad(f, has_aux=True)(state, None)
+    (_l2, (lp2, e2)), g2 = jax.value_and_grad(f, has_aux=True)(state, 3)
+    np.testing.assert_allclose(lp1, lp2, atol=1e-5)
+    np.testing.assert_allclose(e1, e2, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_trainer_detects_shared_prompts_and_updates_identically(lm):
+    ids, mask, comp = grouped_batch(g=4, n=2)
+    kw = dict(
+        prompt_ids=jnp.asarray(ids),
+        prompt_mask=jnp.asarray(mask),
+        completion_ids=jnp.asarray(comp),
+        completion_mask=jnp.ones(comp.shape, jnp.int32),
+        rewards=jnp.arange(8, dtype=jnp.float32),
+        group_size=4,
+    )
+    results = []
+    for micro in (1, 2, 4):  # 4 microbatches of 2 rows cut through the groups: no sharing
+        model = nnx.clone(lm)
+        nnx.update(model, jax.tree.map(lambda x: jnp.array(x, copy=True), nnx.state(model)))
+        trainer = GRPOTrainer(
+            model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), GRPOConfig(beta=0.0)
+        )
+        assert trainer.prepare_batch(GRPOBatch(**kw)).shared_prompts
+        trainer.train_step(GRPOBatch(**kw), num_microbatches=micro)
+        results.append([np.asarray(x) for x in jax.tree.leaves(nnx.state(model))])
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_wrong_shared_prompts_flag_is_an_error(lm):
+    ids, mask, comp = grouped_batch(g=2, n=2)
+    ids[1, -1] += 1  # row 1 differs from row 0 of its group
+    batch = GRPOBatch(
+        prompt_ids=jnp.asarray(ids),
+        prompt_mask=jnp.asarray(mask),
+        completion_ids=jnp.asarray(comp),
+        completion_mask=jnp.ones(comp.shape),
+        rewards=jnp.zeros(4),
+        group_size=2,
+        shared_prompts=True,
+    )
+    assert batch.replace(shared_prompts=False).prompts_shared_within_groups() is False
+    with pytest.raises(ValueError, match="shared_prompts"):
+        batch.validate()
+
+
+def test_categorical_log_probs_shapes():
+    class Policy(nnx.Module):
+        def __call__(self, x):
+            return jnp.zeros((x.shape[0], 3, 5))
+
+    batch = GRPOBatch(
+        prompt_ids=jnp.zeros((4, 2)),
+        completion_ids=jnp.zeros((4, 3), jnp.int32),
+        completion_mask=jnp.ones((4, 3)),
+        rewards=jnp.zeros(4),
+        group_size=2,
+    )
+    lp, ent = categorical_log_probs(Policy(), batch)
+    np.testing.assert_allclose(lp, np.log(1 / 5), rtol=1e-6)
+    np.testing.assert_allclose(ent, np.log(5), rtol=1e-6)
+    with pytest.raises(ValueError, match="do not fit actions"):
+        categorical_log_probs(
+            Policy(),
+            batch.replace(
+                completion_ids=jnp.zeros((4, 2), jnp.int32), completion_mask=jnp.ones((4, 2))
+            ),
+        )
