@@ -12,6 +12,7 @@ by one device are also summed from the arrays' shards. With FSDP both shrink to 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -26,30 +27,17 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig  # noqa: E402
+from artifex.generative_models.models.causal_lm import CausalLM  # noqa: E402
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer, make_mesh  # noqa: E402
 from benchmarks import common  # noqa: E402
-from benchmarks.workloads import Workload, random_batch  # noqa: E402
+from benchmarks.workloads import Q26M, Workload, random_batch  # noqa: E402
 
 MIB = 2**20
 
 #: ~26M parameters, Qwen2-shaped.
-S26M = Workload(
-    name="S26M",
-    model=CausalLMConfig.qwen2_w1(
-        vocab_size=16384,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_layers=6,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-    ),
-    num_prompts=4,
-    num_generations=2,
-    prompt_length=32,
-    completion_length=32,
-    beta=0.0,
+# The ~26M-parameter policy of benchmarks/workloads.py, with a small batch and no reference.
+S26M = dataclasses.replace(
+    Q26M, name="S26M", num_prompts=4, num_generations=2, completion_length=32, beta=0.0
 )
 
 

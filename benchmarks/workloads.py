@@ -49,6 +49,27 @@ W1 = Workload(
 )
 
 
+# A ~26M-parameter Qwen2-shaped policy (vocab 16384, width 512, 6 layers, 8 query / 2 kv heads,
+# MLP 1536, tied embeddings, q/k/v biases, fp32), with W1's batch shape.
+Q26M = Workload(
+    name="Q26M",
+    model=CausalLMConfig.qwen2_w1(
+        vocab_size=16384,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+    ),
+    num_prompts=8,
+    num_generations=4,
+    prompt_length=32,
+    completion_length=96,
+    beta=0.04,
+)
+
+
 def frozen_copy(model: nnx.Module) -> nnx.Module:
     """A copy of ``model`` with its own buffers."""
     copy = nnx.clone(model)
