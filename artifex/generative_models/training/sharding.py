@@ -86,6 +86,7 @@ __all__ = [
     "PartitionRules",
     "batch_partition_spec",
     "current_mesh",
+    "host_array",
     "is_primary_process",
     "make_mesh",
     "num_data_shards",
@@ -791,3 +792,24 @@ def shard_batch(
         return jax.device_put(x, rows_sharding)
 
     return jax.tree.map(put, batch)
+
+
+def host_array(x: Any) -> np.ndarray:
+    """The full value of ``x`` as a NumPy array on this host.
+
+    A ``jax.Array`` spread over several processes is all-gathered first
+    (``multihost_utils.process_allgather``), so every process gets the whole array; anything
+    else is fetched with ``jax.device_get``. The rollout and the evaluation decode completions
+    through this, so the loop works the same in a single process and across hosts.
+
+    Args:
+        x: An array.
+
+    Returns:
+        The NumPy array.
+    """
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))

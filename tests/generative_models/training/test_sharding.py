@@ -414,3 +414,14 @@ def test_generate_on_mesh_matches_unsharded_greedy():
     # The generation ran data-parallel: its outputs are split over the data axes, not copied.
     shard_rows = {s.data.shape[0] for s in got.completion_ids.addressable_shards}
     assert shard_rows == {got.completion_ids.shape[0] // 4}, shard_rows
+
+
+def test_host_array_returns_the_full_value_of_a_sharded_array():
+    from artifex.generative_models.training import host_array
+
+    mesh = make_mesh(8)
+    x = jnp.arange(64.0).reshape(16, 4)
+    sharded = shard_batch(x, mesh)
+    assert len(sharded.addressable_shards) == 8
+    np.testing.assert_array_equal(host_array(sharded), np.asarray(x))
+    np.testing.assert_array_equal(host_array(np.ones(3)), np.ones(3))

@@ -50,6 +50,7 @@ from artifex.generative_models.training.rl.rollout import (
     encode_prompts,
     rollout,
 )
+from artifex.generative_models.training.sharding import host_array
 
 __all__ = ["DataIterator", "TrainConfig", "TrainResult", "concat_batches", "evaluate", "train"]
 
@@ -312,7 +313,7 @@ def evaluate(
             eos_ids=tokenizer.eos_ids,
             pad_id=tokenizer.pad_id,
         )
-        comp, lengths = jax.device_get((out.completion_ids, out.lengths))
+        comp, lengths = host_array(out.completion_ids), host_array(out.lengths)
         completions = tokenizer.batch_decode(
             [c[:n] for c, n in zip(comp, lengths, strict=True)], skip_special_tokens=True
         )
@@ -385,7 +386,7 @@ def _rollout_step(
                 )
             )
         ro = rollouts[-1]
-        good = _nonconstant_groups(np.asarray(ro.batch.rewards), g)
+        good = _nonconstant_groups(host_array(ro.batch.rewards), g)
         total_groups += good.size
         for i, ok in enumerate(good):
             rows = np.arange(i * g, (i + 1) * g)
@@ -403,7 +404,7 @@ def _rollout_step(
 
 
 def _host_reward_metrics(batch: GRPOBatch) -> dict[str, float]:
-    r = np.asarray(batch.rewards, np.float64)
+    r = host_array(batch.rewards).astype(np.float64)
     valid = ~np.isnan(r)
     return {
         "reward_mean": float(r[valid].mean()) if valid.any() else float("nan"),

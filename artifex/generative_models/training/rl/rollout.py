@@ -27,6 +27,7 @@ import numpy as np
 from artifex.generative_models.inference.sampling import generate
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
+from artifex.generative_models.training.sharding import host_array
 
 __all__ = ["Rollout", "RolloutConfig", "encode_prompts", "rollout"]
 
@@ -124,7 +125,7 @@ class Rollout:
         for name, column in zip(self.reward_names, self.rewards_per_function.T, strict=True):
             valid = ~np.isnan(column)
             out[f"rewards/{name}"] = float(column[valid].mean()) if valid.any() else float("nan")
-        lengths = np.asarray(self.batch.completion_mask).sum(axis=1)
+        lengths = host_array(self.batch.completion_mask).sum(axis=1)
         out["completion_length_max"] = float(lengths.max())
         out["truncated_fraction"] = float(np.mean(self.truncated))
         return out
@@ -258,8 +259,10 @@ def rollout(
         eos_ids=tokenizer.eos_ids,
         pad_id=tokenizer.pad_id,
     )
-    completion_ids, lengths, truncated = jax.device_get(
-        (out.completion_ids, out.lengths, out.truncated)
+    completion_ids, lengths, truncated = (
+        host_array(out.completion_ids),
+        host_array(out.lengths),
+        host_array(out.truncated),
     )
     completions = tokenizer.batch_decode(
         [row[:n] for row, n in zip(completion_ids, lengths, strict=True)],
