@@ -68,14 +68,17 @@ from artifex.generative_models.training.rl.rewards import (
     soft_overlong_penalty,
 )
 from artifex.generative_models.training.rl.rollout import (
+    Completions,
     Rollout,
     RolloutConfig,
     encode_prompts,
     rollout,
+    sample_completions,
 )
 
 __all__ = [
     "CombinedRewards",
+    "Completions",
     "DataIterator",
     "GRPOBatch",
     "GRPOConfig",
@@ -124,6 +127,7 @@ __all__ = [
     "process_advantages",
     "reward_names",
     "rollout",
+    "sample_completions",
     "segment_advantages",
     "segment_stats",
     "soft_overlong_penalty",

@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.inference.sampling import generate
 from artifex.generative_models.training.checkpointing import (
     CheckpointManager,
     training_fingerprint,
@@ -47,8 +46,8 @@ from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollout import (
     Rollout,
     RolloutConfig,
-    encode_prompts,
     rollout,
+    sample_completions,
 )
 from artifex.generative_models.training.sharding import host_array
 
@@ -296,31 +295,16 @@ def evaluate(
     scores: list[float] = []
     for start in range(0, len(rows), batch_size):
         chunk = list(rows[start : start + batch_size])
-        texts, ids, mask = encode_prompts(
+        sampled = sample_completions(
+            trainer.model,
             tokenizer,
             chunk,
-            prompt_column=rollout_config.prompt_column,
-            max_prompt_length=rollout_config.max_prompt_length,
-        )
-        out = generate(
-            trainer.model,
-            ids,
-            mask,
+            rollout_config,
             key=jax.random.key(0),
             num_generations=1,
-            max_new_tokens=rollout_config.max_new_tokens,
             temperature=0.0,
-            eos_ids=tokenizer.eos_ids,
-            pad_id=tokenizer.pad_id,
         )
-        comp, lengths = host_array(out.completion_ids), host_array(out.lengths)
-        completions = tokenizer.batch_decode(
-            [c[:n] for c, n in zip(comp, lengths, strict=True)], skip_special_tokens=True
-        )
-        names = sorted({k for r in chunk for k in r} - {rollout_config.prompt_column})
-        columns = {k: [r.get(k) for r in chunk] for k in names}
-        columns["completion_length"] = [int(n) for n in lengths]
-        values = reward_fn(texts, completions, **columns)
+        values = reward_fn(sampled.prompts, sampled.completions, **sampled.columns)
         scores += [float("nan") if v is None else float(v) for v in values]
     s = np.asarray(scores, np.float64)
     valid = ~np.isnan(s)

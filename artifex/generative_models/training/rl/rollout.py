@@ -29,7 +29,14 @@ from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.sharding import host_array
 
-__all__ = ["Rollout", "RolloutConfig", "encode_prompts", "rollout"]
+__all__ = [
+    "Completions",
+    "Rollout",
+    "RolloutConfig",
+    "encode_prompts",
+    "rollout",
+    "sample_completions",
+]
 
 OldLogProbs = Literal["auto", "sampler", "recompute"]
 
@@ -204,6 +211,94 @@ def _sampler_matches_loss(trainer: Any, config: RolloutConfig) -> bool:
     return config.top_k is None and config.top_p >= 1.0 and jnp.dtype(dtype) == jnp.float32
 
 
+@dataclasses.dataclass
+class Completions:
+    """Sampled completions of a list of rows, decoded, with the columns reward functions read.
+
+    Attributes:
+        output: The sampler's output (``B * K`` rows, prompt-major).
+        prompts: Prompt texts, one per batch row (repeated per generation).
+        completions: Decoded completions, one per batch row.
+        columns: Dataset columns repeated per generation, plus ``completion_length``.
+        lengths: ``(B * K,)`` completion lengths in tokens.
+        truncated: ``(B * K,)`` rows that hit ``max_new_tokens`` without EOS.
+    """
+
+    output: Any
+    prompts: list[str]
+    completions: list[str]
+    columns: dict[str, list[Any]]
+    lengths: np.ndarray
+    truncated: np.ndarray
+
+
+def sample_completions(
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    config: RolloutConfig,
+    *,
+    key: jax.Array,
+    num_generations: int,
+    temperature: float,
+) -> Completions:
+    """Encodes the rows' prompts, samples ``num_generations`` completions each and decodes them.
+
+    Args:
+        model: The causal LM that samples.
+        tokenizer: Its tokenizer.
+        rows: Dataset rows, one per prompt.
+        config: Prompt column, prompt length limit, ``max_new_tokens``, top-k/top-p.
+        key: PRNG key.
+        num_generations: Completions per prompt.
+        temperature: Sampling temperature (0: greedy).
+
+    Returns:
+        A :class:`Completions`.
+
+    Raises:
+        ValueError: Missing prompt column, empty or too-long prompts, or a dataset column named
+            ``completion_length``.
+    """
+    texts, ids, mask = encode_prompts(
+        tokenizer,
+        rows,
+        prompt_column=config.prompt_column,
+        max_prompt_length=config.max_prompt_length,
+    )
+    out = generate(
+        model,
+        ids,
+        mask,
+        key=key,
+        num_generations=num_generations,
+        max_new_tokens=config.max_new_tokens,
+        temperature=temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        eos_ids=tokenizer.eos_ids,
+        pad_id=tokenizer.pad_id,
+    )
+    completion_ids, lengths = host_array(out.completion_ids), host_array(out.lengths)
+    completions = tokenizer.batch_decode(
+        [row[:n] for row, n in zip(completion_ids, lengths, strict=True)],
+        skip_special_tokens=True,
+    )
+    columns = _repeat_columns(rows, num_generations, exclude=config.prompt_column)
+    if "completion_length" in columns:
+        msg = "dataset column 'completion_length' clashes with the rollout's own column"
+        raise ValueError(msg)
+    columns["completion_length"] = [int(n) for n in lengths]
+    return Completions(
+        output=out,
+        prompts=[t for t in texts for _ in range(num_generations)],
+        completions=completions,
+        columns=columns,
+        lengths=lengths,
+        truncated=host_array(out.truncated),
+    )
+
+
 def rollout(
     trainer: Any,
     tokenizer: Any,
@@ -240,41 +335,17 @@ def rollout(
         raise ValueError(msg)
     grpo = trainer.config
     k = grpo.num_generations
-    texts, ids, mask = encode_prompts(
+    sampled = sample_completions(
+        trainer.model,
         tokenizer,
         rows,
-        prompt_column=config.prompt_column,
-        max_prompt_length=config.max_prompt_length,
-    )
-    out = generate(
-        trainer.model,
-        ids,
-        mask,
+        config,
         key=key,
         num_generations=k,
-        max_new_tokens=config.max_new_tokens,
         temperature=grpo.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        eos_ids=tokenizer.eos_ids,
-        pad_id=tokenizer.pad_id,
     )
-    completion_ids, lengths, truncated = (
-        host_array(out.completion_ids),
-        host_array(out.lengths),
-        host_array(out.truncated),
-    )
-    completions = tokenizer.batch_decode(
-        [row[:n] for row, n in zip(completion_ids, lengths, strict=True)],
-        skip_special_tokens=True,
-    )
-    columns = _repeat_columns(rows, k, exclude=config.prompt_column)
-    if "completion_length" in columns:
-        msg = "dataset column 'completion_length' clashes with the rollout's own column"
-        raise ValueError(msg)
-    columns["completion_length"] = [int(n) for n in lengths]
-    prompts_rep = [t for t in texts for _ in range(k)]
-    combined = rewards(prompts_rep, completions, **columns)
+    out = sampled.output
+    combined = rewards(sampled.prompts, sampled.completions, **sampled.columns)
     batch = GRPOBatch(
         prompt_ids=out.prompt_ids,
         prompt_mask=out.prompt_mask,
@@ -294,9 +365,9 @@ def rollout(
     return Rollout(
         batch=batch,
         rows=list(rows),
-        prompts=texts,
-        completions=completions,
+        prompts=sampled.prompts[::k],
+        completions=sampled.completions,
         rewards_per_function=np.asarray(combined.per_function),
         reward_names=list(rewards.names),
-        truncated=np.asarray(truncated),
+        truncated=sampled.truncated,
     )
