@@ -321,8 +321,8 @@ def make_grpo_loss(
     The returned ``grpo_loss(params, batch, rest=None) -> (loss, metrics)`` is a pure function
     of the parameter state ``params = nnx.state(model, wrt)`` and a :class:`GRPOBatch` (or the
     seed dict form), so ``jax.grad(grpo_loss, has_aux=True)(params, batch)`` works anywhere.
-    Variables not selected by ``wrt`` (e.g. frozen base weights under LoRA) are taken from
-    ``model`` as it is now, or from ``rest`` when given.
+    Variables not selected by ``wrt`` (e.g. frozen base weights under LoRA) are read from
+    ``model`` at each call, or taken from ``rest_state`` when given.
 
     Args:
         model: The policy (an NNX module).
@@ -334,7 +334,7 @@ def make_grpo_loss(
     Returns:
         ``grpo_loss``.
     """
-    graphdef, _, rest = nnx.split(model, wrt, ...)
+    graphdef = nnx.graphdef(model)
     if log_prob_fn is None:
         log_prob_fn = default_log_prob_fn(model, temperature=config.temperature)
 
@@ -350,7 +350,9 @@ def make_grpo_loss(
         """GRPO loss of ``params`` on ``batch``: ``(loss, metrics)`` (pure, jit-compiled)."""
         batch = as_grpo_batch(batch, config) if isinstance(batch, Mapping) else batch
         _check_traceable_batch(batch)
-        return _loss(params, rest if rest_state is None else rest_state, batch)
+        if rest_state is None:  # read now: a trainer's step replaces (donates) these buffers
+            rest_state = nnx.state(model, nnx.Not(wrt))
+        return _loss(params, rest_state, batch)
 
     return grpo_loss
 

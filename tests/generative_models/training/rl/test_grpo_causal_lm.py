@@ -77,6 +77,10 @@ def test_lora_trains_only_adapters_with_the_base_as_reference():
         np.testing.assert_array_equal(v, base_before[k], err_msg=k)
     after = flat(nnx.state(model, nnx.LoRAParam))
     assert any(not np.array_equal(after[k], lora_before[k]) for k in after)
+    # The pure loss still works after steps (frozen base weights are read at call time).
+    loss, metrics = trainer.grpo_loss(trainer.params, b.replace(ref_log_probs=ref))
+    np.testing.assert_allclose(float(loss), float(metrics["total_loss"]))
+    assert np.isfinite(float(loss)) and float(metrics["kl"]) > 0
 
 
 def test_bfloat16_model_trains_with_float32_loss_math():
