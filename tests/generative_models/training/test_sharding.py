@@ -425,3 +425,46 @@ def test_host_array_returns_the_full_value_of_a_sharded_array():
     assert len(sharded.addressable_shards) == 8
     np.testing.assert_array_equal(host_array(sharded), np.asarray(x))
     np.testing.assert_array_equal(host_array(np.ones(3)), np.ones(3))
+
+
+def test_cloned_reference_on_a_mesh_keeps_its_own_buffers():
+    mesh = make_mesh(8)
+    model = CausalLM(LM_CONFIG, rngs=nnx.Rngs(0))
+    ref = nnx.clone(model)  # shares arrays with the policy
+    trainer = GRPOTrainer(
+        model,
+        nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param),
+        GRPOConfig(beta=0.1),
+        reference_model=ref,
+        mesh=mesh,
+    )
+    batch = lm_batch(0)
+    first = trainer.train_step(batch)
+    second = trainer.train_step(batch)
+    assert first["kl"] == 0.0 and second["kl"] > 0.0
+
+
+def test_rollout_on_a_mesh_generates_data_parallel():
+    from artifex.demo import demo_model, demo_tokenizer
+    from artifex.generative_models.training.rl import RewardCombiner, RolloutConfig, rollout
+
+    tok = demo_tokenizer()
+    model = demo_model(tok)
+    trainer = GRPOTrainer(
+        model,
+        nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+        GRPOConfig(num_generations=2, beta=0.0),
+        mesh=make_mesh(8),
+    )
+    rows = [{"prompt": f"{i}+{i}="} for i in range(8)]
+    ro = rollout(
+        trainer,
+        tok,
+        rows,
+        RewardCombiner([lambda p, c, **k: [1.0] * len(c)]),
+        RolloutConfig(max_new_tokens=3),
+        key=jax.random.key(0),
+    )
+    ids = ro.batch.completion_ids
+    assert {s.data.shape[0] for s in ids.addressable_shards} == {ids.shape[0] // 8}
+    assert trainer.train_step(ro.batch)["completion_length"] > 0

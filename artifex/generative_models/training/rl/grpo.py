@@ -466,6 +466,10 @@ class GRPOTrainer:
         if partition_rules is not None and mesh is None:
             msg = "partition_rules were given without a mesh; pass mesh= as well"
             raise TypeError(msg)
+        if reference_model is not None:
+            # Before placement: device_put onto a mesh may reuse a source buffer, so two models
+            # sharing arrays (nnx.clone) would end up sharing device buffers the step donates.
+            _unshare_buffers(reference_model, model)
         if mesh is not None:
             shard_model(model, mesh, partition_rules)
             shard_optimizer(optimizer, model, mesh, partition_rules)
@@ -488,8 +492,6 @@ class GRPOTrainer:
         self._graphdef = nnx.graphdef(model)
         self._opt_graphdef = nnx.graphdef(optimizer)
         self._ref_graphdef = None if reference_model is None else nnx.graphdef(reference_model)
-        if reference_model is not None:
-            _unshare_buffers(reference_model, model)
         shardings = {}
         if mesh is not None:
             # New model/optimizer states keep their inputs' layout: the donated buffers are reused.

@@ -303,6 +303,7 @@ def evaluate(
             key=jax.random.key(0),
             num_generations=1,
             temperature=0.0,
+            mesh=getattr(trainer, "mesh", None),
         )
         values = reward_fn(sampled.prompts, sampled.completions, **sampled.columns)
         scores += [float("nan") if v is None else float(v) for v in values]

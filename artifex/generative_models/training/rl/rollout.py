@@ -27,7 +27,7 @@ import numpy as np
 from artifex.generative_models.inference.sampling import generate
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
-from artifex.generative_models.training.sharding import host_array
+from artifex.generative_models.training.sharding import host_array, num_data_shards, shard_batch
 
 __all__ = [
     "Completions",
@@ -241,8 +241,12 @@ def sample_completions(
     key: jax.Array,
     num_generations: int,
     temperature: float,
+    mesh: Any = None,
 ) -> Completions:
     """Encodes the rows' prompts, samples ``num_generations`` completions each and decodes them.
+
+    With a ``mesh`` whose data axes divide the number of prompts, the prompts are sharded over
+    them first, so the generation runs data-parallel (otherwise every device decodes every row).
 
     Args:
         model: The causal LM that samples.
@@ -252,6 +256,7 @@ def sample_completions(
         key: PRNG key.
         num_generations: Completions per prompt.
         temperature: Sampling temperature (0: greedy).
+        mesh: Optional device mesh the model is placed on.
 
     Returns:
         A :class:`Completions`.
@@ -266,6 +271,8 @@ def sample_completions(
         prompt_column=config.prompt_column,
         max_prompt_length=config.max_prompt_length,
     )
+    if mesh is not None and ids.shape[0] % num_data_shards(mesh) == 0:
+        ids, mask = shard_batch((jnp.asarray(ids), jnp.asarray(mask)), mesh)
     out = generate(
         model,
         ids,
@@ -343,6 +350,7 @@ def rollout(
         key=key,
         num_generations=k,
         temperature=grpo.temperature,
+        mesh=getattr(trainer, "mesh", None),
     )
     out = sampled.output
     combined = rewards(sampled.prompts, sampled.completions, **sampled.columns)
