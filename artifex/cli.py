@@ -107,7 +107,7 @@ def load_rows(path: str) -> list[dict[str, Any]]:
         try:
             import pyarrow.parquet as pq
         except ImportError as err:
-            msg = "reading Parquet needs pyarrow: python -m pip install pyarrow"
+            msg = "reading Parquet needs pyarrow: pip install pyarrow (or the [parquet] extra)"
             raise ImportError(msg) from err
         return pq.read_table(path).to_pylist()
     msg = f"unknown dataset format {path!r}: use .jsonl or .parquet"

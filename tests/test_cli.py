@@ -123,6 +123,15 @@ def test_load_rows_errors(tmp_path):
         load_rows(str(csv))
 
 
+def test_load_rows_reads_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "4+5=", "answer": "9"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    assert load_rows(str(tmp_path / "train.parquet")) == rows
+
+
 def test_tokenizer_round_trip(tmp_path):
     tok = demo_tokenizer()
     tok.save_pretrained(str(tmp_path))
