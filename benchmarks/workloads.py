@@ -89,7 +89,7 @@ def build_trainer(w: Workload, *, seed: int = 0, lr: float = 1e-5) -> GRPOTraine
 def random_batch(w: Workload, *, seed: int = 0, with_old_log_probs: bool = False) -> GRPOBatch:
     """A GRPOBatch of ``w``'s shapes with random tokens, left-padded prompts, full completions."""
     k = jax.random.split(jax.random.key(seed), 4)
-    b, _p, t, v = w.batch_size, w.prompt_length, w.completion_length, w.model.vocab_size
+    b, t, v = w.batch_size, w.completion_length, w.model.vocab_size
     # One prompt per group, repeated for its generations (prompt-major), as a rollout makes.
     prompt_ids, prompt_mask = random_prompts(w, seed=seed)
     prompt_ids = jnp.repeat(prompt_ids, w.num_generations, axis=0)

@@ -20,6 +20,7 @@ equals ``total_loss`` because all three use the same aggregation.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -778,15 +779,15 @@ class GRPOTrainer:
         Returns:
             The loop's ``TrainResult``.
         """
-        import dataclasses as _dc
-
         from artifex.generative_models.training.rl.loop import TrainConfig
         from artifex.generative_models.training.rl.loop import train as run_loop
 
         if num_steps is not None:
             loop_options["num_steps"] = num_steps
         config = (
-            TrainConfig(**loop_options) if config is None else _dc.replace(config, **loop_options)
+            TrainConfig(**loop_options)
+            if config is None
+            else dataclasses.replace(config, **loop_options)
         )
         return run_loop(
             self,

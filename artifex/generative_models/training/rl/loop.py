@@ -388,12 +388,26 @@ def _rollout_step(
     return first, batch, info
 
 
-def _host_reward_metrics(batch: GRPOBatch) -> dict[str, float]:
+def _full_batch_reward_metrics(batch: GRPOBatch) -> dict[str, float]:
+    """Reward and advantage statistics of a whole generation batch (groups contiguous).
+
+    Used when the batch is trained in shuffled minibatches: each update's own statistics then
+    see rows of different groups mixed together.
+    """
     r = host_array(batch.rewards).astype(np.float64)
     valid = ~np.isnan(r)
+    groups = r.reshape(-1, batch.group_size)
+    present = (~np.isnan(groups)).any(axis=1)
+    zero_std = present & ~_nonconstant_groups(r, batch.group_size)
+    adv = host_array(batch.advantages).astype(np.float64)
+    adv = adv if adv.ndim == 1 else adv.mean(axis=1)
+    nan = float("nan")
     return {
-        "reward_mean": float(r[valid].mean()) if valid.any() else float("nan"),
-        "reward_std": float(r[valid].std()) if valid.any() else float("nan"),
+        "reward_mean": float(r[valid].mean()) if valid.any() else nan,
+        "reward_std": float(r[valid].std()) if valid.any() else nan,
+        "frac_reward_zero_std": float(zero_std.sum() / max(present.sum(), 1)),
+        "advantage_mean": float(adv[valid].mean()) if valid.any() else nan,
+        "advantage_std": float(adv[valid].std()) if valid.any() else nan,
     }
 
 
@@ -529,7 +543,8 @@ def train(
                         trainer.train_step(mb, num_microbatches=config.gradient_accumulation_steps)
                     )
             metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
-            metrics.update(_host_reward_metrics(batch))
+            if config.num_minibatches > 1:
+                metrics.update(_full_batch_reward_metrics(batch))
             metrics.update(ro.metrics())
             metrics.update(info)
             lr = _learning_rate(trainer)

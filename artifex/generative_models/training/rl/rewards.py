@@ -642,21 +642,7 @@ _CLOSING = {"(": ")", "[": "]", "{": "}"}
 
 def _match_brace(text: str, start: int) -> int | None:
     r"""Index of the ``}`` closing the ``{`` at ``start`` (``\{``/``\}`` escaped), else None."""
-    depth = 0
-    i = start
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            i += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
+    return _brace_pairs(text, start).get(start)
 
 
 def _brace_pairs(text: str, start: int) -> dict[int, int]:

@@ -239,3 +239,31 @@ def test_trainer_train_method_runs_the_loop():
     )
     assert len(result.history) == 2 and result.start_step == 0
     assert int(trainer.optimizer.step[...]) == 2
+
+
+def test_minibatch_metrics_describe_the_whole_generation_batch():
+    trainer, tok = make_trainer()
+
+    def reward(prompts, completions, id_, **k):
+        # Groups of even ids are constant (no signal), odd ids vary within the group.
+        return [0.0 if i % 2 == 0 else float(j % 2) for j, i in enumerate(id_)]
+
+    rows = [{"prompt": f"{i}+1=", "id_": i} for i in range(4)]
+    result = train(
+        trainer,
+        tok,
+        rows,
+        [reward],
+        TrainConfig(
+            num_steps=1, prompts_per_step=4, num_minibatches=4, shuffle=False, progress=False
+        ),
+        ROLLOUT,
+    )
+    m = result.history[0]
+    assert m["frac_reward_zero_std"] == 0.5
+    np.testing.assert_allclose(m["reward_mean"], 4 / 16)
+    np.testing.assert_allclose(m["advantage_mean"], 0.0, atol=1e-6)
+    # Odd groups [0, 1, 0, 1]: advantages +-0.5 / (std_ddof1 + 1e-4); even groups 0. Over all 16
+    # rows the std is that value times sqrt(1/2) (the old per-minibatch average gave 0.45-0.57).
+    a = 0.5 / (np.sqrt(1 / 3) + 1e-4)
+    np.testing.assert_allclose(m["advantage_std"], a * np.sqrt(0.5), rtol=1e-5)
