@@ -135,3 +135,30 @@ __all__ = [
     "token_log_probs",
     "train",
 ]
+
+# 2025-2026 GRPO variants (see docs/algorithm.md, "Variants as settings").
+from artifex.generative_models.training.rl.advantages import (
+    pass_at_k_advantages,
+    reinforce_pp_advantages,
+)
+from artifex.generative_models.training.rl.losses import (
+    cispo_surrogate,
+    entropy_quantile_threshold,
+    high_entropy_mask,
+    off_policy_sequence_mask,
+    sampler_importance_weights,
+    sapo_surrogate,
+    vespo_weights,
+)
+
+__all__ += [
+    "cispo_surrogate",
+    "entropy_quantile_threshold",
+    "high_entropy_mask",
+    "off_policy_sequence_mask",
+    "pass_at_k_advantages",
+    "reinforce_pp_advantages",
+    "sampler_importance_weights",
+    "sapo_surrogate",
+    "vespo_weights",
+]

@@ -23,6 +23,9 @@ References:
     arXiv:2503.20783.
     Ahmadian et al., 2024, "Back to Basics: Revisiting REINFORCE Style Optimization" (RLOO),
     arXiv:2402.14740.
+    Hu et al., 2025, "REINFORCE++", arXiv:2501.03262 (:func:`reinforce_pp_advantages`).
+    Chen et al., 2025, "Pass@k Training for Adaptively Balancing Exploration and Exploitation
+    of Large Reasoning Models", arXiv:2508.10751 (:func:`pass_at_k_advantages`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ __all__ = [
     "advantages_from_config",
     "group_advantages",
     "group_stats",
+    "pass_at_k_advantages",
     "process_advantages",
+    "reinforce_pp_advantages",
     "segment_advantages",
     "segment_stats",
 ]
@@ -332,9 +337,15 @@ def advantages_from_config(
 ) -> jax.Array:
     """Outcome advantages with the options of a :class:`GRPOConfig`.
 
+    ``config.advantage_estimator`` picks the estimator: ``"grpo"`` (group baseline and scaling,
+    :func:`group_advantages` / :func:`segment_advantages`), ``"reinforce_pp"`` /
+    ``"reinforce_pp_baseline"`` (:func:`reinforce_pp_advantages`) or ``"pass_at_k"``
+    (:func:`pass_at_k_advantages`).
+
     Args:
         rewards: ``(B,)`` rewards; NaN = no reward.
-        config: Supplies ``scale_rewards``, ``std_ddof``, ``advantage_eps`` and ``baseline``.
+        config: Supplies ``advantage_estimator``, ``scale_rewards``, ``std_ddof``,
+            ``advantage_eps``, ``baseline`` and ``pass_at_k``.
         group_size: Group size; defaults to ``config.num_generations``. Ignored with
             ``group_ids``.
         group_ids: Optional ``(B,)`` group index per row for groups of different sizes.
@@ -342,6 +353,20 @@ def advantages_from_config(
     Returns:
         ``(B,)`` float32 advantages.
     """
+    g = config.num_generations if group_size is None else group_size
+    if config.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        return reinforce_pp_advantages(
+            rewards,
+            g,
+            group_ids=group_ids,
+            subtract_group_mean=config.advantage_estimator == "reinforce_pp_baseline",
+            ddof=config.std_ddof,
+            eps=config.advantage_eps,
+        )
+    if config.advantage_estimator == "pass_at_k":
+        return pass_at_k_advantages(
+            rewards, g, k=config.pass_at_k, group_ids=group_ids, eps=config.advantage_eps
+        )
     kwargs = dict(
         scale=config.scale_rewards,
         ddof=config.std_ddof,
@@ -350,5 +375,127 @@ def advantages_from_config(
     )
     if group_ids is not None:
         return segment_advantages(rewards, group_ids, **kwargs)
-    g = config.num_generations if group_size is None else group_size
     return group_advantages(rewards, g, **kwargs)
+
+
+def _reducers(
+    num_rows: int, group_size: int, group_ids: jax.Array | None
+) -> tuple[Callable, Callable]:
+    if group_ids is None:
+        _check_group_size(num_rows, group_size)
+        return _fixed_reducers(group_size)
+    return _segment_reducers(group_ids, num_rows)
+
+
+@partial(jax.jit, static_argnames=("group_size", "subtract_group_mean", "ddof"))
+def reinforce_pp_advantages(
+    rewards: jax.Array,
+    group_size: int,
+    *,
+    group_ids: jax.Array | None = None,
+    subtract_group_mean: bool = False,
+    ddof: int = 1,
+    eps: float = 1e-4,
+) -> jax.Array:
+    r"""REINFORCE++ advantages: rewards whitened over the whole batch (a global baseline).
+
+    ``A_i = (x_i - mean_B(x)) / (std_B(x) + eps)`` over the valid rows of the batch, with
+    ``x_i = r_i`` (REINFORCE++: the batch mean is the baseline, no per-prompt critic or group
+    statistics) or, with ``subtract_group_mean``, ``x_i = r_i - mean_{group(i)}(r)``
+    (REINFORCE++-baseline: group-mean centering, then batch normalization, which keeps the
+    scale of the advantages stable across prompts of different difficulty).
+
+    Args:
+        rewards: ``(B,)`` rewards; NaN = no reward (advantage 0, left out of every statistic).
+        group_size: Static group size (used with ``subtract_group_mean`` and no ``group_ids``).
+        group_ids: Optional ``(B,)`` group index per row (groups of different sizes).
+        subtract_group_mean: Center each group first (REINFORCE++-baseline).
+        ddof: Delta degrees of freedom of the batch std.
+        eps: Added to the std before dividing.
+
+    Returns:
+        ``(B,)`` float32 advantages.
+
+    References:
+        Hu et al., 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both
+        Prompt and Reward Models", arXiv:2501.03262.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    valid = ~jnp.isnan(rewards)
+    x = rewards
+    if subtract_group_mean:
+        stats = _stats(rewards, *_reducers(rewards.shape[0], group_size, group_ids), ddof)
+        x = jnp.where(valid, stats.centered, jnp.nan)
+    flat = _stats(
+        x,
+        lambda v: jnp.broadcast_to(v.sum(), v.shape),
+        lambda v: jnp.broadcast_to(v.max(), v.shape),
+        ddof,
+    )
+    return jnp.where(valid, flat.centered / (flat.std + eps), 0.0)
+
+
+def _log_binom(n: jax.Array, k: jax.Array) -> jax.Array:
+    return jax.lax.lgamma(n + 1.0) - jax.lax.lgamma(k + 1.0) - jax.lax.lgamma(n - k + 1.0)
+
+
+def _binom_ratio(a: jax.Array, b: jax.Array, k: jax.Array) -> jax.Array:
+    """``C(a, k) / C(b, k)`` for ``b >= a``; 0 where ``a < k``; 1 where ``k == 0``."""
+    ok = a >= k
+    safe_a = jnp.where(ok, a, k)
+    return jnp.where(ok, jnp.exp(_log_binom(safe_a, k) - _log_binom(jnp.maximum(b, k), k)), 0.0)
+
+
+@partial(jax.jit, static_argnames=("group_size", "k"))
+def pass_at_k_advantages(
+    rewards: jax.Array,
+    group_size: int,
+    *,
+    k: int,
+    group_ids: jax.Array | None = None,
+    eps: float = 1e-4,
+) -> jax.Array:
+    r"""Analytical pass@k advantages of binary rewards (Pass@k Training).
+
+    In a group of ``N`` valid samples of which ``N_neg`` are wrong (reward ``<= 0.5``), the
+    expected pass@k reward of a random ``k``-subset is ``R = 1 - C(N_neg, k) / C(N, k)``, with
+    std ``sigma = sqrt(R (1 - R))``. A correct sample gets
+    ``A_pos = (1 - R) / (sigma + eps)``; a wrong one
+    ``A_neg = (1 - R - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) / (sigma + eps)``: the advantage
+    of each sample under the group's pass@k objective, without enumerating subsets. With
+    ``k = 1`` this is GRPO's group normalization with the population std. Groups with fewer
+    than ``k`` valid samples, or all right / all wrong, get 0.
+
+    Args:
+        rewards: ``(B,)`` rewards in {0, 1}; NaN = no reward.
+        group_size: Static group size (ignored with ``group_ids``).
+        k: The ``k`` of pass@k (static, >= 1).
+        group_ids: Optional ``(B,)`` group index per row (groups of different sizes).
+        eps: Added to ``sigma`` before dividing.
+
+    Returns:
+        ``(B,)`` float32 advantages.
+
+    Raises:
+        ValueError: ``k < 1``.
+
+    References:
+        Chen et al., 2025, "Pass@k Training for Adaptively Balancing Exploration and
+        Exploitation of Large Reasoning Models", arXiv:2508.10751, sec. 3.3.
+    """
+    if not isinstance(k, int) or k < 1:
+        msg = f"k must be an int >= 1, got {k!r}"
+        raise ValueError(msg)
+    rewards = jnp.asarray(rewards, jnp.float32)
+    valid = ~jnp.isnan(rewards)
+    group_sum, _ = _reducers(rewards.shape[0], group_size, group_ids)
+    n = group_sum(valid.astype(jnp.float32))
+    n_neg = group_sum((valid & ~(rewards > 0.5)).astype(jnp.float32))
+    kf = jnp.float32(k)
+    mean = 1.0 - _binom_ratio(n_neg, n, kf)
+    sigma = jnp.sqrt(jnp.maximum(mean * (1.0 - mean), 0.0))
+    a_pos = (1.0 - mean) / (sigma + eps)
+    a_neg = (1.0 - mean - _binom_ratio(n_neg - 1.0, n - 1.0, kf - 1.0)) / (sigma + eps)
+    adv = jnp.where(rewards > 0.5, a_pos, a_neg)
+    ok = valid & (n >= k) & (sigma > 0)
+    return jnp.where(ok, adv, 0.0)

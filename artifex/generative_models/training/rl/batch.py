@@ -74,6 +74,11 @@ class GRPOBatch:
         group_ids: ``(B,)`` int group index per row, for groups of different sizes; when given,
             the segment form of the kernel is used and ``B`` need not be a multiple of
             ``group_size``.
+        sampler_log_probs: ``(B, T)`` log-probs of the completion tokens as the sampler
+            reported them (an inference engine, bf16 or truncated sampling, stale weights), for
+            the sampler/trainer mismatch correction (``GRPOConfig.sampler_correction``) and the
+            off-policy sequence mask; NaN marks a token the sampler could not score. ``None``:
+            no correction.
         group_size: Static group size ``G`` (pytree metadata).
         shared_prompts: Static flag: the ``G`` rows of each group have the same prompt (as in
             every GRPO rollout), so a causal LM can encode each prompt once for its group.
@@ -91,6 +96,7 @@ class GRPOBatch:
     advantages: jax.Array | None = None
     step_rewards: jax.Array | None = None
     group_ids: jax.Array | None = None
+    sampler_log_probs: jax.Array | None = None
     group_size: int = dataclasses.field(default=4, metadata=dict(static=True))
     shared_prompts: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -199,6 +205,7 @@ class GRPOBatch:
             "ref_log_probs": (b, t),
             "step_rewards": (b, t),
             "group_ids": (b,),
+            "sampler_log_probs": (b, t),
         }
         for name, want in expect.items():
             value = getattr(self, name)
@@ -267,6 +274,11 @@ class GRPOBatch:
             if bad.any():
                 row = int(np.argwhere(bad)[0][0])
                 msg = f"GRPOBatch.{name} must be finite on valid tokens; row {row} is not"
+                raise ValueError(msg)
+        if self.sampler_log_probs is not None:
+            host = _host_values(self.sampler_log_probs)
+            if host is not None and mask is not None and np.isinf(host[mask.astype(bool)]).any():
+                msg = "GRPOBatch.sampler_log_probs must be finite or NaN on valid tokens"
                 raise ValueError(msg)
         if self.step_rewards is not None:
             host = _host_values(self.step_rewards)

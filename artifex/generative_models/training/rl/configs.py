@@ -12,6 +12,18 @@ since DeepSeekMath. Each variant is a setting, not a new trainer:
 - GSPO (Zheng et al., 2025): ``importance_sampling_level="sequence"``, ``clip_param=3e-4``,
   ``clip_param_high=4e-4``.
 - RLOO (Ahmadian et al., 2024): ``baseline="leave_one_out"``, ``scale_rewards="none"``.
+- CISPO (MiniMax-M1, 2025): ``policy_loss="cispo"``, ``cispo_max_weight=5.0``,
+  ``loss_aggregation="token_mean"``.
+- SAPO (Gao et al., 2025): ``policy_loss="sapo"`` with ``sapo_temperature_pos/neg``.
+- VESPO: ``policy_loss="vespo"`` with ``vespo_k_pos/neg`` and ``vespo_lambda_pos/neg``.
+- LUSPO: ``importance_sampling_level="sequence"``, ``loss_aggregation="sequence_sum"``.
+- GSPO-token: ``importance_sampling_level="sequence_token"``.
+- Importance-weighted KL (DeepSeek-V3.2): ``kl_importance_weighted=True``.
+- Sampler/trainer mismatch correction (TIS, MIS, IcePop): ``sampler_correction`` with
+  ``sampler_correction_level``, ``sampler_ratio_min`` and ``sampler_ratio_max``.
+- Off-policy sequence masking (DeepSeek-V3.2): ``off_policy_mask_threshold``.
+- High-entropy token training (Wang et al., 2025): ``top_entropy_quantile=0.2``.
+- REINFORCE++ and pass@k advantages: ``advantage_estimator``.
 """
 
 from __future__ import annotations
@@ -22,25 +34,37 @@ from typing import Any, Literal
 
 __all__ = [
     "AdvantageBaseline",
+    "AdvantageEstimator",
     "GRPOConfig",
     "ImportanceSamplingLevel",
     "KLEstimator",
     "LossAggregation",
+    "PolicyLoss",
     "RewardScaling",
+    "SamplerCorrection",
+    "SamplerCorrectionLevel",
 ]
 
 RewardScaling = Literal["group", "batch", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
-LossAggregation = Literal["sequence_mean", "token_mean", "constant_length"]
-ImportanceSamplingLevel = Literal["token", "sequence"]
+LossAggregation = Literal["sequence_mean", "token_mean", "constant_length", "sequence_sum"]
+ImportanceSamplingLevel = Literal["token", "sequence", "sequence_token"]
 AdvantageBaseline = Literal["group_mean", "leave_one_out"]
+PolicyLoss = Literal["clip", "cispo", "sapo", "vespo"]
+SamplerCorrection = Literal["none", "truncate", "mask"]
+SamplerCorrectionLevel = Literal["token", "sequence", "geometric"]
+AdvantageEstimator = Literal["grpo", "reinforce_pp", "reinforce_pp_baseline", "pass_at_k"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "scale_rewards": ("group", "batch", "none"),
     "kl_estimator": ("k1", "k2", "k3"),
-    "loss_aggregation": ("sequence_mean", "token_mean", "constant_length"),
-    "importance_sampling_level": ("token", "sequence"),
+    "loss_aggregation": ("sequence_mean", "token_mean", "constant_length", "sequence_sum"),
+    "importance_sampling_level": ("token", "sequence", "sequence_token"),
     "baseline": ("group_mean", "leave_one_out"),
+    "policy_loss": ("clip", "cispo", "sapo", "vespo"),
+    "sampler_correction": ("none", "truncate", "mask"),
+    "sampler_correction_level": ("token", "sequence", "geometric"),
+    "advantage_estimator": ("grpo", "reinforce_pp", "reinforce_pp_baseline", "pass_at_k"),
 }
 
 
@@ -126,18 +150,67 @@ class GRPOConfig:
         loss_aggregation: How per-token losses become one number: ``"sequence_mean"`` averages
             each completion's tokens, then the completions (GRPO paper); ``"token_mean"``
             averages all tokens of the batch (DAPO); ``"constant_length"`` sums tokens and
-            divides by ``rows * max_completion_length`` (Dr. GRPO), removing the length bias.
+            divides by ``rows * max_completion_length`` (Dr. GRPO), removing the length bias;
+            ``"sequence_sum"`` sums each completion's tokens and averages the completions, so
+            a sequence-level loss weighs by its length (LUSPO, TRL ``loss_type="luspo"``).
         max_completion_length: The constant length for ``"constant_length"`` aggregation.
             ``None`` uses the padded completion width of the batch.
         importance_sampling_level: ``"token"``: per-token ratios ``pi_theta / pi_old`` (GRPO);
             ``"sequence"``: one length-normalized ratio per completion,
             ``s_i = exp(mean_t(log pi_theta - log pi_old))`` (GSPO, Zheng et al., 2025,
-            arXiv:2507.18071), clipped per sequence.
+            arXiv:2507.18071), clipped per sequence; ``"sequence_token"``: GSPO-token,
+            ``s_{i,t} = sg[s_i] * pi_theta(o_t) / sg[pi_theta(o_t)]``, whose value is ``s_i`` and
+            whose gradient is per token (so per-token advantages keep their meaning).
         max_grad_norm: Gradients are rescaled so their global L2 norm is at most this
             (Pascanu et al., 2013). ``None`` disables clipping (the norm is still reported).
         temperature: Sampling temperature ``tau > 0``. The policy being optimized is
             ``softmax(z / tau)``: completions are sampled at ``tau`` and their log-probs are
             scored at ``tau`` in the loss (as TRL does), so the update is on-policy.
+        policy_loss: The per-token policy term: ``"clip"`` (PPO/GRPO clipped surrogate);
+            ``"cispo"``: ``-sg[min(rho, cispo_max_weight)] * A * log pi_theta`` (MiniMax-M1,
+            arXiv:2506.13585; ScaleRL, arXiv:2510.13786); ``"sapo"``: the soft gate
+            ``-(4 / tau) * sigmoid(tau * (rho - 1)) * A`` (SAPO, arXiv:2511.20347);
+            ``"vespo"``: ``-sg[phi(w_i)] * A * log pi_theta`` with the Gamma weight
+            ``phi(w) = exp(lambda + k log w - lambda w)`` of the sequence ratio
+            ``w_i = prod_t rho_t`` (VESPO, arXiv:2602.10693, as TRL 1.16 defines it).
+        cispo_max_weight: CISPO's upper cap ``eps_max`` on the importance weight (ScaleRL
+            recommends 5; TRL reads it from ``epsilon_high`` when ``loss_type="cispo"``). > 0.
+        sapo_temperature_pos: SAPO gate temperature ``tau_pos > 0`` for tokens with ``A > 0``.
+        sapo_temperature_neg: SAPO gate temperature ``tau_neg > 0`` for tokens with ``A <= 0``.
+        vespo_k_pos: VESPO power ``k`` for ``A >= 0`` (>= 0).
+        vespo_lambda_pos: VESPO decay ``lambda`` for ``A >= 0`` (> 0).
+        vespo_k_neg: VESPO power ``k`` for ``A < 0`` (>= 0).
+        vespo_lambda_neg: VESPO decay ``lambda`` for ``A < 0`` (> 0).
+        kl_importance_weighted: Multiply the per-token KL estimate by the (differentiable)
+            importance ratio ``rho`` to the sampling policy, making its gradient the unbiased
+            reverse-KL gradient (DeepSeek-V3.2, arXiv:2512.02556; TRL
+            ``use_bias_correction_kl``).
+        sampler_correction: Correction for the mismatch between the sampler's log-probs
+            (``GRPOBatch.sampler_log_probs``) and the trainer's: ``"truncate"`` multiplies the
+            policy term by ``clip(pi_train / pi_sampler, min, max)`` (TIS), ``"mask"`` by the
+            ratio where it lies in ``[min, max]`` and 0 elsewhere (MIS; IcePop at token level),
+            arXiv:2510.18855. ``"none"`` disables it. Batches without sampler log-probs are not
+            corrected.
+        sampler_correction_level: ``"token"``: one ratio per token; ``"sequence"``: the product
+            of the token ratios of a completion (TRL's ``sequence_*`` modes); ``"geometric"``:
+            their geometric mean ``exp(mean_t log ratio)``.
+        sampler_ratio_min: Lower bound ``C_min`` of the sampler ratio (``None``: unbounded).
+        sampler_ratio_max: Upper bound ``C_max`` of the sampler ratio (``None``: unbounded;
+            TRL's default is 3).
+        off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask (eq. 9,
+            arXiv:2512.02556): a completion with negative advantage whose mean
+            ``log pi_sampler - log pi_theta`` exceeds this ``delta`` is dropped from the policy
+            term. ``None`` disables it.
+        top_entropy_quantile: Keep in the policy term only the tokens whose entropy is at
+            least the ``(1 - rho)`` quantile of the valid tokens' entropies over the whole
+            batch (Wang et al., 2025, "Beyond the 80/20 Rule", arXiv:2506.01939; TRL
+            ``top_entropy_quantile``). In [0, 1]; 1 keeps every token.
+        advantage_estimator: ``"grpo"``: the group baseline and scaling above (GRPO, Dr. GRPO,
+            RLOO); ``"reinforce_pp"``: REINFORCE++ (arXiv:2501.03262), rewards whitened by the
+            batch mean and std (a global baseline); ``"reinforce_pp_baseline"``: group-mean
+            centered, then whitened over the batch; ``"pass_at_k"``: the analytical pass@k
+            advantage of "Pass@k Training" (arXiv:2508.10751) for binary rewards.
+        pass_at_k: ``k >= 1`` for ``advantage_estimator="pass_at_k"``.
     """
 
     num_generations: int = 4
@@ -157,6 +230,23 @@ class GRPOConfig:
     importance_sampling_level: ImportanceSamplingLevel = "token"
     max_grad_norm: float | None = 1.0
     temperature: float = 1.0
+    policy_loss: PolicyLoss = "clip"
+    cispo_max_weight: float = 5.0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    kl_importance_weighted: bool = False
+    sampler_correction: SamplerCorrection = "none"
+    sampler_correction_level: SamplerCorrectionLevel = "token"
+    sampler_ratio_min: float | None = None
+    sampler_ratio_max: float | None = 3.0
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    advantage_estimator: AdvantageEstimator = "grpo"
+    pass_at_k: int = 1
 
     def __post_init__(self) -> None:
         _check_int("num_generations", self.num_generations)
@@ -211,6 +301,73 @@ class GRPOConfig:
         _check_real("max_grad_norm", self.max_grad_norm, allow_none=True)
         if self.max_grad_norm is not None and self.max_grad_norm <= 0.0:
             msg = f"GRPOConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}"
+            raise ValueError(msg)
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        for name in (
+            "cispo_max_weight",
+            "sapo_temperature_pos",
+            "sapo_temperature_neg",
+            "vespo_lambda_pos",
+            "vespo_lambda_neg",
+        ):
+            value = getattr(self, name)
+            _check_real(name, value)
+            if value <= 0.0:
+                msg = f"GRPOConfig.{name} must be > 0, got {value}"
+                raise ValueError(msg)
+        for name in ("vespo_k_pos", "vespo_k_neg"):
+            value = getattr(self, name)
+            _check_real(name, value)
+            if value < 0.0:
+                msg = f"GRPOConfig.{name} must be >= 0, got {value}"
+                raise ValueError(msg)
+        if not isinstance(self.kl_importance_weighted, bool):
+            msg = (
+                "GRPOConfig.kl_importance_weighted must be a bool, "
+                f"got {self.kl_importance_weighted!r}"
+            )
+            raise TypeError(msg)
+        for name in ("sampler_ratio_min", "sampler_ratio_max", "off_policy_mask_threshold"):
+            _check_real(name, getattr(self, name), allow_none=True)
+        lo, hi = self.sampler_ratio_min, self.sampler_ratio_max
+        if lo is not None and lo < 0.0:
+            msg = f"GRPOConfig.sampler_ratio_min must be >= 0 or None, got {lo}"
+            raise ValueError(msg)
+        if hi is not None and hi <= 0.0:
+            msg = f"GRPOConfig.sampler_ratio_max must be > 0 or None, got {hi}"
+            raise ValueError(msg)
+        if lo is not None and hi is not None and lo > hi:
+            msg = f"GRPOConfig.sampler_ratio_min ({lo}) must be <= sampler_ratio_max ({hi})"
+            raise ValueError(msg)
+        if (
+            self.policy_loss == "vespo"
+            and self.sampler_correction != "none"
+            and self.sampler_correction_level != "token"
+        ):
+            msg = (
+                "GRPOConfig.policy_loss='vespo' folds the sampler correction into its sequence "
+                "weight token by token: sampler_correction_level must be 'token', "
+                f"got {self.sampler_correction_level!r}"
+            )
+            raise ValueError(msg)
+        _check_real("top_entropy_quantile", self.top_entropy_quantile)
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            msg = (
+                "GRPOConfig.top_entropy_quantile must be in [0, 1], "
+                f"got {self.top_entropy_quantile}"
+            )
+            raise ValueError(msg)
+        _check_int("pass_at_k", self.pass_at_k)
+        if self.pass_at_k < 1:
+            msg = f"GRPOConfig.pass_at_k must be >= 1, got {self.pass_at_k}"
+            raise ValueError(msg)
+        if self.pass_at_k > 1 and self.advantage_estimator != "pass_at_k":
+            msg = (
+                f"GRPOConfig.pass_at_k={self.pass_at_k} is only used with "
+                f"advantage_estimator='pass_at_k', got {self.advantage_estimator!r}"
+            )
             raise ValueError(msg)
 
     @property

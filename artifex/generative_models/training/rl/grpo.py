@@ -163,6 +163,143 @@ def _reward_metrics(batch: GRPOBatch, advantages: jax.Array) -> dict[str, jax.Ar
     }
 
 
+def _policy_term(
+    log_probs: jax.Array,
+    entropy: jax.Array | None,
+    batch: GRPOBatch,
+    config: GRPOConfig,
+    advantages: jax.Array,
+    mask: jax.Array,
+    entropy_threshold: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Per-token policy loss with every correction applied, its log ratio, and metrics."""
+    log_ratio = losses.log_importance_ratio(
+        log_probs, batch.old_log_probs, mask, level=config.importance_sampling_level
+    )
+    zeros = jnp.zeros_like(mask)
+    metrics: dict[str, jax.Array] = {}
+    # The trainer's log-probs of the behavior policy: the old policy, or (on-policy) the current
+    # one without gradient, as TRL does.
+    train_lp = jax.lax.stop_gradient(
+        log_probs if batch.old_log_probs is None else jnp.asarray(batch.old_log_probs, jnp.float32)
+    )
+    sampler_lp = batch.sampler_log_probs
+    is_weights = None
+    if config.sampler_correction != "none" and sampler_lp is not None:
+        is_weights, _, outside = losses.sampler_importance_weights(
+            train_lp,
+            sampler_lp,
+            mask,
+            mode=config.sampler_correction,
+            level=config.sampler_correction_level,
+            ratio_min=config.sampler_ratio_min,
+            ratio_max=config.sampler_ratio_max,
+        )
+        metrics.update(_sampler_metrics(train_lp, sampler_lp, is_weights, outside, mask, config))
+
+    if config.policy_loss == "clip":
+        pg, low, high = losses.clipped_surrogate(
+            log_ratio,
+            advantages,
+            mask,
+            epsilon_low=config.epsilon_low,
+            epsilon_high=config.epsilon_high,
+            dual_clip=config.dual_clip,
+        )
+    elif config.policy_loss == "cispo":
+        pg, high = losses.cispo_surrogate(
+            log_ratio, log_probs, advantages, mask, max_weight=config.cispo_max_weight
+        )
+        low = zeros
+    elif config.policy_loss == "sapo":
+        pg = losses.sapo_surrogate(
+            log_ratio,
+            advantages,
+            mask,
+            temperature_pos=config.sapo_temperature_pos,
+            temperature_neg=config.sapo_temperature_neg,
+        )
+        low = high = zeros
+    else:  # "vespo": the sampler correction enters the sequence weight, not the loss
+        token_log_ratio = losses.log_importance_ratio(
+            log_probs, batch.old_log_probs, mask, level="token"
+        )
+        phi = losses.vespo_weights(
+            token_log_ratio,
+            advantages,
+            mask,
+            sampler_log_weights=None if is_weights is None else jnp.log(is_weights),
+            k_pos=config.vespo_k_pos,
+            lambda_pos=config.vespo_lambda_pos,
+            k_neg=config.vespo_k_neg,
+            lambda_neg=config.vespo_lambda_neg,
+        )
+        adv = jnp.broadcast_to(
+            advantages if advantages.ndim == 2 else advantages[:, None], mask.shape
+        )
+        pg = jnp.where(mask > 0, -phi * adv * log_probs, 0.0)
+        low = high = zeros
+        metrics["vespo_weight_mean"] = losses.masked_mean(phi, mask)
+        is_weights = None
+
+    if config.off_policy_mask_threshold is not None:
+        behavior = train_lp if sampler_lp is None else jnp.asarray(sampler_lp, jnp.float32)
+        keep = losses.off_policy_sequence_mask(
+            advantages, log_probs, behavior, mask, threshold=config.off_policy_mask_threshold
+        )
+        pg = pg * keep
+        rows = (jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)
+        dropped = (jnp.min(jnp.where(mask > 0, keep, 1.0), axis=-1) < 1).astype(jnp.float32)
+        metrics["off_policy_masked_fraction"] = jnp.sum(dropped * rows) / jnp.maximum(
+            jnp.sum(rows), 1.0
+        )
+    if config.top_entropy_quantile < 1.0:
+        if entropy is None:
+            msg = "entropy is required when GRPOConfig.top_entropy_quantile < 1"
+            raise ValueError(msg)
+        keep = losses.high_entropy_mask(
+            entropy, mask, config.top_entropy_quantile, threshold=entropy_threshold
+        )
+        pg = pg * keep
+        metrics["high_entropy_fraction"] = losses.masked_mean(keep, mask)
+    if is_weights is not None:
+        pg = pg * is_weights
+    metrics["clip_fraction_low"] = losses.masked_mean(low, mask)
+    metrics["clip_fraction_high"] = losses.masked_mean(high, mask)
+    metrics["clip_fraction"] = losses.masked_mean(low + high, mask)
+    return pg, log_ratio, metrics
+
+
+def _sampler_metrics(
+    train_lp: jax.Array,
+    sampler_lp: jax.Array,
+    weights: jax.Array,
+    outside: jax.Array,
+    mask: jax.Array,
+    config: GRPOConfig,
+) -> dict[str, jax.Array]:
+    """Mismatch metrics between the sampler and the trainer (as TRL reports them)."""
+    diff = jnp.asarray(train_lp, jnp.float32) - jnp.asarray(sampler_lp, jnp.float32)
+    scored = mask * (~jnp.isnan(diff)).astype(jnp.float32)
+    diff = jnp.where(scored > 0, diff, 0.0)
+    # k3 estimate of KL[pi_sampler || pi_train] from the sampler's tokens.
+    kl = jnp.expm1(diff) - diff
+    if config.sampler_correction_level == "token":
+        unit = mask
+    else:  # one value per completion: take the first token of each row
+        unit = (jnp.cumsum(mask, axis=-1) == 1).astype(jnp.float32) * mask
+    big = jnp.float32(jnp.inf)
+    return {
+        "sampler_logp_diff_mean": losses.masked_mean(jnp.abs(diff), scored),
+        "sampler_logp_diff_max": jnp.max(jnp.where(scored > 0, jnp.abs(diff), 0.0)),
+        "sampler_kl": losses.masked_mean(kl, scored),
+        "sampler_ratio_mean": losses.masked_mean(weights, unit),
+        "sampler_ratio_min": jnp.min(jnp.where(unit > 0, weights, big)),
+        "sampler_ratio_max": jnp.max(jnp.where(unit > 0, weights, -big)),
+        "sampler_corrected_fraction": losses.masked_mean(outside, unit),
+    }
+
+
 def grpo_objective(
     log_probs: jax.Array,
     entropy: jax.Array | None,
@@ -172,36 +309,50 @@ def grpo_objective(
     normalizer: jax.Array | float | None = None,
     advantages: jax.Array | None = None,
     reward_metrics: bool = True,
+    entropy_threshold: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""The GRPO loss and its metrics from the current policy's per-token log-probs.
 
-    ``loss = agg(-min(rho A, clip(rho) A)) + beta * agg(KL) - entropy_coeff * agg(H)`` where
-    ``agg`` is the configured aggregation (see
-    :func:`~artifex.generative_models.training.rl.losses.aggregate_loss`), ``rho`` the token
-    or sequence importance ratio, ``A`` the advantages from :func:`compute_advantages`.
+    ``loss = agg(w * m * l) + beta * agg(c * KL) - entropy_coeff * agg(H)`` where ``agg`` is
+    the configured aggregation (see
+    :func:`~artifex.generative_models.training.rl.losses.aggregate_loss`), ``l`` the per-token
+    policy term (``policy_loss``: the clipped surrogate ``-min(rho A, clip(rho) A)`` with the
+    token, sequence or GSPO-token ratio ``rho``; CISPO; SAPO; VESPO), ``m`` the off-policy
+    sequence mask and the high-entropy token mask (1 when disabled), ``w`` the sampler/trainer
+    correction weights (1 when disabled), ``c`` the importance ratio when
+    ``kl_importance_weighted`` (else 1), and ``A`` the advantages from
+    :func:`compute_advantages`. This is TRL 1.16's ``_compute_loss`` term by term (its
+    ``loss_type`` is ``policy_loss`` plus ``loss_aggregation`` here).
 
     Args:
         log_probs: ``(B, T)`` log-probs of the completion tokens under the current policy
             (differentiable).
         entropy: ``(B, T)`` entropies of the current policy, or ``None`` (counts as 0; only
-            allowed with ``entropy_coeff == 0``).
-        batch: The batch (masks, rewards, old and reference log-probs).
+            allowed with ``entropy_coeff == 0`` and ``top_entropy_quantile == 1``).
+        batch: The batch (masks, rewards, old, reference and sampler log-probs).
         config: The objective's options.
         normalizer: Overrides the aggregation denominator (for microbatches of a larger
             batch, see :func:`~artifex.generative_models.training.rl.losses.loss_normalizer`).
         advantages: Overrides :func:`compute_advantages` (e.g. advantages computed on the whole
             batch when this is one of its microbatches).
         reward_metrics: Whether to add the reward and advantage statistics to the metrics.
+        entropy_threshold: Overrides the entropy quantile of ``top_entropy_quantile`` (the
+            whole batch's, when this is one of its microbatches).
 
     Returns:
         ``(total_loss, metrics)``; metrics are float32 device scalars: ``policy_loss``,
         ``kl``, ``kl_penalty`` (``beta * kl``), ``approx_kl`` (vs. the sampling policy),
         ``entropy``, ``clip_fraction_low``, ``clip_fraction_high``, ``clip_fraction``,
         ``reward_mean``, ``reward_std``, ``advantage_mean``, ``advantage_std``,
-        ``frac_reward_zero_std``, ``completion_length``, ``num_tokens``, ``total_loss``.
+        ``frac_reward_zero_std``, ``completion_length``, ``num_tokens``, ``total_loss``; with
+        the sampler correction also ``sampler_ratio_mean/min/max`` (the correction weights),
+        ``sampler_logp_diff_mean/max``, ``sampler_kl`` and ``sampler_corrected_fraction``
+        (truncated or masked); ``off_policy_masked_fraction``, ``high_entropy_fraction`` and
+        ``vespo_weight_mean`` when those are on.
 
     Raises:
-        ValueError: ``entropy`` is ``None`` while ``entropy_coeff > 0``.
+        ValueError: ``entropy`` is ``None`` while ``entropy_coeff > 0`` or
+            ``top_entropy_quantile < 1``.
     """
     mask = jnp.asarray(batch.completion_mask, jnp.float32)
     log_probs = jnp.asarray(log_probs, jnp.float32)
@@ -214,16 +365,8 @@ def grpo_objective(
         advantages = compute_advantages(batch, config)
     advantages = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
 
-    log_ratio = losses.log_importance_ratio(
-        log_probs, batch.old_log_probs, mask, level=config.importance_sampling_level
-    )
-    pg, low, high = losses.clipped_surrogate(
-        log_ratio,
-        advantages,
-        mask,
-        epsilon_low=config.epsilon_low,
-        epsilon_high=config.epsilon_high,
-        dual_clip=config.dual_clip,
+    pg, log_ratio, extra = _policy_term(
+        log_probs, entropy, batch, config, advantages, mask, entropy_threshold
     )
     policy_loss = losses.aggregate_loss(pg, mask, **agg_kwargs)
     total = policy_loss
@@ -232,6 +375,8 @@ def grpo_objective(
         kl_tok = losses.kl_divergence(
             log_probs, batch.ref_log_probs, mask, estimator=config.kl_estimator
         )
+        if config.kl_importance_weighted:
+            kl_tok = kl_tok * jnp.exp(log_ratio)
         kl = losses.aggregate_loss(kl_tok, mask, **agg_kwargs)
         total = total + config.beta * kl
     else:
@@ -253,12 +398,10 @@ def grpo_objective(
         "kl_penalty": config.beta * kl,
         "approx_kl": losses.masked_mean(losses.approx_kl_old(log_ratio, mask), mask),
         "entropy": ent,
-        "clip_fraction_low": losses.masked_mean(low, mask),
-        "clip_fraction_high": losses.masked_mean(high, mask),
-        "clip_fraction": losses.masked_mean(low + high, mask),
         "completion_length": jnp.mean(jnp.sum(mask, axis=-1)),
         "num_tokens": jnp.sum(mask),
         "total_loss": total,
+        **extra,
     }
     if reward_metrics:
         metrics.update(_reward_metrics(batch, advantages))
@@ -267,7 +410,18 @@ def grpo_objective(
 
 
 _SUMMED = ("policy_loss", "kl", "kl_penalty", "entropy", "total_loss", "num_tokens")
-_TOKEN_WEIGHTED = ("approx_kl", "clip_fraction_low", "clip_fraction_high", "clip_fraction")
+_TOKEN_WEIGHTED = (
+    "approx_kl",
+    "clip_fraction_low",
+    "clip_fraction_high",
+    "clip_fraction",
+    "high_entropy_fraction",
+    "vespo_weight_mean",
+    "sampler_kl",
+    "sampler_logp_diff_mean",
+)
+_MAXED = ("sampler_ratio_max", "sampler_logp_diff_max")
+_MINNED = ("sampler_ratio_min",)
 
 
 def split_microbatches(batch: GRPOBatch, num_microbatches: int) -> GRPOBatch:
@@ -300,6 +454,10 @@ def _combine_micro_metrics(stacked: dict[str, jax.Array]) -> dict[str, jax.Array
             out[name] = jnp.sum(values)
         elif name in _TOKEN_WEIGHTED:
             out[name] = jnp.sum(values * tokens) / jnp.maximum(jnp.sum(tokens), 1.0)
+        elif name in _MAXED:
+            out[name] = jnp.max(values)
+        elif name in _MINNED:
+            out[name] = jnp.min(values)
         else:
             out[name] = jnp.mean(values)
     return out
@@ -567,6 +725,25 @@ class GRPOTrainer:
             batch.completion_mask, config.loss_aggregation, max_length=config.max_completion_length
         )
 
+        # Likewise the entropy quantile of top_entropy_quantile: over the whole batch, from a
+        # gradient-free forward of each microbatch (one microbatch computes it in the loss).
+        entropy_threshold = None
+        if config.top_entropy_quantile < 1.0 and num_microbatches > 1:
+
+            def micro_entropy(mb: GRPOBatch) -> jax.Array:
+                _, ent = self.log_prob_fn(nnx.merge(graphdef, trainable, frozen), mb)
+                return jax.lax.stop_gradient(ent)
+
+            mbs = split_microbatches(batch, num_microbatches)
+            if (batch.batch_size // num_microbatches) % batch.group_size:
+                mbs = mbs.replace(shared_prompts=False)  # slices cut through groups
+            ents = jax.lax.map(micro_entropy, mbs)
+            entropy_threshold = losses.entropy_quantile_threshold(
+                ents.reshape(batch.completion_mask.shape),
+                batch.completion_mask,
+                1.0 - config.top_entropy_quantile,
+            )
+
         def loss_fn(
             params: nnx.State, mb: GRPOBatch, adv: jax.Array
         ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -584,6 +761,7 @@ class GRPOTrainer:
                 normalizer=normalizer,
                 advantages=adv,
                 reward_metrics=False,
+                entropy_threshold=entropy_threshold,
             )
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

@@ -363,6 +363,8 @@ def rollout(
         group_size=k,
         shared_prompts=True,
     )
+    if grpo.sampler_correction != "none" or grpo.off_policy_mask_threshold is not None:
+        batch = batch.replace(sampler_log_probs=out.log_probs)
     if need_old_log_probs:
         use_sampler = config.old_log_probs == "sampler" or (
             config.old_log_probs == "auto" and _sampler_matches_loss(trainer, config)
