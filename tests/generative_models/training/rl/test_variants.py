@@ -98,6 +98,7 @@ def test_sapo_matches_numpy(seed):
         r = np.exp(lr[i, m])
         ref[i, m] = -(4.0 / tau) / (1.0 + np.exp(-tau * (r - 1.0))) * adv[i]
     np.testing.assert_allclose(loss, ref, rtol=1e-5, atol=1e-6)
+
     # At ratio 1 the gate's slope is 1: the same gradient as the unclipped surrogate.
     def total(x):
         return jnp.sum(sapo_surrogate(x, adv, mask, temperature_pos=tp, temperature_neg=tn))
