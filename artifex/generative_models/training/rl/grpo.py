@@ -248,11 +248,8 @@ def _policy_term(
             advantages, log_probs, behavior, mask, threshold=config.off_policy_mask_threshold
         )
         pg = pg * keep
-        rows = (jnp.sum(mask, axis=-1) > 0).astype(jnp.float32)
         dropped = (jnp.min(jnp.where(mask > 0, keep, 1.0), axis=-1) < 1).astype(jnp.float32)
-        metrics["off_policy_masked_fraction"] = jnp.sum(dropped * rows) / jnp.maximum(
-            jnp.sum(rows), 1.0
-        )
+        metrics["off_policy_masked_fraction"] = jnp.mean(dropped)  # of all rows
     if config.top_entropy_quantile < 1.0:
         if entropy is None:
             msg = "entropy is required when GRPOConfig.top_entropy_quantile < 1"
@@ -445,14 +442,19 @@ def split_microbatches(batch: GRPOBatch, num_microbatches: int) -> GRPOBatch:
     return jax.tree.map(lambda x: x.reshape(a, b // a, *x.shape[1:]), batch)
 
 
-def _combine_micro_metrics(stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def _combine_micro_metrics(
+    stacked: dict[str, jax.Array], config: GRPOConfig | None = None
+) -> dict[str, jax.Array]:
     """Metrics of the whole batch from per-microbatch metrics stacked on axis 0."""
     out = {}
     tokens = stacked["num_tokens"]
+    token_weighted = _TOKEN_WEIGHTED
+    if config is not None and config.sampler_correction_level == "token":
+        token_weighted = (*token_weighted, "sampler_ratio_mean", "sampler_corrected_fraction")
     for name, values in stacked.items():
         if name in _SUMMED:
             out[name] = jnp.sum(values)
-        elif name in _TOKEN_WEIGHTED:
+        elif name in token_weighted:
             out[name] = jnp.sum(values * tokens) / jnp.maximum(jnp.sum(tokens), 1.0)
         elif name in _MAXED:
             out[name] = jnp.max(values)
@@ -780,7 +782,7 @@ class GRPOTrainer:
             zeros = jax.tree.map(jnp.zeros_like, trainable)
             grads, (micro_loss, micro_metrics) = jax.lax.scan(accumulate, zeros, (micro, micro_adv))
             loss = jnp.sum(micro_loss)
-            metrics = _combine_micro_metrics(micro_metrics)
+            metrics = _combine_micro_metrics(micro_metrics, config)
         metrics.update(_reward_metrics(batch, advantages))
 
         grad_norm = optax.tree.norm(grads)
