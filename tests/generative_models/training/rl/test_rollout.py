@@ -208,3 +208,36 @@ def test_none_rewards_become_nan():
     r = np.asarray(ro.batch.rewards)
     assert np.isnan(r[4:8]).all() and (r[:4] == 1).all()
     assert jnp.isfinite(trainer.train_step(ro.batch)["total_loss"])
+
+
+def test_sampler_log_probs_feed_the_mismatch_correction():
+    """Top-k sampling makes the sampler differ from the trainer: the rollout keeps the
+    sampler's log-probs, the step corrects with them and reports the mismatch."""
+    trainer, tok = make_trainer(
+        sampler_correction="truncate", sampler_ratio_max=2.0, entropy_coeff=0.0
+    )
+    rewards = RewardCombiner([lambda p, c, **k: [float(len(x) % 2) for x in c]])
+    ro = rollout(
+        trainer,
+        tok,
+        ROWS,
+        rewards,
+        RolloutConfig(max_new_tokens=5, top_k=3),
+        key=jax.random.key(2),
+        need_old_log_probs=True,
+    )
+    b = ro.batch
+    mask = np.asarray(b.completion_mask) > 0
+    sampler = np.asarray(b.sampler_log_probs)[mask]
+    trainer_lp = np.asarray(b.old_log_probs)[mask]
+    # Top-k renormalizes over 3 tokens: the sampler's probabilities are higher.
+    assert (sampler >= trainer_lp - 1e-5).all() and (sampler > trainer_lp + 1e-3).any()
+    metrics = trainer.train_step(b)
+    d = trainer_lp - sampler
+    np.testing.assert_allclose(metrics["sampler_logp_diff_mean"], np.abs(d).mean(), rtol=1e-4)
+    np.testing.assert_allclose(metrics["sampler_kl"], np.mean(np.expm1(d) - d), rtol=1e-3)
+    assert metrics["sampler_ratio_max"] <= 2.0 + 1e-6
+    # Without the correction the rollout does not carry them.
+    plain, _ = make_trainer()
+    ro = rollout(plain, tok, ROWS, rewards, RolloutConfig(max_new_tokens=5), key=jax.random.key(2))
+    assert ro.batch.sampler_log_probs is None

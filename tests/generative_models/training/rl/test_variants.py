@@ -562,3 +562,31 @@ def test_trainer_on_a_mesh_matches_single_device_with_variants():
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
     for key in out[0][0]:
         np.testing.assert_allclose(out[0][0][key], out[1][0][key], rtol=1e-5, atol=1e-6)
+
+
+class Bf16BigramLM(BigramLM):
+    def __init__(self, vocab: int, dim: int, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(vocab, dim, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, rngs=rngs)
+        self.proj = nnx.Linear(dim, dim, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, rngs=rngs)
+        head = jax.random.normal(rngs.params(), (dim, vocab)) * 0.5
+        self.head = nnx.Param(head.astype(jnp.bfloat16))
+
+
+@pytest.mark.slow
+def test_bf16_model_with_every_variant_trains_finitely_and_split_invariantly():
+    cfg = GRPOConfig(beta=0.0, clip_param=0.1, **TRAINER_VARIANTS["everything_pass_at_k"])
+    out = []
+    for micro in (1, 2):
+        model = Bf16BigramLM(6, 8, nnx.Rngs(0))
+        trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param), cfg)
+        metrics = trainer.train_step(trainer_batch(ragged=True), num_microbatches=micro)
+        assert all(np.isfinite(v) for v in metrics.values())
+        assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.bfloat16}
+        out.append(
+            (metrics, [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(model))])
+        )
+    for x, y in zip(out[0][1], out[1][1], strict=True):
+        np.testing.assert_allclose(x, y, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        out[0][0]["total_loss"], out[1][0]["total_loss"], rtol=1e-2, atol=1e-3
+    )
