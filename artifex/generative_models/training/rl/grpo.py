@@ -396,7 +396,7 @@ def _vocab_size(model: Any) -> int | None:
         return size
     try:
         return int(jnp.shape(model.output_embedding())[-1])
-    except Exception:  # noqa: BLE001 - an unusual model: skip the check rather than fail
+    except Exception:  # an unusual model: skip the check rather than fail
         return None
 
 
