@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -138,6 +139,13 @@ def _diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
     return []
 
 
+def _brief(err: BaseException) -> str:
+    """The first line of an error, at most 200 characters (Orbax errors dump whole specs)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    text = text.split(" See full TensorStore details")[0]
+    return f"{type(err).__name__}: {text[:200]}"
+
+
 def _verify(restored: Any, integrity: Mapping[str, Any] | None, where: str) -> None:
     """Checks restored arrays against the record written with them, and for NaN/Inf."""
     digests = array_digests(restored)
@@ -174,6 +182,15 @@ class CheckpointManager:
             msg = f"max_to_keep must be an int >= 1, got {max_to_keep!r}"
             raise ValueError(msg)
         self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            msg = f"checkpoint directory {self.directory} is an existing file: choose another path"
+            raise NotADirectoryError(msg)
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            # Unfinished saves (a kill, a full disk) leave temporary directories Orbax never
+            # deletes and ``max_to_keep`` never counts: remove them before anything else.
+            for name in os.listdir(self.directory):
+                if re.fullmatch(r"\d+\.orbax-checkpoint-tmp.*", name):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -257,7 +274,7 @@ class CheckpointManager:
             if isinstance(err, OSError | KeyboardInterrupt | SystemExit):
                 raise
             if isinstance(err, Exception):
-                msg = f"writing checkpoint {step} in {self.directory} failed: {err}"
+                msg = f"writing checkpoint {step} in {self.directory} failed: {_brief(err)}"
                 raise OSError(msg) from err
             raise
         if not saved:
@@ -359,7 +376,7 @@ class CheckpointManager:
         try:
             metadata = self.read_metadata(step)
         except Exception as err:  # a torn or missing JSON record
-            msg = f"{where} is damaged: its metadata cannot be read ({type(err).__name__}: {err})"
+            msg = f"{where} is damaged: its metadata cannot be read ({_brief(err)})"
             raise CorruptCheckpointError(msg) from err
         if fingerprint is not None:
             saved = {k: v for k, v in metadata.get("fingerprint", {}).items() if k not in ignore}
@@ -378,7 +395,7 @@ class CheckpointManager:
                 ),
             ).state
         except Exception as err:
-            msg = f"{where} is damaged: its arrays cannot be read ({type(err).__name__}: {err})"
+            msg = f"{where} is damaged: its arrays cannot be read ({_brief(err)})"
             raise CorruptCheckpointError(msg) from err
         _verify(restored, metadata.get("integrity"), where)
         for name, obj, filt in (

@@ -168,6 +168,7 @@ KILL_DURING_SAVE = textwrap.dedent(
 
 
 @pytest.mark.parametrize("sharded", ["0", "1"])
+@pytest.mark.slow
 def test_sigkill_during_save_pretrained_keeps_the_previous_export(tmp_path, models, sharded):
     out = tmp_path / "model"
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
