@@ -88,13 +88,14 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved, damage)
     manager, states = saved
     step_dir = os.path.join(manager.directory, "2")
     if damage == "delete_metadata":
-        target = [
+        target = next(
             os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs if r.endswith("meta")
-        ][0]
+        )
         os.remove(target)
     else:
         target = largest_file(step_dir)
-        data = bytearray(open(target, "rb").read())
+        with open(target, "rb") as fh:
+            data = bytearray(fh.read())
         if damage == "flip_bytes":
             for i in range(len(data) // 3, len(data) // 3 + 64):
                 data[i] ^= 0xFF
@@ -114,12 +115,13 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved, damage)
 
 
 def test_checksum_mismatch_is_detected_even_when_the_arrays_read_fine(saved):
-    manager, states = saved
+    manager, _states = saved
     meta_dir = [
         r for r, _, fs in os.walk(os.path.join(manager.directory, "2")) if r.endswith("meta")
     ]
-    meta_file = [os.path.join(meta_dir[0], f) for f in os.listdir(meta_dir[0])][0]
-    record = json.loads(open(meta_file).read())
+    meta_file = next(os.path.join(meta_dir[0], f) for f in os.listdir(meta_dir[0]))
+    with open(meta_file) as fh:
+        record = json.load(fh)
     name = next(iter(record["integrity"]))
     record["integrity"][name]["sha256"] = "0" * 64
     with open(meta_file, "w") as fh:
