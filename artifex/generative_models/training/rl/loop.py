@@ -62,6 +62,7 @@ __all__ = [
     "DataIterator",
     "TrainConfig",
     "TrainResult",
+    "check_tokenizer_fits",
     "check_writable_dir",
     "concat_batches",
     "dataset_fingerprint",
@@ -394,6 +395,32 @@ def check_writable_dir(path: str | os.PathLike[str], what: str = "directory") ->
     return path
 
 
+def check_tokenizer_fits(tokenizer: Any, model: Any) -> None:
+    """Checks that every id the tokenizer can produce is in the model's vocabulary.
+
+    A tokenizer with more ids than the model's embedding table would produce token ids the
+    gathers clamp silently. Models without a ``config.vocab_size`` (or tokenizers without a
+    ``vocab_size``) are not checked.
+
+    Args:
+        tokenizer: The tokenizer (``vocab_size``, added tokens included).
+        model: The policy (``config.vocab_size``).
+
+    Raises:
+        ValueError: The tokenizer has more ids than the model's vocabulary.
+    """
+    tok_size = getattr(tokenizer, "vocab_size", None)
+    model_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(tok_size, int) or not isinstance(model_size, int):
+        return
+    if tok_size > model_size:
+        msg = (
+            f"the tokenizer has {tok_size} token ids but the model's vocabulary has only "
+            f"{model_size} (config.vocab_size): use the tokenizer saved with this model"
+        )
+        raise ValueError(msg)
+
+
 def dataset_fingerprint(dataset: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The size and a content hash of a dataset (what a resumed run must train on).
 
@@ -607,6 +634,7 @@ def train(
             msg = f"dataset row {i} has no prompt column {prompt_column!r}"
             raise ValueError(msg)
 
+    check_tokenizer_fits(tokenizer, trainer.model)
     data = DataIterator(dataset, seed=config.seed, shuffle=config.shuffle)
     base_key = jax.random.key(config.seed)
     # Pre-flight: every output location is checked before the first (expensive) step.
