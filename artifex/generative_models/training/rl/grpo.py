@@ -408,13 +408,12 @@ def _check_token_range(batch: GRPOBatch, vocab_size: int | None) -> None:
         value = getattr(batch, name)
         if not jnp.issubdtype(jnp.result_type(value), jnp.integer):
             continue
-        if isinstance(value, jax.Array) and not value.is_fully_addressable:
-            continue
+        mask = batch.completion_mask if name == "completion_ids" else batch.prompt_mask
+        if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in (value, mask)):
+            continue  # multi-host shards: each process checks what it feeds (the sampler)
         host = np.asarray(value)
-        if name == "completion_ids":  # padding positions may hold anything
-            host = np.where(np.asarray(batch.completion_mask) > 0, host, 0)
-        elif batch.prompt_mask is not None:
-            host = np.where(np.asarray(batch.prompt_mask) > 0, host, 0)
+        if mask is not None and np.shape(mask) == host.shape:  # padding may hold anything
+            host = np.where(np.asarray(mask) > 0, host, 0)
         if host.size and (host.min() < 0 or host.max() >= vocab_size):
             bad = np.argwhere((host < 0) | (host >= vocab_size))[0]
             msg = (
