@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import types
@@ -44,8 +45,40 @@ def _field_type(tp: Any) -> tuple[Any, tuple[str, ...] | None]:
 
         return optional, choices
     if tp is bool:
-        return (lambda text: text.lower() in ("1", "true", "yes", "on")), None
+        return _parse_bool, None
     return tp, None
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_bool(text: str) -> bool:
+    """``true``/``false`` (and 1/0, yes/no, on/off); anything else is an error, not False."""
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    msg = f"expected true or false, got {text!r}"
+    raise argparse.ArgumentTypeError(msg)
+
+
+def _non_negative(kind: type) -> Any:
+    """An argparse type: a finite number of ``kind`` that is >= 0."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError as err:
+            msg = f"expected a {kind.__name__}, got {text!r}"
+            raise argparse.ArgumentTypeError(msg) from err
+        if not math.isfinite(value) or value < 0:
+            msg = f"must be a finite number >= 0, got {text!r}"
+            raise argparse.ArgumentTypeError(msg)
+        return value
+
+    parse.__name__ = f"non-negative {kind.__name__}"
+    return parse
 
 
 def _add_dataclass_options(
@@ -58,6 +91,7 @@ def _add_dataclass_options(
             continue
         conv, choices = _field_type(hints[field.name])
         default = None if field.default is dataclasses.MISSING else field.default
+        flag = {"nargs": "?", "const": True} if conv is _parse_bool else {}  # `--overwrite`
         group.add_argument(
             "--" + field.name.replace("_", "-"),
             dest=f"{cls.__name__}.{field.name}",
@@ -66,6 +100,7 @@ def _add_dataclass_options(
             default=argparse.SUPPRESS,
             metavar=None if choices else field.name.upper(),
             help=f"default: {default}",
+            **flag,
         )
 
 
@@ -91,13 +126,37 @@ def load_rows(path: str) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         msg = f"dataset file not found: {path}"
         raise FileNotFoundError(msg)
-    if path.endswith((".jsonl", ".json")):
+    if path.endswith(".json"):
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            msg = (
+                f"{path}:{err.lineno}: invalid JSON ({err.msg}, column {err.colno}): fix the "
+                "file (a .json dataset is one array of objects; use .jsonl for one per line)"
+            )
+            raise ValueError(msg) from None
+        if isinstance(data, dict):
+            data = [data]
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            msg = f"{path}: a .json dataset must be an array of JSON objects"
+            raise ValueError(msg)
+        return data
+    if path.endswith(".jsonl"):
         rows = []
         with open(path, encoding="utf-8") as fh:
             for i, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                row = json.loads(line)
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    msg = (
+                        f"{path}:{i}: invalid JSON ({err.msg}, column {err.colno}): fix that "
+                        "line (each line must be one JSON object)"
+                    )
+                    raise ValueError(msg) from None
                 if not isinstance(row, dict):
                     msg = f"{path}:{i}: each line must be a JSON object, got {type(row).__name__}"
                     raise ValueError(msg)
@@ -109,8 +168,12 @@ def load_rows(path: str) -> list[dict[str, Any]]:
         except ImportError as err:
             msg = "reading Parquet needs pyarrow: pip install pyarrow (or the [parquet] extra)"
             raise ImportError(msg) from err
-        return pq.read_table(path).to_pylist()
-    msg = f"unknown dataset format {path!r}: use .jsonl or .parquet"
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as err:  # pyarrow's errors do not name the file
+            msg = f"{path}: cannot read the Parquet file ({err}): check the file"
+            raise ValueError(msg) from err
+    msg = f"unknown dataset format {path!r}: use .jsonl, .json or .parquet"
     raise ValueError(msg)
 
 
@@ -129,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the full traceback when an error occurs"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the built-in end-to-end GRPO demo")
@@ -137,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", help="output directory")
 
     tr = sub.add_parser("train", help="train a local Hugging Face model on a local dataset")
+    for sp in (demo, tr):  # also accepted after the subcommand
+        sp.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks"
+        )
     tr.add_argument("--model", required=True, help="Hugging Face model directory")
     tr.add_argument("--data", required=True, help="training rows: .jsonl or .parquet")
     tr.add_argument("--eval-data", default=None, help="held-out rows for pass@1")
@@ -157,12 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="DAPO soft-overlong buffer (default max_new_tokens // 4)",
     )
-    tr.add_argument("--learning-rate", type=float, default=1e-6)
+    tr.add_argument("--learning-rate", type=_non_negative(float), default=1e-6)
     tr.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant")
-    tr.add_argument("--warmup-steps", type=int, default=0)
-    tr.add_argument("--weight-decay", type=float, default=0.0)
-    tr.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
-    tr.add_argument("--lora-alpha", type=float, default=None)
+    tr.add_argument("--warmup-steps", type=_non_negative(int), default=0)
+    tr.add_argument("--weight-decay", type=_non_negative(float), default=0.0)
+    tr.add_argument("--lora-rank", type=_non_negative(int), default=0, help="0: full fine-tuning")
+    tr.add_argument("--lora-alpha", type=_non_negative(float), default=None)
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     tr.add_argument("--output", default="runs/train/model", help="save_pretrained directory")
     _add_dataclass_options(tr, GRPOConfig)
@@ -195,7 +265,12 @@ def _train(args: argparse.Namespace) -> int:
     from artifex.generative_models.training.rl import rewards as rw
     from artifex.generative_models.training.rl.configs import GRPOConfig
     from artifex.generative_models.training.rl.grpo import GRPOTrainer
-    from artifex.generative_models.training.rl.loop import TrainConfig, train
+    from artifex.generative_models.training.rl.loop import (
+        TrainConfig,
+        check_tokenizer_fits,
+        check_writable_dir,
+        train,
+    )
     from artifex.generative_models.training.rl.rollout import RolloutConfig
 
     if not os.path.isdir(args.model):
@@ -210,10 +285,13 @@ def _train(args: argparse.Namespace) -> int:
     loop = TrainConfig(**loop_kwargs)
     rollout_config = RolloutConfig(**_collect(args, RolloutConfig))
 
+    # Pre-flight: every output location is checked before anything expensive happens.
+    check_writable_dir(args.output, "--output")
     rows = load_rows(args.data)
     eval_rows = None if args.eval_data is None else load_rows(args.eval_data)
-    tokenizer = Tokenizer.from_pretrained(args.model)
-    model = from_pretrained(args.model, dtype=args.dtype)
+    tokenizer = _load(Tokenizer.from_pretrained, args.model, what="tokenizer")
+    model = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
+    check_tokenizer_fits(tokenizer, model)
 
     funcs = []
     for name in args.reward:
@@ -258,9 +336,17 @@ def _train(args: argparse.Namespace) -> int:
     else:
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         if grpo.beta > 0:
-            reference = from_pretrained(args.model, dtype=args.dtype)
+            reference = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
     trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference)
     result = train(trainer, tokenizer, rows, rewards, loop, rollout_config, eval_dataset=eval_rows)
+    if result.interrupted is not None:
+        where = loop.checkpoint_dir or "nowhere (no --checkpoint-dir)"
+        print(
+            f"artifex-grpo: stopped by {result.interrupted}; the last checkpoint is in {where}: "
+            "run the same command again to resume (the model was not exported)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     final = merge_lora(model) if args.lora_rank > 0 else model
     final.save_pretrained(args.output)
     if result.evaluations:
@@ -270,8 +356,59 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Exit status of a run stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL:
+#: "try again", which resumes it).
+EXIT_INTERRUPTED = 75
+
+
+def _load(loader: Any, path: str, *, what: str, **kwargs: Any) -> Any:
+    """Calls a loader, naming ``path`` in errors that do not (safetensors, tokenizers)."""
+    try:
+        return loader(path, **kwargs)
+    except (OSError, ValueError, TypeError) as err:
+        if path in str(err):
+            raise
+        msg = f"cannot load the {what} from {path}: {_first_line(err)}"
+        raise type(err)(msg) from err
+    except Exception as err:  # the Rust libraries raise their own exception types
+        msg = f"cannot load the {what} from {path}: {_first_line(err)}"
+        raise ValueError(msg) from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = " ".join(line.strip() for line in str(err).strip().splitlines() if line.strip())
+    return text[:500] or type(err).__name__
+
+
+_HINTS = (
+    ("NonFiniteUpdateError", "lower --learning-rate or set --max-grad-norm, then resume"),
+    ("RewardFunctionError", "fix the reward function or the dataset columns it reads"),
+    ("IncompatibleCheckpointError", "resume with the original settings, or use --overwrite"),
+    ("CorruptCheckpointError", "delete the damaged checkpoint directory, or use --overwrite"),
+    ("PermissionError", "choose a writable location"),
+    ("FileExistsError", "pass --resume true, --overwrite, or another --checkpoint-dir"),
+    ("OSError", "check the path and the free disk space"),
+)
+
+
+def _error_line(err: BaseException) -> str:
+    """One line for any error: what was wrong (with the file, when it names one), what to do."""
+    text = _first_line(err)
+    names = [cls.__name__ for cls in type(err).__mro__]
+    hint = next((h for name, h in _HINTS if name in names), None)
+    if not isinstance(err, ValueError | TypeError | FileNotFoundError | ImportError):
+        text = f"{type(err).__name__}: {text}"
+    if hint is not None and hint not in text:
+        text = f"{text} ({hint})"
+    return f"artifex-grpo: error: {text} [--debug shows the traceback]"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``artifex-grpo`` command.
+
+    Every error prints one line (what was wrong, the file involved, what to do) and exits with
+    status 2 (1 for unexpected internal errors); ``--debug`` shows the full traceback instead.
+    A run stopped by SIGTERM or SIGINT saves a checkpoint and exits with status 75.
 
     Args:
         argv: Command-line arguments (defaults to ``sys.argv[1:]``).
@@ -284,9 +421,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         return _train(args)
-    except (FileNotFoundError, ValueError, TypeError, ImportError) as err:
-        print(f"artifex-grpo: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("artifex-grpo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if args.debug:
+            raise
+        print(_error_line(err), file=sys.stderr)
+        known = (OSError, ValueError, TypeError, ImportError, ArithmeticError, RuntimeError)
+        return 2 if isinstance(err, known) else 1
 
 
 if __name__ == "__main__":

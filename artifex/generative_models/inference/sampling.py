@@ -315,7 +315,8 @@ def generate(
     Raises:
         ValueError: An empty prompt row, a prompt too long for the model's positions plus
             ``max_new_tokens``, ``num_generations < 1``, ``top_p`` outside (0, 1], a negative
-            temperature, ``top_k < 1`` or mismatched shapes.
+            temperature, ``top_k < 1``, mismatched shapes, or prompt token ids outside the
+            model's vocabulary.
     """
     ids = np.asarray(prompt_ids)
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
@@ -351,6 +352,17 @@ def generate(
             f"(max_position_embeddings)"
         )
         raise ValueError(msg)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        real = np.where(mask.astype(bool), ids, 0)
+        if real.min() < 0 or real.max() >= vocab:
+            row = int(np.argwhere((real < 0) | (real >= vocab))[0][0])
+            msg = (
+                f"prompt_ids must hold token ids in [0, {vocab}) (the model's vocabulary), got "
+                f"[{int(real.min())}, {int(real.max())}] (first bad row {row}): check that the "
+                "tokenizer matches the model"
+            )
+            raise ValueError(msg)
     if eos_ids is None:
         eos_ids = getattr(config, "eos_token_id", None)
     if eos_ids is None:

@@ -7,6 +7,7 @@ sharding name from :mod:`artifex.generative_models.training.sharding`.
 
 from artifex.generative_models.training.checkpointing import (
     CheckpointManager,
+    CorruptCheckpointError,
     IncompatibleCheckpointError,
 )
 from artifex.generative_models.training.logging import MetricLogger
@@ -48,6 +49,7 @@ __all__ = [
     "DATA_AXES",
     "MESH_AXES",
     "CheckpointManager",
+    "CorruptCheckpointError",
     "GRPOBatch",
     "GRPOConfig",
     "GRPOTrainer",

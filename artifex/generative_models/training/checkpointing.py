@@ -9,24 +9,96 @@ resumed run rebuilds them the way the original run did (load the same pretrained
 Writes are atomic (Orbax writes to a temporary directory and renames it when complete) and only
 the newest ``max_to_keep`` checkpoints are kept. Every process calls :meth:`save` in a multi-host
 run; Orbax coordinates the writes.
+
+Integrity: a non-finite state is never saved; each checkpoint's JSON record carries an
+``integrity`` entry (shape, dtype and SHA-256 of every array). :meth:`CheckpointManager.restore`
+verifies the arrays it read against it (and that they are finite) before touching the trainer;
+when the newest checkpoint is damaged it warns and falls back to the previous complete one. A
+save that fails (a full disk) removes its temporary directory and raises ``OSError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import re
+import shutil
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-__all__ = ["CheckpointManager", "IncompatibleCheckpointError", "training_fingerprint"]
+__all__ = [
+    "CheckpointManager",
+    "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "array_digests",
+    "training_fingerprint",
+]
 
 
 class IncompatibleCheckpointError(ValueError):
     """The checkpoint was written by a run whose configuration or shapes differ."""
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint could not be read back intact (unreadable, wrong checksum, or not finite)."""
+
+
+def _host_leaf(x: Any) -> np.ndarray | None:
+    """A host copy of an array leaf (PRNG keys as their key data); ``None`` if not addressable."""
+    if isinstance(x, jax.Array):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        if not x.is_fully_addressable:
+            return None
+    return np.asarray(x)
+
+
+def array_digests(tree: Any) -> dict[str, dict[str, Any]]:
+    """Shape, dtype, SHA-256 and finiteness of every array leaf of a pytree.
+
+    Arrays not fully addressable from this process (multi-host shards) get ``sha256=None`` and
+    are only checked for shape and dtype.
+
+    Args:
+        tree: A pytree of arrays (e.g. the checkpointed state).
+
+    Returns:
+        ``{path: {"shape": [...], "dtype": str, "sha256": str | None, "finite": bool}}``.
+    """
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(path)
+        host = _host_leaf(leaf)
+        if host is None:
+            finite = (
+                bool(jnp.all(jnp.isfinite(leaf)))
+                if jnp.issubdtype(leaf.dtype, jnp.inexact)
+                else True
+            )
+            out[name] = {
+                "shape": list(np.shape(leaf)),
+                "dtype": str(leaf.dtype),
+                "sha256": None,
+                "finite": finite,
+            }
+            continue
+        finite = bool(np.isfinite(host).all()) if np.issubdtype(host.dtype, np.inexact) else True
+        digest = hashlib.sha256(np.ascontiguousarray(host).tobytes()).hexdigest()
+        out[name] = {
+            "shape": list(host.shape),
+            "dtype": str(host.dtype),
+            "sha256": digest,
+            "finite": finite,
+        }
+    return out
 
 
 def _shapes(state: nnx.State) -> dict[str, list[int]]:
@@ -67,6 +139,36 @@ def _diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
     return []
 
 
+def _brief(err: BaseException) -> str:
+    """The first line of an error, at most 200 characters (Orbax errors dump whole specs)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    text = text.split(" See full TensorStore details")[0]
+    return f"{type(err).__name__}: {text[:200]}"
+
+
+def _verify(restored: Any, integrity: Mapping[str, Any] | None, where: str) -> None:
+    """Checks restored arrays against the record written with them, and for NaN/Inf."""
+    digests = array_digests(restored)
+    bad = [name for name, d in digests.items() if not d["finite"]]
+    if bad:
+        msg = f"{where} is damaged: {bad[0]} holds NaN or Inf ({len(bad)} arrays in all)"
+        raise CorruptCheckpointError(msg)
+    if integrity is None:  # written before checksums were recorded: finiteness only
+        return
+    for name, want in integrity.items():
+        got = digests.get(name)
+        if got is None:
+            msg = f"{where} is damaged: array {name} is missing"
+            raise CorruptCheckpointError(msg)
+        for field in ("shape", "dtype", "sha256"):
+            if want.get(field) is not None and got[field] is not None and got[field] != want[field]:
+                msg = f"{where} is damaged: array {name} has the wrong {field} (checksum mismatch)"
+                if field != "sha256":
+                    msg = f"{where} is damaged: array {name} has {field} {got[field]}, "
+                    msg += f"expected {want[field]}"
+                raise CorruptCheckpointError(msg)
+
+
 class CheckpointManager:
     """Saves and restores a :class:`GRPOTrainer`'s state with Orbax.
 
@@ -80,6 +182,15 @@ class CheckpointManager:
             msg = f"max_to_keep must be an int >= 1, got {max_to_keep!r}"
             raise ValueError(msg)
         self.directory = os.path.abspath(os.fspath(directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            msg = f"checkpoint directory {self.directory} is an existing file: choose another path"
+            raise NotADirectoryError(msg)
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            # Unfinished saves (a kill, a full disk) leave temporary directories Orbax never
+            # deletes and ``max_to_keep`` never counts: remove them before anything else.
+            for name in os.listdir(self.directory):
+                if re.fullmatch(r"\d+\.orbax-checkpoint-tmp.*", name):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -118,21 +229,65 @@ class CheckpointManager:
         }
 
     def save(self, step: int, trainer: Any, metadata: Mapping[str, Any]) -> None:
-        """Writes a checkpoint for ``step`` (blocking, atomic).
+        """Writes a checkpoint for ``step`` (blocking, atomic, with a checksum record).
 
         Args:
             step: The training step (checkpoint name).
             trainer: The trainer whose model and optimizer are saved.
             metadata: JSON-able record (data position, PRNG key, fingerprint...).
+
+        Raises:
+            FloatingPointError: The state holds a non-finite value (nothing is written).
+            ValueError: The directory already holds a checkpoint at ``step`` or later (Orbax
+                would silently skip the save).
+            OSError: The write failed (e.g. a full disk); its temporary directory is removed.
         """
-        self._manager.save(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(self._state(trainer)),
-                meta=ocp.args.JsonSave(dict(metadata)),
-            ),
-        )
-        self._manager.wait_until_finished()
+        step = int(step)
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            msg = (
+                f"cannot save checkpoint {step} in {self.directory}: it already holds step "
+                f"{latest}; resume from it, delete it, or use another directory"
+            )
+            raise ValueError(msg)
+        state = self._state(trainer)
+        digests = array_digests(state)
+        bad = [name for name, d in digests.items() if not d["finite"]]
+        if bad:
+            msg = (
+                f"refusing to save checkpoint {step}: {len(bad)} arrays hold NaN or Inf "
+                f"(first: {bad[0]}); the state is corrupted"
+            )
+            raise FloatingPointError(msg)
+        record = dict(metadata, integrity={k: {**d, "finite": True} for k, d in digests.items()})
+        try:
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    meta=ocp.args.JsonSave(record),
+                ),
+            )
+            self._manager.wait_until_finished()
+        except BaseException as err:
+            self._remove_temporaries(step)
+            if isinstance(err, OSError | KeyboardInterrupt | SystemExit):
+                raise
+            if isinstance(err, Exception):
+                msg = f"writing checkpoint {step} in {self.directory} failed: {_brief(err)}"
+                raise OSError(msg) from err
+            raise
+        if not saved:
+            msg = f"Orbax skipped checkpoint {step} in {self.directory} (steps: {self.all_steps()})"
+            raise ValueError(msg)
+
+    def _remove_temporaries(self, step: int) -> None:
+        """Deletes the unfinished temporary directories of ``step`` a failed save left."""
+        if not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def read_metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record of a checkpoint without touching any array.
@@ -160,18 +315,23 @@ class CheckpointManager:
         step: int | None = None,
         *,
         fingerprint: Mapping[str, Any] | None = None,
+        ignore: tuple[str, ...] = (),
     ) -> dict[str, Any]:
-        """Loads a checkpoint into ``trainer``'s model and optimizer.
+        """Loads a checkpoint into ``trainer``'s model and optimizer, verifying what it read.
 
-        The checkpoint's recorded fingerprint is compared with ``fingerprint`` first; nothing is
-        loaded if they differ.
+        The checkpoint's recorded fingerprint is compared with ``fingerprint`` first; the arrays
+        read are then checked against the checksum record written with them and for NaN/Inf.
+        Nothing is loaded into the trainer unless every check passes. Without ``step``, the
+        newest checkpoint is tried first; a damaged one is skipped with a warning (naming what
+        was wrong) for the previous complete one.
 
         Args:
             trainer: The trainer to restore into (its arrays give the target shapes and
                 shardings).
-            step: Which checkpoint; the newest by default.
+            step: Which checkpoint; the newest readable one by default.
             fingerprint: What the checkpoint's ``metadata["fingerprint"]`` must equal
                 (see :func:`training_fingerprint`); ``None`` skips the check.
+            ignore: Top-level fingerprint keys not compared (e.g. ``("dataset",)``).
 
         Returns:
             The checkpoint's JSON record.
@@ -179,25 +339,65 @@ class CheckpointManager:
         Raises:
             FileNotFoundError: If there is no such checkpoint.
             IncompatibleCheckpointError: If the fingerprints differ (each difference listed).
+            CorruptCheckpointError: If the checkpoint (with ``step``), or every checkpoint
+                (without), is unreadable or fails verification.
         """
-        metadata = self.read_metadata(step)
-        step = int(metadata.get("step", self.latest_step()))
-        if fingerprint is not None:
-            diffs = _diff(metadata.get("fingerprint", {}), dict(fingerprint))
-            if diffs:
-                msg = (
-                    f"checkpoint {step} in {self.directory} is incompatible with this run:\n  "
-                    + "\n  ".join(diffs)
+        if step is not None:
+            return self._restore_step(trainer, int(step), fingerprint, ignore)
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            msg = f"no checkpoint at all in {self.directory}"
+            raise FileNotFoundError(msg)
+        problems = []
+        for candidate in steps:
+            try:
+                return self._restore_step(trainer, candidate, fingerprint, ignore)
+            except IncompatibleCheckpointError:
+                raise
+            except CorruptCheckpointError as err:
+                problems.append(str(err))
+                warnings.warn(
+                    f"{err}; falling back to the previous checkpoint", RuntimeWarning, stacklevel=2
                 )
+        msg = f"no intact checkpoint in {self.directory}:\n  " + "\n  ".join(problems)
+        raise CorruptCheckpointError(msg)
+
+    def _restore_step(
+        self,
+        trainer: Any,
+        step: int,
+        fingerprint: Mapping[str, Any] | None,
+        ignore: tuple[str, ...],
+    ) -> dict[str, Any]:
+        where = f"checkpoint {step} in {self.directory}"
+        if step not in self._manager.all_steps():
+            msg = f"no checkpoint for step {step} in {self.directory}"
+            raise FileNotFoundError(msg)
+        try:
+            metadata = self.read_metadata(step)
+        except Exception as err:  # a torn or missing JSON record
+            msg = f"{where} is damaged: its metadata cannot be read ({_brief(err)})"
+            raise CorruptCheckpointError(msg) from err
+        if fingerprint is not None:
+            saved = {k: v for k, v in metadata.get("fingerprint", {}).items() if k not in ignore}
+            current = {k: v for k, v in dict(fingerprint).items() if k not in ignore}
+            diffs = _diff(saved, current)
+            if diffs:
+                msg = f"{where} is incompatible with this run:\n  " + "\n  ".join(diffs)
                 raise IncompatibleCheckpointError(msg)
         target = self._state(trainer)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        ).state
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            ).state
+        except Exception as err:
+            msg = f"{where} is damaged: its arrays cannot be read ({_brief(err)})"
+            raise CorruptCheckpointError(msg) from err
+        _verify(restored, metadata.get("integrity"), where)
         for name, obj, filt in (
             ("params", trainer.model, trainer.wrt),
             ("variables", trainer.model, nnx.Not(nnx.Param)),
@@ -207,6 +407,12 @@ class CheckpointManager:
             nnx.replace_by_pure_dict(state, restored[name])
             nnx.update(obj, state)
         return metadata
+
+    def delete_all(self) -> None:
+        """Deletes every checkpoint in the directory (for a run that starts over)."""
+        for step in self.all_steps():
+            self._manager.delete(step)
+        self._manager.reload()
 
     def close(self) -> None:
         """Releases the manager."""

@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 
+from artifex.generative_models.utils.atomic import atomic_write
+
 __all__ = ["JsonlWriter", "MetricLogger", "ProgressBar", "TensorBoardWriter", "is_primary_process"]
 
 
@@ -37,14 +39,33 @@ class JsonlWriter:
 
     Args:
         path: File to append to (its directory is created).
+        keep_until: When resuming from a checkpoint of this step: first rewrite the file
+            (atomically: a temporary file renamed over it) keeping only complete records of
+            steps ``<= keep_until``, so the steps redone after the checkpoint are not logged
+            twice and a line torn by a kill is dropped. ``None`` appends to the file as it is.
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, keep_until: int | None = None):
         self.path = os.fspath(path)
         self._fh = None
         if is_primary_process():
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            if keep_until is not None and os.path.exists(self.path):
+                self._truncate(int(keep_until))
             self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def _truncate(self, keep_until: int) -> None:
+        kept = []
+        with open(self.path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by a kill
+                if isinstance(record, dict) and int(record.get("step", 0)) <= keep_until:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        with atomic_write(self.path) as fh:
+            fh.writelines(kept)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Writes ``{"step": step, **metrics}`` as one line.
@@ -164,6 +185,8 @@ class MetricLogger:
         tensorboard_dir: TensorBoard log directory, or ``None``.
         progress_total: Steps for the progress bar, or ``None`` for no bar.
         progress_initial: Steps already done.
+        resume_step: The step a resumed run restarts from: the JSONL file keeps only the
+            records up to it (see :class:`JsonlWriter`); ``None`` appends.
     """
 
     def __init__(
@@ -173,8 +196,9 @@ class MetricLogger:
         tensorboard_dir: str | os.PathLike[str] | None = None,
         progress_total: int | None = None,
         progress_initial: int = 0,
+        resume_step: int | None = None,
     ):
-        self.jsonl = None if jsonl_path is None else JsonlWriter(jsonl_path)
+        self.jsonl = None if jsonl_path is None else JsonlWriter(jsonl_path, keep_until=resume_step)
         self.tensorboard = (
             None if tensorboard_dir is None else TensorBoardWriter.create(tensorboard_dir)
         )

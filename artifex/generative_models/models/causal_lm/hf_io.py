@@ -13,6 +13,7 @@ Without `rules`, every parameter is replicated over the mesh.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from safetensors.numpy import save_file
 
 from artifex.generative_models.models.causal_lm.config import CausalLMConfig
 from artifex.generative_models.models.causal_lm.model import CausalLM, resolve_dtype
+from artifex.generative_models.utils.atomic import commit_file, remove_temp_files, temp_path
 
 __all__ = [
     "from_pretrained",
@@ -129,7 +131,15 @@ def _weight_files(directory: str) -> dict[str, list[str]]:
             msg = f"{index_path}: expected a 'weight_map' object, got {weight_map!r}"
             raise ValueError(msg)
         files: dict[str, list[str]] = {}
+        root = os.path.realpath(directory)
         for name, fname in weight_map.items():
+            full = os.path.realpath(os.path.join(directory, str(fname)))
+            if not isinstance(fname, str) or os.path.dirname(full) != root:
+                msg = (
+                    f"{index_path}: weight_map[{name!r}] = {fname!r} must name a file inside "
+                    f"the model directory {directory!r}"
+                )
+                raise ValueError(msg)
             files.setdefault(os.path.join(directory, fname), []).append(name)
         for fname, names in files.items():
             with safe_open(fname, framework="numpy") as f:
@@ -322,6 +332,19 @@ def parse_size(size: int | str) -> int:
     return n
 
 
+def _save_file(tensors: dict[str, np.ndarray], tmp: str, final: str) -> None:
+    """``safetensors`` ``save_file``, its I/O failures raised as ``OSError`` naming the file."""
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    except OSError:
+        raise
+    except Exception as err:  # safetensors reports I/O errors (a full disk) as its own type
+        code = re.search(r"os error (\d+)", str(err))
+        errno_ = int(code.group(1)) if code else None
+        msg = f"cannot write {final}: {err}"
+        raise OSError(errno_, msg) if errno_ is not None else OSError(msg) from err
+
+
 def save_pretrained(
     model: CausalLM, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None
 ) -> None:
@@ -330,8 +353,12 @@ def save_pretrained(
     Writes `config.json` (`config.to_hf_config()`) and the weights under transformers' names and
     layouts in their stored dtype: one `model.safetensors`, or, when the total exceeds
     `max_shard_size`, `model-0000k-of-0000n.safetensors` shards plus
-    `model.safetensors.index.json`. Previous weight files of that naming in the directory are
-    removed first so no stale shard is read back. Tied models get no `lm_head.weight`.
+    `model.safetensors.index.json`. Tied models get no `lm_head.weight`.
+
+    The write is atomic per file and safe for the previous export: every new file is written
+    under a temporary name first, so a failure (a full disk, a kill) leaves the previous export
+    in the directory loadable; then the files are renamed into place and weight files of the
+    previous layout that the new one does not use are removed, so no stale shard is read back.
 
     Args:
         model: The model (merge LoRA adapters first).
@@ -340,19 +367,13 @@ def save_pretrained(
 
     Raises:
         ValueError: If the model has LoRA adapters or `max_shard_size` is invalid.
+        OSError: If writing fails (the previous export, if any, is left loadable).
     """
     directory = os.fspath(path)
     tensors = to_hf_tensors(model)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     os.makedirs(directory, exist_ok=True)
-    stale = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
-    for fname in os.listdir(directory):
-        if stale.fullmatch(fname):
-            os.remove(os.path.join(directory, fname))
-
-    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(model.config.to_hf_config(), f, indent=2, sort_keys=True)
-        f.write("\n")
+    remove_temp_files(directory)  # left by an earlier save that was killed
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -362,19 +383,52 @@ def save_pretrained(
             size = 0
         shards[-1][name] = x
         size += x.nbytes
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(directory, _SAFE_NAME), metadata=metadata)
-        return
-    weight_map: dict[str, str] = {}
-    for k, shard in enumerate(shards, start=1):
-        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(directory, fname), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, fname))
-    index = {
-        "metadata": {"total_size": int(sum(x.nbytes for x in tensors.values()))},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    with open(os.path.join(directory, _INDEX_NAME), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
+    names = (
+        [_SAFE_NAME]
+        if len(shards) == 1
+        else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
+    )
+    # Every new file is written completely under a temporary name first; the previous export is
+    # untouched (and loadable) until all of them exist, then each is renamed into place: weights
+    # first, the index next, config.json last, and only then are stale files of the old
+    # layout removed.
+    written: list[tuple[str, str]] = []
+    try:
+        for fname, shard in zip(names, shards, strict=True):
+            tmp = temp_path(os.path.join(directory, fname))
+            written.append((tmp, fname))
+            _save_file(shard, tmp, os.path.join(directory, fname))
+        files = list(names)
+        if len(shards) > 1:
+            weight_map = {
+                n: fname for fname, shard in zip(names, shards, strict=True) for n in shard
+            }
+            index = {
+                "metadata": {"total_size": int(sum(x.nbytes for x in tensors.values()))},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            tmp = temp_path(os.path.join(directory, _INDEX_NAME))
+            written.append((tmp, _INDEX_NAME))
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+                f.write("\n")
+            files.append(_INDEX_NAME)
+        tmp = temp_path(os.path.join(directory, "config.json"))
+        written.append((tmp, "config.json"))
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(model.config.to_hf_config(), f, indent=2, sort_keys=True)
+            f.write("\n")
+    except BaseException:
+        for tmp, _ in written:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+        raise
+    if len(shards) == 1:  # the old index (if any) would shadow the new single file: drop it
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, _INDEX_NAME))
+    for tmp, fname in written:
+        commit_file(tmp, os.path.join(directory, fname))
+    stale = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+    for fname in os.listdir(directory):
+        if stale.fullmatch(fname) and fname not in files:
+            os.remove(os.path.join(directory, fname))

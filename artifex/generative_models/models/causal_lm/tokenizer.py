@@ -9,6 +9,7 @@ character-level tokenizer in memory for toy tasks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -22,6 +23,8 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
+
+from artifex.generative_models.utils.atomic import atomic_write_json, commit_file, temp_path
 
 __all__ = ["Tokenizer", "render_chat_template"]
 
@@ -276,7 +279,14 @@ class Tokenizer:
         """
         directory = os.fspath(path)
         os.makedirs(directory, exist_ok=True)
-        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        tmp = temp_path(os.path.join(directory, "tokenizer.json"))
+        try:
+            self.backend.save(tmp)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        commit_file(tmp, os.path.join(directory, "tokenizer.json"))
         config: dict[str, Any] = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "clean_up_tokenization_spaces": self.clean_up_tokenization_spaces,
@@ -287,14 +297,12 @@ class Tokenizer:
                 config[name] = value
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
-        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2)
+        atomic_write_json(os.path.join(directory, "tokenizer_config.json"), config)
         eos = self.backend.token_to_id(self.eos_token) if self.eos_token else None
         extra = [e for e in self._eos_ids if e != eos]
         generation = os.path.join(directory, "generation_config.json")
         if extra and not os.path.exists(generation):
-            with open(generation, "w", encoding="utf-8") as f:
-                json.dump({"eos_token_id": list(self._eos_ids)}, f, indent=2)
+            atomic_write_json(generation, {"eos_token_id": list(self._eos_ids)})
 
     @classmethod
     def for_characters(

@@ -31,11 +31,14 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from artifex.generative_models.training.rl.configs import (
     AdvantageBaseline,
@@ -204,6 +207,63 @@ def _finish(
     return jnp.where(valid, adv, 0.0)
 
 
+def _check_kernel_args(fn: Callable) -> Callable:
+    """Validates a kernel's host-side arguments before calling the jitted ``fn``.
+
+    ``eps`` must be a finite number >= 0, ``ddof`` an int >= 0, ``group_size`` /
+    ``num_groups`` ints >= 1, and concrete ``group_ids`` must lie in ``[0, num_groups)``
+    (out-of-range ids would be dropped by the segment sums). Traced values are not inspected.
+    """
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> jax.Array:
+        eps = kwargs.get("eps")
+        if (
+            eps is not None
+            and not isinstance(eps, jax.core.Tracer)
+            and (
+                isinstance(eps, bool)
+                or not np.isfinite(np.asarray(eps)).all()
+                or np.any(np.asarray(eps) < 0)
+            )
+        ):
+            msg = f"{fn.__name__}: eps must be a finite number >= 0, got {eps!r}"
+            raise ValueError(msg)
+        ddof = kwargs.get("ddof")
+        if ddof is not None and (isinstance(ddof, bool) or not isinstance(ddof, int) or ddof < 0):
+            msg = f"{fn.__name__}: ddof must be an int >= 0, got {ddof!r}"
+            raise ValueError(msg)
+        segment = fn.__name__ == "segment_advantages"
+        sizes = {"num_groups": kwargs.get("num_groups")}
+        if not segment:
+            sizes["group_size"] = kwargs.get("group_size", args[1] if len(args) > 1 else None)
+        for name, value in sizes.items():
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1
+            ):
+                msg = f"{fn.__name__}: {name} must be an int >= 1, got {value!r}"
+                raise ValueError(msg)
+        if segment:
+            rewards = args[0] if args else kwargs["rewards"]
+            group_ids = args[1] if len(args) > 1 else kwargs.get("group_ids")
+            if group_ids is not None and not isinstance(group_ids, jax.core.Tracer):
+                ids = np.asarray(group_ids)
+                if not np.issubdtype(ids.dtype, np.integer):
+                    msg = f"segment_advantages: group_ids must be integers, got dtype {ids.dtype}"
+                    raise TypeError(msg)
+                limit = kwargs.get("num_groups") or int(np.shape(rewards)[0])
+                if ids.size and (ids.min() < 0 or ids.max() >= limit):
+                    msg = (
+                        f"segment_advantages: group_ids must lie in [0, {limit}), got "
+                        f"[{ids.min()}, {ids.max()}]"
+                    )
+                    raise ValueError(msg)
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+@_check_kernel_args
 @partial(jax.jit, static_argnames=("group_size", "scale", "ddof", "baseline"))
 def group_advantages(
     rewards: jax.Array,
@@ -233,7 +293,7 @@ def group_advantages(
         ``(B,)`` float32 advantages; 0 for rows without a reward and for constant groups.
 
     Raises:
-        ValueError: If ``B`` is not a multiple of ``group_size``.
+        ValueError: If ``B`` is not a multiple of ``group_size``, or ``eps < 0``.
 
     References:
         Shao et al., 2024, arXiv:2402.03300 (GRPO); Ahmadian et al., 2024, arXiv:2402.14740
@@ -243,6 +303,7 @@ def group_advantages(
     return _finish(rewards, stats, scale=scale, ddof=ddof, eps=eps, baseline=baseline)
 
 
+@_check_kernel_args
 @partial(jax.jit, static_argnames=("num_groups", "scale", "ddof", "baseline"))
 def segment_advantages(
     rewards: jax.Array,
@@ -271,11 +332,15 @@ def segment_advantages(
 
     Returns:
         ``(B,)`` float32 advantages.
+
+    Raises:
+        ValueError: Concrete ``group_ids`` outside ``[0, num_groups)``, or ``eps < 0``.
     """
     stats = segment_stats(rewards, group_ids, num_groups=num_groups, ddof=ddof)
     return _finish(rewards, stats, scale=scale, ddof=ddof, eps=eps, baseline=baseline)
 
 
+@_check_kernel_args
 @partial(jax.jit, static_argnames=("group_size", "scale", "ddof"))
 def process_advantages(
     step_rewards: jax.Array,

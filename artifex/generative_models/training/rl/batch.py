@@ -27,6 +27,9 @@ import numpy as np
 
 __all__ = ["GRPOBatch"]
 
+#: Log-probs above this are rejected (float rounding can push a near-certain token above 0).
+_LOG_PROB_TOLERANCE = 1e-3
+
 _DICT_KEYS = {
     "observations",
     "actions",
@@ -275,11 +278,30 @@ class GRPOBatch:
                 row = int(np.argwhere(bad)[0][0])
                 msg = f"GRPOBatch.{name} must be finite on valid tokens; row {row} is not"
                 raise ValueError(msg)
+            if name != "advantages":
+                positive = (host > _LOG_PROB_TOLERANCE) & valid
+                if positive.any():
+                    where = tuple(int(i) for i in np.argwhere(positive)[0])
+                    msg = (
+                        f"GRPOBatch.{name} must be log-probabilities (<= 0), got "
+                        f"{float(host[where])} at {where}: pass log-probs, not probabilities "
+                        "or logits"
+                    )
+                    raise ValueError(msg)
         if self.sampler_log_probs is not None:
             host = _host_values(self.sampler_log_probs)
             if host is not None and mask is not None and np.isinf(host[mask.astype(bool)]).any():
                 msg = "GRPOBatch.sampler_log_probs must be finite or NaN on valid tokens"
                 raise ValueError(msg)
+            if host is not None and mask is not None:
+                positive = (host > _LOG_PROB_TOLERANCE) & mask.astype(bool)
+                if positive.any():
+                    where = tuple(int(i) for i in np.argwhere(positive)[0])
+                    msg = (
+                        "GRPOBatch.sampler_log_probs must be log-probabilities (<= 0), got "
+                        f"{float(host[where])} at {where}"
+                    )
+                    raise ValueError(msg)
         if self.step_rewards is not None:
             host = _host_values(self.step_rewards)
             if host is not None and np.isinf(host).any():

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -58,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 
 class NonFiniteUpdateError(FloatingPointError):
-    """A step produced a non-finite loss or gradient; the update was not applied.
+    """A step produced a non-finite loss, gradient or update; the update was not applied.
 
     Args:
         message: The error message.
@@ -94,6 +96,19 @@ def as_grpo_batch(batch: GRPOBatch | Mapping[str, Any], config: GRPOConfig) -> G
     elif not isinstance(batch, GRPOBatch):
         msg = f"batch must be a GRPOBatch or a dict, got {type(batch).__name__}"
         raise TypeError(msg)
+    else:
+        # Python lists would be pytree nodes (one leaf per element): make them arrays first.
+        lists = {
+            f.name: getattr(batch, f.name)
+            for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), list | tuple)
+        }
+        if lists:
+            try:
+                batch = batch.replace(**{k: np.asarray(v) for k, v in lists.items()})
+            except ValueError as err:
+                msg = f"GRPOBatch fields {sorted(lists)} are ragged lists: {err}"
+                raise ValueError(msg) from err
     return jax.tree.map(jnp.asarray, batch)
 
 
@@ -154,9 +169,12 @@ def _reward_metrics(batch: GRPOBatch, advantages: jax.Array) -> dict[str, jax.Ar
         adv_mask = valid if batch.advantages is None else jnp.ones_like(valid)
     adv_mean = losses.masked_mean(advantages, adv_mask)
     adv_std = jnp.sqrt(losses.masked_mean((advantages - adv_mean) ** 2, adv_mask))
+    # No valid reward at all: the statistics are undefined (NaN), not 0.
+    any_valid = jnp.any(valid > 0)
+    nan = jnp.asarray(jnp.nan, jnp.float32)
     return {
-        "reward_mean": mean,
-        "reward_std": std,
+        "reward_mean": jnp.where(any_valid, mean, nan),
+        "reward_std": jnp.where(any_valid, std, nan),
         "frac_reward_zero_std": frac_zero.astype(jnp.float32),
         "advantage_mean": adv_mean,
         "advantage_std": adv_std,
@@ -519,6 +537,65 @@ def make_grpo_loss(
 
 
 # ---------------------------------------------------------------------------------- trainer
+def _has_reward_signal(batch: GRPOBatch) -> jax.Array:
+    """Whether the batch carries any reward signal (a bool scalar, traceable)."""
+    signal = jnp.any(~jnp.isnan(jnp.asarray(batch.rewards, jnp.float32)))
+    if batch.step_rewards is not None:
+        signal |= jnp.any(~jnp.isnan(jnp.asarray(batch.step_rewards, jnp.float32)))
+    if batch.advantages is not None:  # given advantages are a signal unless all zero
+        signal |= jnp.any(jnp.asarray(batch.advantages, jnp.float32) != 0)
+    return signal
+
+
+def _vocab_size(model: Any) -> int | None:
+    """The vocabulary size of a causal LM (``None`` when the model is not one)."""
+    if not (hasattr(model, "hidden_states") and hasattr(model, "output_embedding")):
+        return None
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    try:
+        return int(jnp.shape(model.output_embedding())[-1])
+    except Exception:  # an unusual model: skip the check rather than fail
+        return None
+
+
+def _check_token_range(batch: GRPOBatch, vocab_size: int | None) -> None:
+    """Token ids outside ``[0, vocab_size)`` would be clamped silently by the gathers."""
+    if vocab_size is None:
+        return
+    for name in ("prompt_ids", "completion_ids"):
+        value = getattr(batch, name)
+        if not jnp.issubdtype(jnp.result_type(value), jnp.integer):
+            continue
+        mask = batch.completion_mask if name == "completion_ids" else batch.prompt_mask
+        if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in (value, mask)):
+            continue  # multi-host shards: each process checks what it feeds (the sampler)
+        host = np.asarray(value)
+        if mask is not None and np.shape(mask) == host.shape:  # padding may hold anything
+            host = np.where(np.asarray(mask) > 0, host, 0)
+        if host.size and (host.min() < 0 or host.max() >= vocab_size):
+            bad = np.argwhere((host < 0) | (host >= vocab_size))[0]
+            msg = (
+                f"GRPOBatch.{name} must hold token ids in [0, {vocab_size}) (the model's "
+                f"vocabulary), got {int(host[tuple(bad)])} at row {int(bad[0])}: check that "
+                "the tokenizer matches the model"
+            )
+            raise ValueError(msg)
+
+
+def _all_finite(state: Any) -> jax.Array:
+    """Whether every inexact leaf of ``state`` is finite (one fused reduction, a bool scalar)."""
+    checks = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(state)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    if not checks:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack(checks))
+
+
 def _is_lora_only(model: nnx.Module, wrt: Any) -> bool:
     """Whether ``wrt`` selects exactly the model's (non-empty set of) LoRA parameters."""
     selected = jax.tree.leaves(nnx.state(model, wrt), is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -790,16 +867,29 @@ class GRPOTrainer:
             scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         optimizer.update(model, grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        loss_ok = jnp.isfinite(loss)
+        grad_ok = jnp.isfinite(grad_norm)
+        # The update itself can overflow (a huge learning rate, a schedule that overflows): the
+        # new parameters and optimizer state must be finite too (one fused all-finite reduction).
+        params_ok = _all_finite(nnx.state(model, self.wrt))
+        opt_ok = _all_finite(nnx.state(optimizer))
+        ok = loss_ok & grad_ok & params_ok & opt_ok
+        # A batch without any reward signal (all rewards NaN) moves nothing: its only gradients
+        # would be the KL and entropy terms (and Adam's momentum, weight decay) acting blindly.
+        signal = _has_reward_signal(batch)
+        apply = ok & signal
 
         def keep(new_state: nnx.State, old_leaves: list[jax.Array]) -> nnx.State:
             leaves, treedef = jax.tree.flatten(new_state)
-            kept = [jnp.where(ok, n, o) for n, o in zip(leaves, old_leaves, strict=True)]
+            kept = [jnp.where(apply, n, o) for n, o in zip(leaves, old_leaves, strict=True)]
             return jax.tree.unflatten(treedef, kept)
 
         new_model_state = keep(nnx.state(model), old_model_leaves)
         new_opt_state = keep(nnx.state(optimizer), old_opt_leaves)
         metrics = dict(metrics, grad_norm=grad_norm.astype(jnp.float32))
+        metrics["finite_params"] = params_ok.astype(jnp.float32)
+        metrics["finite_optimizer_state"] = opt_ok.astype(jnp.float32)
+        metrics["reward_signal"] = jnp.asarray(signal, jnp.float32)
         return new_model_state, new_opt_state, metrics, ok
 
     def _log_probs(
@@ -831,6 +921,7 @@ class GRPOTrainer:
             TypeError: Wrong batch type or dtypes.
         """
         batch = as_grpo_batch(batch, self.config).validate()
+        _check_token_range(batch, _vocab_size(self.model))
         if not batch.shared_prompts and batch.prompts_shared_within_groups():
             batch = batch.replace(shared_prompts=True)  # encode each prompt once per group
         if batch.group_size < 2 and batch.advantages is None and batch.group_ids is None:
@@ -884,7 +975,8 @@ class GRPOTrainer:
         Raises:
             ValueError: Invalid batch or ``num_microbatches`` (raised before anything is traced).
             TypeError: Wrong batch type or dtypes.
-            NonFiniteUpdateError: Non-finite loss or gradient; nothing was updated.
+            NonFiniteUpdateError: Non-finite loss, gradient, updated parameters or updated
+                optimizer state; nothing was updated.
         """
         batch = self.prepare_batch(batch)
         if (
@@ -919,10 +1011,29 @@ class GRPOTrainer:
         nnx.update(self.model, new_model_state)
         nnx.update(self.optimizer, new_opt_state)
         host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        finite_params = host.pop("finite_params") > 0
+        finite_opt = host.pop("finite_optimizer_state") > 0
+        if host.pop("reward_signal") == 0 and bool(ok):
+            logger.warning(
+                "every reward of this batch is NaN (no reward signal): the reward metrics are "
+                "NaN and the update was skipped (parameters unchanged); check the reward "
+                "functions"
+            )
         if not bool(ok):
+            bad = [
+                f"{name}={host[name]}"
+                for name in ("total_loss", "grad_norm")
+                if not math.isfinite(host[name])
+            ]
+            if not finite_params:
+                bad.append("updated parameters")
+            if not finite_opt:
+                bad.append("updated optimizer state")
+            step = int(jax.device_get(self.optimizer.step[...]))
             msg = (
-                f"non-finite loss or gradient (total_loss={host['total_loss']}, "
-                f"grad_norm={host['grad_norm']}); the update was not applied"
+                f"non-finite {', '.join(bad) or 'values'} at optimizer step {step}; the update "
+                "was not applied (parameters and optimizer state are unchanged): lower the "
+                "learning rate, clip gradients (GRPOConfig.max_grad_norm) or check the batch"
             )
             raise NonFiniteUpdateError(msg, host)
         return host

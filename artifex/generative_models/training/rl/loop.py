@@ -25,8 +25,13 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -41,7 +46,7 @@ from artifex.generative_models.training.checkpointing import (
 )
 from artifex.generative_models.training.logging import MetricLogger
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.grpo import compute_advantages
+from artifex.generative_models.training.rl.grpo import NonFiniteUpdateError, compute_advantages
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollout import (
     Rollout,
@@ -51,7 +56,19 @@ from artifex.generative_models.training.rl.rollout import (
 )
 from artifex.generative_models.training.sharding import host_array
 
-__all__ = ["DataIterator", "TrainConfig", "TrainResult", "concat_batches", "evaluate", "train"]
+_log = logging.getLogger(__name__)
+
+__all__ = [
+    "DataIterator",
+    "TrainConfig",
+    "TrainResult",
+    "check_tokenizer_fits",
+    "check_writable_dir",
+    "concat_batches",
+    "dataset_fingerprint",
+    "evaluate",
+    "train",
+]
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -89,6 +106,12 @@ class TrainConfig:
         keep_checkpoints: Keep the newest this many checkpoints.
         resume: Continue from the newest checkpoint in ``checkpoint_dir`` if there is one.
         progress: Show a progress bar.
+        overwrite: Delete the checkpoints already in ``checkpoint_dir`` (and start from step 0)
+            instead of refusing to start when ``resume`` is off and the directory is not empty.
+        allow_dataset_change: Resume even if the dataset (its size and content hash, recorded
+            in the checkpoint's fingerprint) differs from the checkpointed run's.
+        handle_signals: On SIGTERM or SIGINT, finish the current step, save a checkpoint and
+            return (``TrainResult.interrupted``) instead of dying mid-step (main thread only).
     """
 
     num_steps: int
@@ -108,8 +131,28 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool = True
     progress: bool = True
+    overwrite: bool = False
+    allow_dataset_change: bool = False
+    handle_signals: bool = True
 
     def __post_init__(self) -> None:
+        for name in (
+            "shuffle",
+            "dynamic_sampling",
+            "resume",
+            "progress",
+            "overwrite",
+            "allow_dataset_change",
+            "handle_signals",
+        ):
+            if not isinstance(getattr(self, name), bool | np.bool_):
+                msg = f"TrainConfig.{name} must be a bool, got {getattr(self, name)!r}"
+                raise TypeError(msg)
+        for name in ("log_dir", "checkpoint_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str | os.PathLike):
+                msg = f"TrainConfig.{name} must be a path or None, got {value!r}"
+                raise TypeError(msg)
         for name in (
             "num_steps",
             "prompts_per_step",
@@ -217,11 +260,14 @@ class TrainResult:
         history: One metrics dict per step trained in this call.
         evaluations: ``(step, metrics)`` of each evaluation.
         start_step: The step the call started from (0, or the resumed checkpoint's).
+        interrupted: The signal's name (``"SIGTERM"``, ``"SIGINT"``) when the run stopped early
+            on one (after saving a checkpoint of the last finished step); ``None`` otherwise.
     """
 
     history: list[dict[str, float]]
     evaluations: list[tuple[int, dict[str, float]]]
     start_step: int
+    interrupted: str | None = None
 
 
 # ------------------------------------------------------------------------------ batches
@@ -313,6 +359,123 @@ def evaluate(
         "eval/pass@1": float(np.mean(np.where(valid, s, -np.inf) >= pass_threshold)),
         "eval/reward_mean": float(s[valid].mean()) if valid.any() else float("nan"),
     }
+
+
+# ------------------------------------------------------------------------------ reliability
+def check_writable_dir(path: str | os.PathLike[str], what: str = "directory") -> str:
+    """Creates ``path`` if needed and checks that a file can be written in it.
+
+    Args:
+        path: The directory.
+        what: How to name it in the error (e.g. ``"--output"``).
+
+    Returns:
+        The absolute path.
+
+    Raises:
+        NotADirectoryError: ``path`` (or a parent) is an existing file.
+        PermissionError: The directory cannot be created or written.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        msg = f"{what} {path} is an existing file, not a directory: choose another path"
+        raise NotADirectoryError(msg)
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".artifex-write-probe-{os.getpid()}")
+        with open(probe, "w", encoding="utf-8") as fh:
+            fh.write("ok")
+        os.remove(probe)
+    except (NotADirectoryError, FileExistsError) as err:
+        msg = f"{what} {path} cannot be created: a parent is a file ({err})"
+        raise NotADirectoryError(msg) from err
+    except OSError as err:
+        msg = f"{what} {path} is not writable ({err.strerror or err}): choose another path"
+        raise PermissionError(msg) from err
+    return path
+
+
+def check_tokenizer_fits(tokenizer: Any, model: Any) -> None:
+    """Checks that every id the tokenizer can produce is in the model's vocabulary.
+
+    A tokenizer with more ids than the model's embedding table would produce token ids the
+    gathers clamp silently. Models without a ``config.vocab_size`` (or tokenizers without a
+    ``vocab_size``) are not checked.
+
+    Args:
+        tokenizer: The tokenizer (``vocab_size``, added tokens included).
+        model: The policy (``config.vocab_size``).
+
+    Raises:
+        ValueError: The tokenizer has more ids than the model's vocabulary.
+    """
+    tok_size = getattr(tokenizer, "vocab_size", None)
+    model_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(tok_size, int) or not isinstance(model_size, int):
+        return
+    if tok_size > model_size:
+        msg = (
+            f"the tokenizer has {tok_size} token ids but the model's vocabulary has only "
+            f"{model_size} (config.vocab_size): use the tokenizer saved with this model"
+        )
+        raise ValueError(msg)
+
+
+def dataset_fingerprint(dataset: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The size and a content hash of a dataset (what a resumed run must train on).
+
+    Each row is hashed as canonical JSON (sorted keys; values JSON cannot hold by ``repr``).
+
+    Args:
+        dataset: The rows.
+
+    Returns:
+        ``{"size": len(dataset), "sha256": hex digest}``.
+    """
+    digest = hashlib.sha256()
+    for row in dataset:
+        text = json.dumps(row, sort_keys=True, default=repr, ensure_ascii=True)
+        digest.update(text.encode("utf-8"))
+        digest.update(b"\n")
+    return {"size": len(dataset), "sha256": digest.hexdigest()}
+
+
+class _StopSignals:
+    """Records SIGTERM/SIGINT so the loop can finish its step, checkpoint and return.
+
+    A second signal of the same kind while the first is pending behaves as if no handler was
+    installed (SIGINT raises ``KeyboardInterrupt``), so a stuck run can still be stopped.
+    """
+
+    def __init__(self, *, enabled: bool):
+        self.enabled = enabled
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            self.uninstall()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.raise_signal(signum)
+            return
+        self.received = name
+        _log.warning(
+            f"{name} received: finishing the current step, then saving a checkpoint "
+            "(send it again to stop at once)"
+        )
+
+    def install(self) -> None:
+        if not self.enabled or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 # ------------------------------------------------------------------------------ the loop
@@ -440,7 +603,14 @@ def train(
 
     Raises:
         ValueError: Bad dataset rows, reward outputs or settings (before any update).
-        IncompatibleCheckpointError: Resuming from a checkpoint written by another setup.
+        IncompatibleCheckpointError: Resuming from a checkpoint written by another setup (or
+            on another dataset, unless ``allow_dataset_change``).
+        FileExistsError: ``checkpoint_dir`` holds checkpoints while ``resume`` and
+            ``overwrite`` are off (checked before the first step).
+        NotADirectoryError: An output directory is an existing file (before the first step).
+        PermissionError: An output directory is not writable (before the first step).
+        NonFiniteUpdateError: An update was not finite (the step and metric are named; the
+            model keeps its last finite state and no checkpoint of a bad state is written).
     """
     rcfg = RolloutConfig() if rollout_config is None else rollout_config
     if not isinstance(rewards, RewardCombiner):
@@ -464,17 +634,41 @@ def train(
             msg = f"dataset row {i} has no prompt column {prompt_column!r}"
             raise ValueError(msg)
 
+    check_tokenizer_fits(tokenizer, trainer.model)
     data = DataIterator(dataset, seed=config.seed, shuffle=config.shuffle)
     base_key = jax.random.key(config.seed)
+    # Pre-flight: every output location is checked before the first (expensive) step.
+    for name in ("log_dir", "checkpoint_dir"):
+        if getattr(config, name) is not None:
+            check_writable_dir(getattr(config, name), f"TrainConfig.{name}")
     fingerprint = training_fingerprint(
-        trainer, loop=config.fingerprint, max_new_tokens=rcfg.max_new_tokens
+        trainer,
+        loop=config.fingerprint,
+        max_new_tokens=rcfg.max_new_tokens,
+        dataset=dataset_fingerprint(dataset),
     )
     manager = None
     start_step = 0
     if config.checkpoint_dir is not None:
         manager = CheckpointManager(config.checkpoint_dir, max_to_keep=config.keep_checkpoints)
-        if config.resume and manager.latest_step() is not None:
-            meta = manager.restore(trainer, fingerprint=fingerprint)
+        existing = manager.all_steps()
+        if existing and config.overwrite:
+            manager.delete_all()
+        elif existing and not config.resume:
+            manager.close()
+            msg = (
+                f"checkpoint directory {manager.directory} already holds checkpoints (steps "
+                f"{existing}) and resume is off: continue that run with resume=True "
+                "(--resume true), delete them with overwrite=True (--overwrite), or choose "
+                "another directory"
+            )
+            raise FileExistsError(msg)
+        elif existing:
+            meta = manager.restore(
+                trainer,
+                fingerprint=fingerprint,
+                ignore=("dataset",) if config.allow_dataset_change else (),
+            )
             start_step = int(meta["step"])
             data.restore(meta["data"])
             base_key = jax.random.wrap_key_data(jnp.asarray(meta["key"], jnp.uint32))
@@ -483,6 +677,7 @@ def train(
         jsonl_path=None
         if config.log_dir is None
         else os.path.join(config.log_dir, "metrics.jsonl"),
+        resume_step=start_step if start_step > 0 or config.overwrite else None,
         tensorboard_dir=None if config.log_dir is None else os.path.join(config.log_dir, "tb"),
         progress_total=config.num_steps if config.progress else None,
         progress_initial=start_step,
@@ -518,7 +713,10 @@ def train(
             },
         )
 
+    stop = _StopSignals(enabled=config.handle_signals)
+    interrupted = None
     try:
+        stop.install()
         if start_step == 0:
             run_eval(0)
         for step in range(start_step + 1, config.num_steps + 1):
@@ -539,9 +737,18 @@ def train(
                     order = np.asarray(jax.random.permutation(perm_key, rows))
                 for part in np.split(order, config.num_minibatches):
                     mb = batch if config.num_minibatches == 1 else _take_rows(batch, part)
-                    updates.append(
-                        trainer.train_step(mb, num_microbatches=config.gradient_accumulation_steps)
-                    )
+                    try:
+                        update = trainer.train_step(
+                            mb, num_microbatches=config.gradient_accumulation_steps
+                        )
+                    except NonFiniteUpdateError as err:
+                        msg = (
+                            f"training step {step} (update {len(updates) + 1} of "
+                            f"{config.num_iterations * config.num_minibatches}): {err}; no "
+                            "checkpoint holds this state (the last one is from an earlier step)"
+                        )
+                        raise NonFiniteUpdateError(msg, err.metrics) from err
+                    updates.append(update)
             metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
             if config.num_minibatches > 1:
                 metrics.update(_full_batch_reward_metrics(batch))
@@ -558,11 +765,26 @@ def train(
                 run_eval(step)
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 save(step)
-        if start_step < config.num_steps:
+            if stop.received is not None and step < config.num_steps:
+                interrupted = stop.received
+                save(step)
+                _log.warning(
+                    f"{interrupted} received: stopped after step {step}"
+                    + (
+                        f", checkpoint saved in {manager.directory}; run again to resume"
+                        if manager is not None
+                        else " (no checkpoint_dir: nothing was saved)"
+                    ),
+                )
+                break
+        if interrupted is None and start_step < config.num_steps:
             run_eval(config.num_steps)
             save(config.num_steps)
     finally:
+        stop.uninstall()
         logger.close()
         if manager is not None:
             manager.close()
-    return TrainResult(history=history, evaluations=evaluations, start_step=start_step)
+    return TrainResult(
+        history=history, evaluations=evaluations, start_step=start_step, interrupted=interrupted
+    )

@@ -1,0 +1,133 @@
+"""Atomic file writes: a reader sees the old file or the complete new one, never a torn one.
+
+Every file is written under a temporary name in its own directory (so the rename never crosses
+a file system), flushed and ``fsync``-ed, then renamed over the final name with ``os.replace``
+(atomic on POSIX and Windows), and the directory is ``fsync``-ed so the rename survives a power
+loss. A write that fails (a full disk, an exception, a kill) leaves the previous file untouched
+and, at worst, a temporary file that :func:`remove_temp_files` cleans up on the next write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from typing import IO, Any
+
+__all__ = ["atomic_write", "atomic_write_json", "commit_file", "remove_temp_files", "temp_path"]
+
+#: Temporary files are named ``.<final name>.artifex-tmp-<random>``.
+TEMP_MARKER = ".artifex-tmp-"
+
+
+def temp_path(path: str | os.PathLike[str]) -> str:
+    """A fresh temporary name next to ``path`` (same directory, hence same file system).
+
+    Args:
+        path: The final file name.
+
+    Returns:
+        The temporary file name (the file is not created).
+    """
+    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}{TEMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def commit_file(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Makes a completely written temporary file the file ``path`` (fsync, then rename).
+
+    Args:
+        tmp: The temporary file (from :func:`temp_path`), closed.
+        path: The final name; an existing file of that name is replaced atomically.
+    """
+    tmp, path = os.fspath(tmp), os.fspath(path)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+@contextlib.contextmanager
+def atomic_write(
+    path: str | os.PathLike[str], mode: str = "w", *, encoding: str | None = "utf-8"
+) -> Iterator[IO[Any]]:
+    """Opens a temporary file that becomes ``path`` when the block exits without error.
+
+    Args:
+        path: The final file name (its directory must exist).
+        mode: ``"w"`` (text) or ``"wb"`` (bytes).
+        encoding: Text encoding (ignored for ``"wb"``).
+
+    Yields:
+        The open temporary file.
+
+    Raises:
+        ValueError: For a mode other than ``"w"`` or ``"wb"``.
+        OSError: When writing fails (the previous file, if any, is left as it was).
+    """
+    if mode not in ("w", "wb"):
+        msg = f"atomic_write mode must be 'w' or 'wb', got {mode!r}"
+        raise ValueError(msg)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, mode, encoding=None if "b" in mode else encoding) as fh:
+            yield fh
+            fh.flush()
+        commit_file(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> None:
+    """Writes ``obj`` as JSON (plus a final newline) to ``path`` atomically.
+
+    Args:
+        path: The final file name.
+        obj: A JSON-able object.
+        indent: JSON indentation.
+    """
+    text = json.dumps(obj, indent=indent, sort_keys=False) + "\n"  # fails before any write
+    with atomic_write(path, "w") as fh:
+        fh.write(text)
+
+
+def remove_temp_files(directory: str | os.PathLike[str]) -> list[str]:
+    """Deletes the temporary files an interrupted atomic write left in ``directory``.
+
+    Args:
+        directory: The directory (missing: nothing to do).
+
+    Returns:
+        The names removed.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return []
+    removed = []
+    for name in os.listdir(directory):
+        if name.startswith(".") and TEMP_MARKER in name:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+                removed.append(name)
+    return removed
