@@ -369,7 +369,10 @@ def _load(loader: Any, path: str, *, what: str, **kwargs: Any) -> Any:
         if path in str(err):
             raise
         msg = f"cannot load the {what} from {path}: {_first_line(err)}"
-        raise type(err)(msg) from err
+        base = next(
+            c for c in (FileNotFoundError, OSError, ValueError, TypeError) if isinstance(err, c)
+        )
+        raise base(msg) from err
     except Exception as err:  # the Rust libraries raise their own exception types
         msg = f"cannot load the {what} from {path}: {_first_line(err)}"
         raise ValueError(msg) from err
