@@ -265,6 +265,19 @@ def _lora_paths(model: CausalLM) -> Iterator[str]:
             yield param_path_str(path)
 
 
+def _gathered(x: Any) -> np.ndarray:
+    """The full host value of a parameter; one spread over several processes is all-gathered.
+
+    The gather is a collective: in a multi-host run every process must call this (through
+    :func:`to_hf_tensors` or :func:`save_pretrained`) in the same order.
+    """
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 def to_hf_tensors(model: CausalLM) -> dict[str, np.ndarray]:
     """Returns the model's parameters as host NumPy arrays under Hugging Face names and layouts.
 
@@ -287,7 +300,7 @@ def to_hf_tensors(model: CausalLM) -> dict[str, np.ndarray]:
     variables = _variables(model)
     out: dict[str, np.ndarray] = {}
     for name, (target_path, transpose) in hf_tensor_map(model.config).items():
-        x = np.asarray(jax.device_get(variables[target_path].get_value()))
+        x = _gathered(variables[target_path].get_value())
         out[name] = np.ascontiguousarray(x.T) if transpose else x
     return out
 
@@ -342,7 +355,9 @@ def save_pretrained(
         ValueError: If the model has LoRA adapters or `max_shard_size` is invalid.
     """
     directory = os.fspath(path)
-    tensors = to_hf_tensors(model)
+    tensors = to_hf_tensors(model)  # every process: parameters gathered across hosts
+    if jax.process_index() != 0:
+        return  # multi-host: process 0 writes the files, the others only took part in the gather
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     os.makedirs(directory, exist_ok=True)
     stale = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")

@@ -27,7 +27,14 @@ import numpy as np
 from artifex.generative_models.inference.sampling import generate
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
-from artifex.generative_models.training.sharding import host_array, num_data_shards, shard_batch
+from artifex.generative_models.training.sharding import (
+    batch_partition_spec,
+    host_array,
+    local_rows,
+    num_data_shards,
+    rows_to_global,
+    shard_batch,
+)
 
 __all__ = [
     "Completions",
@@ -36,6 +43,7 @@ __all__ = [
     "encode_prompts",
     "rollout",
     "sample_completions",
+    "spans_processes",
 ]
 
 OldLogProbs = Literal["auto", "sampler", "recompute"]
@@ -271,7 +279,10 @@ def sample_completions(
         prompt_column=config.prompt_column,
         max_prompt_length=config.max_prompt_length,
     )
-    if mesh is not None and ids.shape[0] % num_data_shards(mesh) == 0:
+    across = spans_processes(mesh)
+    if across:
+        ids, mask = _global_prompts(ids, mask, mesh, tokenizer.pad_id)
+    elif mesh is not None and ids.shape[0] % num_data_shards(mesh) == 0:
         ids, mask = shard_batch((jnp.asarray(ids), jnp.asarray(mask)), mesh)
     out = generate(
         model,
@@ -286,7 +297,14 @@ def sample_completions(
         eos_ids=tokenizer.eos_ids,
         pad_id=tokenizer.pad_id,
     )
-    completion_ids, lengths = host_array(out.completion_ids), host_array(out.lengths)
+    if across:
+        # Each process decodes (and the caller scores) only its own rows.
+        rows_sharding = jax.sharding.NamedSharding(mesh, batch_partition_spec(mesh))
+        out = jax.jit(lambda o: o, out_shardings=rows_sharding)(out)
+        fetch = local_rows
+    else:
+        fetch = host_array
+    completion_ids, lengths = fetch(out.completion_ids), fetch(out.lengths)
     completions = tokenizer.batch_decode(
         [row[:n] for row, n in zip(completion_ids, lengths, strict=True)],
         skip_special_tokens=True,
@@ -302,8 +320,50 @@ def sample_completions(
         completions=completions,
         columns=columns,
         lengths=lengths,
-        truncated=host_array(out.truncated),
+        truncated=fetch(out.truncated),
     )
+
+
+# ------------------------------------------------------------------------------ several processes
+def spans_processes(mesh: Any) -> bool:
+    """Whether ``mesh`` has devices of more than one process (a multi-host run).
+
+    Then every process passes only its own dataset rows to :func:`sample_completions` and
+    :func:`rollout`; the completions, their decoding and their rewards stay per process, and
+    the batch arrays are global.
+
+    Args:
+        mesh: A ``jax.sharding.Mesh`` or ``None``.
+
+    Returns:
+        ``True`` when the mesh spans several processes.
+    """
+    if mesh is None:
+        return False
+    return len({d.process_index for d in np.asarray(mesh.devices).flat}) > 1
+
+
+def _global_prompts(
+    ids: np.ndarray, mask: np.ndarray, mesh: Any, pad_id: int | None
+) -> tuple[jax.Array, jax.Array]:
+    """This process's encoded prompts -> global arrays with one agreed width, rows sharded."""
+    from jax.experimental import multihost_utils
+
+    sizes = np.asarray(
+        multihost_utils.process_allgather(np.asarray(ids.shape, np.int64)), np.int64
+    ).reshape(-1, 2)
+    if len(set(sizes[:, 0].tolist())) != 1:
+        msg = (
+            "every process must roll out the same number of prompts, got "
+            f"{sizes[:, 0].tolist()} (by process)"
+        )
+        raise ValueError(msg)
+    width = int(sizes[:, 1].max())
+    if width > ids.shape[1]:
+        extra = width - ids.shape[1]
+        ids = np.pad(ids, ((0, 0), (extra, 0)), constant_values=0 if pad_id is None else pad_id)
+        mask = np.pad(mask, ((0, 0), (extra, 0)))
+    return shard_batch((ids, mask), mesh, process_local=True)
 
 
 def rollout(
@@ -359,7 +419,7 @@ def rollout(
         prompt_mask=out.prompt_mask,
         completion_ids=out.completion_ids,
         completion_mask=out.completion_mask,
-        rewards=jnp.asarray(combined.total, jnp.float32),
+        rewards=_rewards_array(combined.total, getattr(trainer, "mesh", None)),
         group_size=k,
         shared_prompts=True,
     )
@@ -375,7 +435,23 @@ def rollout(
         rows=list(rows),
         prompts=sampled.prompts[::k],
         completions=sampled.completions,
-        rewards_per_function=np.asarray(combined.per_function),
+        rewards_per_function=_all_rows(combined.per_function, getattr(trainer, "mesh", None)),
         reward_names=list(rewards.names),
-        truncated=sampled.truncated,
+        truncated=_all_rows(sampled.truncated, getattr(trainer, "mesh", None)),
     )
+
+
+def _rewards_array(total: Any, mesh: Any) -> jax.Array:
+    """The ``(B,)`` float32 rewards; across processes, global from each process's rows."""
+    total = np.asarray(total, np.float32)
+    return rows_to_global(total, mesh) if spans_processes(mesh) else jnp.asarray(total)
+
+
+def _all_rows(local: Any, mesh: Any) -> np.ndarray:
+    """Every process's rows of a host array, in row order (the array itself in one process)."""
+    local = np.asarray(local)
+    if not spans_processes(mesh):
+        return local
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(local, tiled=True))
