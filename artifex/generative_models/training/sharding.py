@@ -848,14 +848,12 @@ def local_rows(x: Any) -> np.ndarray:
     starts = sorted(parts)
     for a, b in itertools.pairwise(starts):
         if a + parts[a].shape[0] != b:
-            msg = f"local_rows: this process's row shards start at {starts}; they are not contiguous"
+            msg = f"local_rows: this process's row shards start at {starts}, not contiguous rows"
             raise ValueError(msg)
     return np.concatenate([parts[k] for k in starts], axis=0)
 
 
-def rows_to_global(
-    local: Any, mesh: Mesh, data_axes: Sequence[str] | None = None
-) -> jax.Array:
+def rows_to_global(local: Any, mesh: Mesh, data_axes: Sequence[str] | None = None) -> jax.Array:
     """One global row-sharded array from every process's rows (``shard_batch`` of one array).
 
     Args:

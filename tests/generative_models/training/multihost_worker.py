@@ -5,14 +5,15 @@ Run as ``python -m tests.generative_models.training.multihost_worker MODE OUT --
 (``XLA_FLAGS=--xla_force_host_platform_device_count=2``); the processes form one mesh over the
 four devices (``data=2, fsdp=2``) and talk over gloo. Modes:
 
-- ``steps``: three ``train_step`` calls on fixed batches, each process feeding its rows
+- ``first``: three ``train_step`` calls on fixed batches, each process feeding its rows
   (``process_row_range`` + ``shard_batch(process_local=True)``); then the whole loop, uninterrupted
-  (3 steps, checkpoints every step, evaluation, logs, ``save_pretrained``).
-- ``killed``: the same loop, killed with SIGKILL right after the step-2 checkpoint.
+  (3 steps, checkpoints every step, evaluation, logs, ``save_pretrained``); then the same loop on
+  another checkpoint directory, killed with SIGKILL right after its step-2 checkpoint (so the
+  processes exit with -9).
 - ``resume``: the loop again on the killed run's checkpoint directory (resumes at step 2).
 
-Process 0 writes the parameters (gathered) to ``OUT/<name>.npz``; every process writes its log
-directory under ``OUT/logs-<name>-p<I>`` so the test can see who wrote what.
+Each process writes the parameters (gathered) to ``OUT/<mode>-p<I>.npz`` and is given its own
+log directory ``OUT/logs-<run>-p<I>``, so the test can see who wrote what.
 """
 
 from __future__ import annotations
@@ -21,10 +22,18 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
 STEP_MESH = {"data": 2, "fsdp": 2}
+
+
+def make_mesh_for_test(devices=None):
+    """The mesh of these tests (``data=2, fsdp=2``) over ``devices`` (default: all)."""
+    from artifex.generative_models.training.sharding import make_mesh
+
+    return make_mesh(**STEP_MESH, devices=devices)
 
 
 def make_trainer(mesh=None, seed=0):
@@ -93,7 +102,7 @@ def run_steps(trainer, mesh, num_steps: int = 3) -> list[dict[str, float]]:
     for step in range(num_steps):
         batch = step_batch(step, trainer.model.config.vocab_size)
         lo, hi = process_row_range(batch.batch_size, mesh)
-        local = jax.tree.map(lambda x: x[lo:hi], batch)
+        local = jax.tree.map(lambda x, lo=lo, hi=hi: x[lo:hi], batch)
         history.append(trainer.train_step(shard_batch(local, mesh, process_local=True)))
     return history
 
@@ -157,32 +166,37 @@ def main(argv: list[str] | None = None) -> int:
         The exit status.
     """
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("steps", "killed", "resume"))
+    parser.add_argument("mode", choices=("first", "resume"))
     parser.add_argument("out")
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--process-id", type=int, required=True)
     args = parser.parse_args(argv)
 
-    from artifex.generative_models.training.sharding import initialize_distributed, make_mesh
+    from artifex.generative_models.training.sharding import initialize_distributed
 
+    t0 = time.perf_counter()
     initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     import jax
 
-    mesh = make_mesh(**STEP_MESH)
+    def mark(what: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+    mark("initialized")
+
+    mesh = make_mesh_for_test()
     primary = jax.process_index() == 0
     results: dict[str, np.ndarray] = {}
-    if args.mode == "steps":
+    if args.mode == "first":
         trainer, _ = make_trainer(mesh)
         history = run_steps(trainer, mesh)
+        mark("train steps")
         results.update({f"steps/{k}": v for k, v in flat_params(trainer).items()})
         results["steps/loss"] = np.asarray([h["total_loss"] for h in history])
-        ckpt = os.path.join(args.out, "ckpt-full")
-        trainer, result = run_loop(args.out, "full", ckpt, mesh)
+        trainer, result = run_loop(args.out, "full", os.path.join(args.out, "ckpt-full"), mesh)
     else:
-        ckpt = os.path.join(args.out, "ckpt-killed")
-        kill = 2 if args.mode == "killed" else None
-        trainer, result = run_loop(args.out, args.mode, ckpt, mesh, kill_after=kill)
+        trainer, result = run_loop(args.out, "resume", os.path.join(args.out, "ckpt-killed"), mesh)
+    mark("loop")
     results.update({f"loop/{k}": v for k, v in flat_params(trainer).items()})
     results["loop/start_step"] = np.asarray(result.start_step)
     results["loop/reward_mean"] = np.asarray([h["reward_mean"] for h in result.history])
@@ -191,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     np.savez(os.path.join(args.out, f"{args.mode}-p{jax.process_index()}.npz"), **results)
     if primary:
         print(f"{args.mode}: done, start_step={result.start_step}", flush=True)
+    if args.mode == "first":
+        # Last: the same loop on its own checkpoint directory, killed after its step-2 save.
+        run_loop(args.out, "killed", os.path.join(args.out, "ckpt-killed"), mesh, kill_after=2)
+        msg = "the killed run was not killed"
+        raise RuntimeError(msg)
     jax.distributed.shutdown()
     return 0
 
