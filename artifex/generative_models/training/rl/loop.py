@@ -293,6 +293,7 @@ def evaluate(
     *,
     pass_threshold: float = 1.0,
     batch_size: int = 64,
+    placement: Any = None,
 ) -> dict[str, float]:
     """Greedy pass@1 and mean reward on held-out rows.
 
@@ -307,27 +308,32 @@ def evaluate(
         rollout_config: Prompt column, ``max_new_tokens``, prompt length limit.
         pass_threshold: Reward needed to pass.
         batch_size: Prompts per generation call.
+        placement: Sample on this
+            :class:`~artifex.generative_models.training.placement.RolloutPlacement`'s mesh
+            (``None``: on the trainer's).
 
     Returns:
         ``{"eval/pass@1": ..., "eval/reward_mean": ...}``.
     """
-    mesh = getattr(trainer, "mesh", None)
+    model, mesh = trainer.model, getattr(trainer, "mesh", None)
+    if placement is not None:
+        model, mesh = placement.sampler_model(trainer.model), placement.mesh
     if spans_processes(mesh):
         return _evaluate_across_processes(
-            trainer, tokenizer, rows, reward_fn, rollout_config, pass_threshold, batch_size, mesh
+            model, tokenizer, rows, reward_fn, rollout_config, pass_threshold, batch_size, mesh
         )
     scores: list[float] = []
     for start in range(0, len(rows), batch_size):
         chunk = list(rows[start : start + batch_size])
         sampled = sample_completions(
-            trainer.model,
+            model,
             tokenizer,
             chunk,
             rollout_config,
             key=jax.random.key(0),
             num_generations=1,
             temperature=0.0,
-            mesh=getattr(trainer, "mesh", None),
+            mesh=mesh,
         )
         values = reward_fn(sampled.prompts, sampled.completions, **sampled.columns)
         scores += [float("nan") if v is None else float(v) for v in values]
@@ -343,7 +349,7 @@ def _pass_metrics(s: np.ndarray, pass_threshold: float) -> dict[str, float]:
 
 
 def _evaluate_across_processes(
-    trainer: Any,
+    model: Any,
     tokenizer: Any,
     rows: Sequence[Mapping[str, Any]],
     reward_fn: Callable[..., Sequence[float | None]],
@@ -371,7 +377,7 @@ def _evaluate_across_processes(
         chunk += [chunk[-1]] * (-real % shards)
         lo, hi = process_row_range(len(chunk), mesh)
         sampled = sample_completions(
-            trainer.model,
+            model,
             tokenizer,
             chunk[lo:hi],
             rollout_config,
@@ -406,6 +412,7 @@ def _rollout_step(
     rcfg: RolloutConfig,
     cfg: TrainConfig,
     key: jax.Array,
+    placement: Any = None,
 ) -> tuple[Rollout, GRPOBatch, dict[str, float]]:
     need_old = cfg.num_iterations > 1 or cfg.num_minibatches > 1
     g = trainer.config.num_generations
@@ -420,6 +427,7 @@ def _rollout_step(
         rcfg,
         key=jax.random.fold_in(key, 0),
         need_old_log_probs=need_old,
+        placement=placement,
     )
     info: dict[str, float] = {}
     if not cfg.dynamic_sampling:
@@ -442,6 +450,7 @@ def _rollout_step(
                     rcfg,
                     key=jax.random.fold_in(key, round_),
                     need_old_log_probs=need_old,
+                    placement=placement,
                 )
             )
         ro = rollouts[-1]
@@ -495,6 +504,7 @@ def train(
     *,
     eval_dataset: Sequence[Mapping[str, Any]] | None = None,
     eval_reward: Callable[..., Sequence[float | None]] | None = None,
+    rollout_placement: Any = None,
 ) -> TrainResult:
     """Trains ``trainer``'s policy with GRPO on prompts from ``dataset``.
 
@@ -508,6 +518,10 @@ def train(
         rollout_config: Generation settings (defaults to ``RolloutConfig()``).
         eval_dataset: Held-out rows for pass@1 (optional).
         eval_reward: Scores evaluation completions; defaults to the first reward function.
+        rollout_placement: A
+            :class:`~artifex.generative_models.training.placement.RolloutPlacement`: sample
+            (rollouts and evaluation) on a mesh of its own, the weights resharded onto it
+            before each rollout; ``None``: sample on the trainer's mesh.
 
     Returns:
         A :class:`TrainResult`.
@@ -580,6 +594,7 @@ def train(
             eval_reward,
             rcfg,
             pass_threshold=config.pass_threshold,
+            placement=rollout_placement,
         )
         evaluations.append((step, metrics))
         logger.log(step, metrics, advance=False)
@@ -604,7 +619,9 @@ def train(
         for step in range(start_step + 1, config.num_steps + 1):
             t0 = time.perf_counter()
             key = jax.random.fold_in(base_key, step)
-            ro, batch, info = _rollout_step(trainer, tokenizer, data, rewards, rcfg, config, key)
+            ro, batch, info = _rollout_step(
+                trainer, tokenizer, data, rewards, rcfg, config, key, rollout_placement
+            )
             t_rollout = time.perf_counter() - t0
             if config.num_minibatches > 1:
                 batch = batch.replace(

@@ -375,6 +375,7 @@ def rollout(
     *,
     key: jax.Array,
     need_old_log_probs: bool = False,
+    placement: Any = None,
 ) -> Rollout:
     """Samples ``num_generations`` completions per row, scores them and builds the batch.
 
@@ -389,6 +390,9 @@ def rollout(
         need_old_log_probs: Fill ``old_log_probs`` (and ``ref_log_probs`` when the trainer
             has a reference and ``beta > 0``): needed when the policy changes between updates
             on this batch.
+        placement: A :class:`~artifex.generative_models.training.placement.RolloutPlacement`
+            to sample on a mesh of its own (weights resharded onto it first, the batch moved
+            back to the trainer's mesh); ``None`` samples with the trainer's model where it is.
 
     Returns:
         A :class:`Rollout`.
@@ -402,15 +406,18 @@ def rollout(
         raise ValueError(msg)
     grpo = trainer.config
     k = grpo.num_generations
+    sampler_model, sampler_mesh = trainer.model, getattr(trainer, "mesh", None)
+    if placement is not None:  # the sampler on its own mesh: sync the weights onto it
+        sampler_model, sampler_mesh = placement.sampler_model(trainer.model), placement.mesh
     sampled = sample_completions(
-        trainer.model,
+        sampler_model,
         tokenizer,
         rows,
         config,
         key=key,
         num_generations=k,
         temperature=grpo.temperature,
-        mesh=getattr(trainer, "mesh", None),
+        mesh=sampler_mesh,
     )
     out = sampled.output
     combined = rewards(sampled.prompts, sampled.completions, **sampled.columns)
@@ -423,12 +430,17 @@ def rollout(
         group_size=k,
         shared_prompts=True,
     )
+    if placement is not None:  # back onto the training mesh
+        batch = placement.to_training(batch, getattr(trainer, "mesh", None))
     if need_old_log_probs:
         use_sampler = config.old_log_probs == "sampler" or (
             config.old_log_probs == "auto" and _sampler_matches_loss(trainer, config)
         )
         if use_sampler:
-            batch = batch.replace(old_log_probs=out.log_probs)
+            old = out.log_probs
+            if placement is not None:
+                old = placement.to_training(old, getattr(trainer, "mesh", None))
+            batch = batch.replace(old_log_probs=old)
         batch = trainer.compute_log_probs(batch)
     return Rollout(
         batch=batch,
