@@ -165,10 +165,44 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lora-alpha", type=float, default=None)
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     tr.add_argument("--output", default="runs/train/model", help="save_pretrained directory")
+    _add_distributed_options(tr)
     _add_dataclass_options(tr, GRPOConfig)
     _add_dataclass_options(tr, TrainConfig)
     _add_dataclass_options(tr, RolloutConfig)
     return parser
+
+
+# ------------------------------------------------------------------------------ multi-host
+def _add_distributed_options(parser: argparse.ArgumentParser) -> None:
+    """Options of a multi-process (multi-host) run and of the device mesh."""
+    group = parser.add_argument_group(
+        "multi-host",
+        "Run one `artifex-grpo train` per host (process) with the same arguments. Unset values "
+        "come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, or, with "
+        "--distributed, from JAX's cluster auto-detection (SLURM, Open MPI, Cloud TPU).",
+    )
+    group.add_argument("--coordinator-address", default=None, help="host:port of process 0")
+    group.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    group.add_argument("--process-id", type=int, default=None, help="this process's index")
+    group.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() even with nothing set (auto-detection)",
+    )
+    group.add_argument("--mesh-fsdp", type=int, default=1, help="FSDP axis size (default 1)")
+    group.add_argument("--mesh-tensor", type=int, default=1, help="tensor axis size (default 1)")
+
+
+def _setup_devices(args: argparse.Namespace) -> Any:
+    """Joins the multi-host run when asked and builds the mesh (``None``: one device)."""
+    from artifex.generative_models.training.sharding import initialize_distributed, make_mesh
+
+    joined = initialize_distributed(
+        args.coordinator_address, args.num_processes, args.process_id, auto=args.distributed
+    )
+    if joined or args.mesh_fsdp > 1 or args.mesh_tensor > 1:
+        return make_mesh(fsdp=args.mesh_fsdp, tensor=args.mesh_tensor)
+    return None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -201,6 +235,7 @@ def _train(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.model):
         msg = f"model directory not found: {args.model}"
         raise FileNotFoundError(msg)
+    mesh = _setup_devices(args)  # first: jax.distributed.initialize precedes any computation
     grpo = GRPOConfig(**_collect(args, GRPOConfig))
     loop_kwargs = _collect(args, TrainConfig)
     if "num_steps" not in loop_kwargs:
@@ -259,10 +294,14 @@ def _train(args: argparse.Namespace) -> int:
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         if grpo.beta > 0:
             reference = from_pretrained(args.model, dtype=args.dtype)
-    trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference)
+    trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference, mesh=mesh)
     result = train(trainer, tokenizer, rows, rewards, loop, rollout_config, eval_dataset=eval_rows)
     final = merge_lora(model) if args.lora_rank > 0 else model
-    final.save_pretrained(args.output)
+    final.save_pretrained(args.output)  # every process gathers; process 0 writes
+    from artifex.generative_models.training.logging import is_primary_process
+
+    if not is_primary_process():
+        return 0
     if result.evaluations:
         first, last = result.evaluations[0][1], result.evaluations[-1][1]
         print(f"held-out pass@1: {first['eval/pass@1']:.3f} -> {last['eval/pass@1']:.3f}")
