@@ -7,7 +7,9 @@
   Hugging Face model (Llama / Qwen) with a local JSONL or Parquet dataset. Every field of
   ``GRPOConfig``, ``TrainConfig`` and ``RolloutConfig`` is an option (``--beta 0.04``,
   ``--loss-aggregation token_mean``, ``--num-iterations 2``...); the trained policy is written
-  with ``save_pretrained`` to ``--output``.
+  with ``save_pretrained`` to ``--output``. For several hosts, run it once per host with
+  ``--coordinator-address``, ``--num-processes``, ``--process-id`` (or ``--distributed`` for
+  SLURM / Cloud TPU auto-detection) and the mesh sizes ``--mesh-fsdp``, ``--mesh-tensor``.
 """
 
 from __future__ import annotations

@@ -51,8 +51,11 @@ process_local=True)``, which assembles the global array with
 ``jax.make_array_from_process_local_data``. ``GRPOTrainer.train_step`` accepts such a global
 batch as is (host-side value checks skip arrays not fully addressable from one process).
 Logging and checkpoint writers should act only where :func:`is_primary_process` is true.
-Nothing here assumes a single process; in a single process (what the tests run) the local
-batch is the global batch and the same code path is exercised.
+:func:`local_rows` is the way back (this process's rows of a global array, no communication),
+:func:`rows_to_global` builds one global array from every process's rows, and
+:func:`initialize_distributed` joins the run from arguments or the environment. The training
+loop runs whole this way (tested with two processes on gloo CPU collectives; see
+docs/sharding.md); in a single process the local batch is the global batch.
 
 References:
     Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using

@@ -346,6 +346,9 @@ def save_pretrained(
     `model.safetensors.index.json`. Previous weight files of that naming in the directory are
     removed first so no stale shard is read back. Tied models get no `lm_head.weight`.
 
+    In a multi-host run every process calls it: parameters spread over several processes are
+    all-gathered (a collective), and only process 0 writes the directory.
+
     Args:
         model: The model (merge LoRA adapters first).
         path: Output directory, created if needed.

@@ -112,6 +112,10 @@ class RolloutConfig:
 class Rollout:
     """One generation batch and what the loop logs about it.
 
+    On a mesh spanning several processes, ``batch`` is global while ``rows``, ``prompts`` and
+    ``completions`` are this process's (its rows of the batch); ``rewards_per_function`` and
+    ``truncated`` are all-gathered, so :meth:`metrics` is the same in every process.
+
     Attributes:
         batch: The prompt-major ``GRPOBatch`` (``num_prompts * num_generations`` rows).
         rows: The dataset rows, one per prompt.
@@ -255,6 +259,13 @@ def sample_completions(
 
     With a ``mesh`` whose data axes divide the number of prompts, the prompts are sharded over
     them first, so the generation runs data-parallel (otherwise every device decodes every row).
+
+    On a mesh spanning several processes (:func:`spans_processes`), ``rows`` are this
+    process's prompts (the same number in every process, a multiple of its data shards): the
+    prompt width is agreed with the other processes, the sampler runs once on the global prompt
+    array, and only this process's rows of the output are copied to the host and decoded
+    (``output`` stays global; ``prompts``, ``completions``, ``columns``, ``lengths`` and
+    ``truncated`` are this process's).
 
     Args:
         model: The causal LM that samples.
