@@ -7,7 +7,9 @@
   Hugging Face model (Llama / Qwen) with a local JSONL or Parquet dataset. Every field of
   ``GRPOConfig``, ``TrainConfig`` and ``RolloutConfig`` is an option (``--beta 0.04``,
   ``--loss-aggregation token_mean``, ``--num-iterations 2``...); the trained policy is written
-  with ``save_pretrained`` to ``--output``.
+  with ``save_pretrained`` to ``--output``. For several hosts, run it once per host with
+  ``--coordinator-address``, ``--num-processes``, ``--process-id`` (or ``--distributed`` for
+  SLURM / Cloud TPU auto-detection) and the mesh sizes ``--mesh-fsdp``, ``--mesh-tensor``.
 """
 
 from __future__ import annotations
@@ -235,10 +237,44 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lora-alpha", type=_non_negative(float), default=None)
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     tr.add_argument("--output", default="runs/train/model", help="save_pretrained directory")
+    _add_distributed_options(tr)
     _add_dataclass_options(tr, GRPOConfig)
     _add_dataclass_options(tr, TrainConfig)
     _add_dataclass_options(tr, RolloutConfig)
     return parser
+
+
+# ------------------------------------------------------------------------------ multi-host
+def _add_distributed_options(parser: argparse.ArgumentParser) -> None:
+    """Options of a multi-process (multi-host) run and of the device mesh."""
+    group = parser.add_argument_group(
+        "multi-host",
+        "Run one `artifex-grpo train` per host (process) with the same arguments. Unset values "
+        "come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, or, with "
+        "--distributed, from JAX's cluster auto-detection (SLURM, Open MPI, Cloud TPU).",
+    )
+    group.add_argument("--coordinator-address", default=None, help="host:port of process 0")
+    group.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    group.add_argument("--process-id", type=int, default=None, help="this process's index")
+    group.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() even with nothing set (auto-detection)",
+    )
+    group.add_argument("--mesh-fsdp", type=int, default=1, help="FSDP axis size (default 1)")
+    group.add_argument("--mesh-tensor", type=int, default=1, help="tensor axis size (default 1)")
+
+
+def _setup_devices(args: argparse.Namespace) -> Any:
+    """Joins the multi-host run when asked and builds the mesh (``None``: one device)."""
+    from artifex.generative_models.training.sharding import initialize_distributed, make_mesh
+
+    joined = initialize_distributed(
+        args.coordinator_address, args.num_processes, args.process_id, auto=args.distributed
+    )
+    if joined or args.mesh_fsdp > 1 or args.mesh_tensor > 1:
+        return make_mesh(fsdp=args.mesh_fsdp, tensor=args.mesh_tensor)
+    return None
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -276,6 +312,7 @@ def _train(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.model):
         msg = f"model directory not found: {args.model}"
         raise FileNotFoundError(msg)
+    mesh = _setup_devices(args)  # first: jax.distributed.initialize precedes any computation
     grpo = GRPOConfig(**_collect(args, GRPOConfig))
     loop_kwargs = _collect(args, TrainConfig)
     if "num_steps" not in loop_kwargs:
@@ -302,7 +339,13 @@ def _train(args: argparse.Namespace) -> int:
         else:
             cache = args.overlong_cache or max(rollout_config.max_new_tokens // 4, 1)
             funcs.append(rw.soft_overlong_penalty(rollout_config.max_new_tokens, cache))
-    rewards = rw.RewardCombiner(funcs, weights=args.reward_weights, mode=args.reward_mode)
+    # "normalized" standardizes each reward within each prompt's group of generations (GDPO).
+    rewards = rw.RewardCombiner(
+        funcs,
+        weights=args.reward_weights,
+        mode=args.reward_mode,
+        group_size=grpo.num_generations if args.reward_mode == "normalized" else None,
+    )
 
     total = loop.num_steps * loop.num_iterations * loop.num_minibatches
     if args.lr_schedule == "cosine":
@@ -337,7 +380,7 @@ def _train(args: argparse.Namespace) -> int:
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         if grpo.beta > 0:
             reference = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
-    trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference)
+    trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference, mesh=mesh)
     result = train(trainer, tokenizer, rows, rewards, loop, rollout_config, eval_dataset=eval_rows)
     if result.interrupted is not None:
         where = loop.checkpoint_dir or "nowhere (no --checkpoint-dir)"
@@ -348,7 +391,11 @@ def _train(args: argparse.Namespace) -> int:
         )
         return EXIT_INTERRUPTED
     final = merge_lora(model) if args.lora_rank > 0 else model
-    final.save_pretrained(args.output)
+    final.save_pretrained(args.output)  # every process gathers; process 0 writes
+    from artifex.generative_models.training.logging import is_primary_process
+
+    if not is_primary_process():
+        return 0
     if result.evaluations:
         first, last = result.evaluations[0][1], result.evaluations[-1][1]
         print(f"held-out pass@1: {first['eval/pass@1']:.3f} -> {last['eval/pass@1']:.3f}")

@@ -265,6 +265,22 @@ def _generate(
     )
 
 
+def _local_rows(x: Any) -> np.ndarray:
+    """Host copy of the rows of ``x`` that this process holds (all of them in one process).
+
+    A ``jax.Array`` spread over several processes cannot be fetched whole; its addressable
+    row shards are concatenated in row order (replicas counted once), so the host-side checks
+    of :func:`generate` look at this process's prompts.
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    parts: dict[int, np.ndarray] = {}
+    for shard in x.addressable_shards:
+        start = (shard.index[0].start or 0) if shard.index else 0
+        parts.setdefault(start, np.asarray(shard.data))
+    return np.concatenate([parts[k] for k in sorted(parts)], axis=0)
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         msg = f"{name} must be an int >= 1, got {value!r}"
@@ -318,14 +334,15 @@ def generate(
             temperature, ``top_k < 1``, mismatched shapes, or prompt token ids outside the
             model's vocabulary.
     """
-    ids = np.asarray(prompt_ids)
+    # Across processes the checks see this process's rows (a global array is not fetched).
+    ids = _local_rows(prompt_ids)
     if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
         msg = f"prompt_ids must have shape (B, P) with B, P >= 1, got {ids.shape}"
         raise ValueError(msg)
     if not np.issubdtype(ids.dtype, np.integer):
         msg = f"prompt_ids must hold integer token ids, got dtype {ids.dtype}"
         raise TypeError(msg)
-    mask = np.ones(ids.shape, np.int32) if prompt_mask is None else np.asarray(prompt_mask)
+    mask = np.ones(ids.shape, np.int32) if prompt_mask is None else _local_rows(prompt_mask)
     if mask.shape != ids.shape:
         msg = f"prompt_mask must have the shape of prompt_ids {ids.shape}, got {mask.shape}"
         raise ValueError(msg)
@@ -379,7 +396,12 @@ def generate(
     # Device arrays stay where they are (a batch sharded over a mesh stays sharded, so the
     # generation runs data-parallel); host arrays are uploaded.
     dev_ids = jnp.asarray(prompt_ids if isinstance(prompt_ids, jax.Array) else ids, jnp.int32)
-    dev_mask = jnp.asarray(prompt_mask if isinstance(prompt_mask, jax.Array) else mask, jnp.int32)
+    if prompt_mask is None and isinstance(prompt_ids, jax.Array):
+        dev_mask = jnp.ones_like(dev_ids)  # same layout as the ids (also across processes)
+    else:
+        dev_mask = jnp.asarray(
+            prompt_mask if isinstance(prompt_mask, jax.Array) else mask, jnp.int32
+        )
     # Left-pad to the prompt-length bucket (padding never changes a row's result).
     width = ids.shape[1] if prompt_buckets is None else bucket_length(ids.shape[1], prompt_buckets)
     if width > ids.shape[1]:

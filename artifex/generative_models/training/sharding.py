@@ -51,8 +51,11 @@ process_local=True)``, which assembles the global array with
 ``jax.make_array_from_process_local_data``. ``GRPOTrainer.train_step`` accepts such a global
 batch as is (host-side value checks skip arrays not fully addressable from one process).
 Logging and checkpoint writers should act only where :func:`is_primary_process` is true.
-Nothing here assumes a single process; in a single process (what the tests run) the local
-batch is the global batch and the same code path is exercised.
+:func:`local_rows` is the way back (this process's rows of a global array, no communication),
+:func:`rows_to_global` builds one global array from every process's rows, and
+:func:`initialize_distributed` joins the run from arguments or the environment. The training
+loop runs whole this way (tested with two processes on gloo CPU collectives; see
+docs/sharding.md); in a single process the local batch is the global batch.
 
 References:
     Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -87,10 +90,13 @@ __all__ = [
     "batch_partition_spec",
     "current_mesh",
     "host_array",
+    "initialize_distributed",
     "is_primary_process",
+    "local_rows",
     "make_mesh",
     "num_data_shards",
     "process_row_range",
+    "rows_to_global",
     "shard_batch",
     "shard_model",
     "shard_optimizer",
@@ -813,3 +819,106 @@ def host_array(x: Any) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
+
+
+# ------------------------------------------------------------------------------ several processes
+def local_rows(x: Any) -> np.ndarray:
+    """The rows of a row-sharded array that this process holds, as NumPy, in row order.
+
+    The counterpart of ``shard_batch(..., process_local=True)``: for an array laid out by
+    :func:`shard_batch` on a :func:`make_mesh` mesh, process ``p`` gets back exactly the rows
+    ``[start, stop)`` of :func:`process_row_range`, with no communication (each addressable
+    row shard is copied once). In a single process that is the whole array. The rollout decodes
+    and scores completions through this, so each process handles only its own rows.
+
+    Args:
+        x: An array whose leading dimension (rows) is sharded (or replicated), or a host array.
+
+    Returns:
+        This process's rows.
+
+    Raises:
+        ValueError: This process's row shards are not contiguous.
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    parts: dict[int, np.ndarray] = {}
+    for shard in x.addressable_shards:
+        sl = shard.index[0] if shard.index else slice(None)
+        start = sl.start or 0
+        if start not in parts:
+            parts[start] = np.asarray(shard.data)
+    starts = sorted(parts)
+    for a, b in itertools.pairwise(starts):
+        if a + parts[a].shape[0] != b:
+            msg = f"local_rows: this process's row shards start at {starts}, not contiguous rows"
+            raise ValueError(msg)
+    return np.concatenate([parts[k] for k in starts], axis=0)
+
+
+def rows_to_global(local: Any, mesh: Mesh, data_axes: Sequence[str] | None = None) -> jax.Array:
+    """One global row-sharded array from every process's rows (``shard_batch`` of one array).
+
+    Args:
+        local: This process's rows ``(b, ...)`` (the range :func:`process_row_range` gives).
+        mesh: The mesh.
+        data_axes: Axes the rows are split over (default: ``("data", "fsdp")`` as present).
+
+    Returns:
+        The global array ``(b * processes, ...)`` with rows over the data axes.
+    """
+    return shard_batch(np.asarray(local), mesh, process_local=True, data_axes=data_axes)
+
+
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+) -> bool:
+    """Joins this process to a multi-host JAX run (``jax.distributed.initialize``) when asked.
+
+    Explicit arguments win; missing ones are read from the environment: JAX's own
+    ``JAX_COORDINATOR_ADDRESS``, and ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` (read here,
+    by this library). When none is set and ``auto`` is false nothing happens (a single-process
+    run). With ``auto`` (or only some values known) the rest is left to JAX's cluster
+    auto-detection (SLURM, Open MPI, Cloud TPU, Kubernetes...). Call it before anything else
+    touches JAX's devices; the CPU collectives JAX uses across processes default to gloo.
+
+    Args:
+        coordinator_address: ``host:port`` of process 0's coordinator service.
+        num_processes: Number of processes in the run.
+        process_id: This process's index in ``[0, num_processes)``.
+        auto: Initialize even when nothing is set (cluster auto-detection).
+
+    Returns:
+        Whether ``jax.distributed.initialize`` was called.
+
+    Raises:
+        ValueError: ``num_processes`` < 1, or ``process_id`` outside ``[0, num_processes)``.
+    """
+    import os
+
+    if coordinator_address is None:
+        coordinator_address = os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+    if num_processes is None and os.environ.get("JAX_NUM_PROCESSES"):
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and os.environ.get("JAX_PROCESS_ID"):
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if coordinator_address is None and num_processes is None and process_id is None and not auto:
+        return False
+    if num_processes is not None and num_processes < 1:
+        msg = f"num_processes must be >= 1, got {num_processes}"
+        raise ValueError(msg)
+    if process_id is not None and (
+        process_id < 0 or (num_processes is not None and process_id >= num_processes)
+    ):
+        msg = f"process_id must be in [0, num_processes={num_processes}), got {process_id}"
+        raise ValueError(msg)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+    return True

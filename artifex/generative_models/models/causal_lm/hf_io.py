@@ -275,6 +275,19 @@ def _lora_paths(model: CausalLM) -> Iterator[str]:
             yield param_path_str(path)
 
 
+def _gathered(x: Any) -> np.ndarray:
+    """The full host value of a parameter; one spread over several processes is all-gathered.
+
+    The gather is a collective: in a multi-host run every process must call this (through
+    :func:`to_hf_tensors` or :func:`save_pretrained`) in the same order.
+    """
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 def to_hf_tensors(model: CausalLM) -> dict[str, np.ndarray]:
     """Returns the model's parameters as host NumPy arrays under Hugging Face names and layouts.
 
@@ -297,7 +310,7 @@ def to_hf_tensors(model: CausalLM) -> dict[str, np.ndarray]:
     variables = _variables(model)
     out: dict[str, np.ndarray] = {}
     for name, (target_path, transpose) in hf_tensor_map(model.config).items():
-        x = np.asarray(jax.device_get(variables[target_path].get_value()))
+        x = _gathered(variables[target_path].get_value())
         out[name] = np.ascontiguousarray(x.T) if transpose else x
     return out
 
@@ -360,6 +373,9 @@ def save_pretrained(
     in the directory loadable; then the files are renamed into place and weight files of the
     previous layout that the new one does not use are removed, so no stale shard is read back.
 
+    In a multi-host run every process calls it: parameters spread over several processes are
+    all-gathered (a collective), and only process 0 writes the directory.
+
     Args:
         model: The model (merge LoRA adapters first).
         path: Output directory, created if needed.
@@ -370,7 +386,9 @@ def save_pretrained(
         OSError: If writing fails (the previous export, if any, is left loadable).
     """
     directory = os.fspath(path)
-    tensors = to_hf_tensors(model)
+    tensors = to_hf_tensors(model)  # every process: parameters gathered across hosts
+    if jax.process_index() != 0:
+        return  # multi-host: process 0 writes the files, the others only took part in the gather
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     os.makedirs(directory, exist_ok=True)
     remove_temp_files(directory)  # left by an earlier save that was killed

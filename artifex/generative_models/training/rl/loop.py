@@ -53,8 +53,9 @@ from artifex.generative_models.training.rl.rollout import (
     RolloutConfig,
     rollout,
     sample_completions,
+    spans_processes,
 )
-from artifex.generative_models.training.sharding import host_array
+from artifex.generative_models.training.sharding import host_array, process_row_range
 
 _log = logging.getLogger(__name__)
 
@@ -191,6 +192,13 @@ class DataIterator:
     The order of epoch ``e`` is a permutation drawn from ``(seed, e)``; the position is
     ``(epoch, index)`` and can be saved and restored.
 
+    Across processes every process builds the same iterator (same dataset, seed, order) and
+    keeps the same global position; :meth:`take` with ``part=(start, stop)`` (the process's
+    :func:`~artifex.generative_models.training.sharding.process_row_range` of the step's
+    prompts) returns only that process's rows of the step while the position advances by the
+    whole step. Each process's rows are therefore a deterministic function of the step and its
+    process index, and restoring the saved ``(epoch, index)`` restores every process's position.
+
     Args:
         dataset: Rows (mappings), indexable.
         seed: Seeds the per-epoch permutations.
@@ -214,15 +222,26 @@ class DataIterator:
             return np.arange(n)
         return np.random.default_rng([self.seed, epoch]).permutation(n)
 
-    def take(self, n: int) -> list[Mapping[str, Any]]:
+    def take(self, n: int, *, part: tuple[int, int] | None = None) -> list[Mapping[str, Any]]:
         """The next ``n`` rows (crossing into the next epoch as needed).
 
         Args:
-            n: How many rows.
+            n: How many rows the position advances by (the global step).
+            part: Return only rows ``[start, stop)`` of those ``n`` (this process's share);
+                ``None``: all of them.
 
         Returns:
             The rows.
+
+        Raises:
+            ValueError: ``part`` is not a range inside ``[0, n]``.
         """
+        if part is not None:
+            start, stop = part
+            if not 0 <= start <= stop <= n:
+                msg = f"DataIterator.take: part must satisfy 0 <= start <= stop <= {n}, got {part}"
+                raise ValueError(msg)
+            return self.take(n)[start:stop]
         rows = []
         while len(rows) < n:
             if self.index == len(self.dataset):
@@ -320,6 +339,7 @@ def evaluate(
     *,
     pass_threshold: float = 1.0,
     batch_size: int = 64,
+    placement: Any = None,
 ) -> dict[str, float]:
     """Greedy pass@1 and mean reward on held-out rows.
 
@@ -334,26 +354,39 @@ def evaluate(
         rollout_config: Prompt column, ``max_new_tokens``, prompt length limit.
         pass_threshold: Reward needed to pass.
         batch_size: Prompts per generation call.
+        placement: Sample on this
+            :class:`~artifex.generative_models.training.placement.RolloutPlacement`'s mesh
+            (``None``: on the trainer's).
 
     Returns:
         ``{"eval/pass@1": ..., "eval/reward_mean": ...}``.
     """
+    model, mesh = trainer.model, getattr(trainer, "mesh", None)
+    if placement is not None:
+        model, mesh = placement.sampler_model(trainer.model), placement.mesh
+    if spans_processes(mesh):
+        return _evaluate_across_processes(
+            model, tokenizer, rows, reward_fn, rollout_config, pass_threshold, batch_size, mesh
+        )
     scores: list[float] = []
     for start in range(0, len(rows), batch_size):
         chunk = list(rows[start : start + batch_size])
         sampled = sample_completions(
-            trainer.model,
+            model,
             tokenizer,
             chunk,
             rollout_config,
             key=jax.random.key(0),
             num_generations=1,
             temperature=0.0,
-            mesh=getattr(trainer, "mesh", None),
+            mesh=mesh,
         )
         values = reward_fn(sampled.prompts, sampled.completions, **sampled.columns)
         scores += [float("nan") if v is None else float(v) for v in values]
-    s = np.asarray(scores, np.float64)
+    return _pass_metrics(np.asarray(scores, np.float64), pass_threshold)
+
+
+def _pass_metrics(s: np.ndarray, pass_threshold: float) -> dict[str, float]:
     valid = ~np.isnan(s)
     return {
         "eval/pass@1": float(np.mean(np.where(valid, s, -np.inf) >= pass_threshold)),
@@ -476,6 +509,49 @@ class _StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+def _evaluate_across_processes(
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    reward_fn: Callable[..., Sequence[float | None]],
+    rollout_config: RolloutConfig,
+    pass_threshold: float,
+    batch_size: int,
+    mesh: Any,
+) -> dict[str, float]:
+    """:func:`evaluate` on a mesh spanning processes: each scores its rows, scores gathered.
+
+    Each chunk of prompts is padded (repeating its last row) to a multiple of the data shards,
+    each process generates and scores its contiguous part, and the scores are all-gathered so
+    every process returns the same figures; the padding rows are dropped.
+    """
+    from jax.experimental import multihost_utils
+
+    from artifex.generative_models.training.sharding import num_data_shards
+
+    shards = num_data_shards(mesh)
+    step = max(shards, batch_size - batch_size % shards)
+    scores: list[float] = []
+    for begin in range(0, len(rows), step):
+        chunk = list(rows[begin : begin + step])
+        real = len(chunk)
+        chunk += [chunk[-1]] * (-real % shards)
+        lo, hi = process_row_range(len(chunk), mesh)
+        sampled = sample_completions(
+            model,
+            tokenizer,
+            chunk[lo:hi],
+            rollout_config,
+            key=jax.random.key(0),
+            num_generations=1,
+            temperature=0.0,
+            mesh=mesh,
+        )
+        values = reward_fn(sampled.prompts, sampled.completions, **sampled.columns)
+        local = np.asarray([np.nan if v is None else float(v) for v in values], np.float64)
+        every = np.asarray(multihost_utils.process_allgather(local, tiled=True), np.float64)
+        scores += every[:real].tolist()
+    return _pass_metrics(np.asarray(scores, np.float64), pass_threshold)
 
 
 # ------------------------------------------------------------------------------ the loop
@@ -497,18 +573,22 @@ def _rollout_step(
     rcfg: RolloutConfig,
     cfg: TrainConfig,
     key: jax.Array,
+    placement: Any = None,
 ) -> tuple[Rollout, GRPOBatch, dict[str, float]]:
     need_old = cfg.num_iterations > 1 or cfg.num_minibatches > 1
     g = trainer.config.num_generations
     n = cfg.prompts_per_step
+    mesh = getattr(trainer, "mesh", None)
+    part = process_row_range(n, mesh) if spans_processes(mesh) else None
     first = rollout(
         trainer,
         tokenizer,
-        data.take(n),
+        data.take(n, part=part),
         rewards,
         rcfg,
         key=jax.random.fold_in(key, 0),
         need_old_log_probs=need_old,
+        placement=placement,
     )
     info: dict[str, float] = {}
     if not cfg.dynamic_sampling:
@@ -531,6 +611,7 @@ def _rollout_step(
                     rcfg,
                     key=jax.random.fold_in(key, round_),
                     need_old_log_probs=need_old,
+                    placement=placement,
                 )
             )
         ro = rollouts[-1]
@@ -584,6 +665,7 @@ def train(
     *,
     eval_dataset: Sequence[Mapping[str, Any]] | None = None,
     eval_reward: Callable[..., Sequence[float | None]] | None = None,
+    rollout_placement: Any = None,
 ) -> TrainResult:
     """Trains ``trainer``'s policy with GRPO on prompts from ``dataset``.
 
@@ -597,6 +679,10 @@ def train(
         rollout_config: Generation settings (defaults to ``RolloutConfig()``).
         eval_dataset: Held-out rows for pass@1 (optional).
         eval_reward: Scores evaluation completions; defaults to the first reward function.
+        rollout_placement: A
+            :class:`~artifex.generative_models.training.placement.RolloutPlacement`: sample
+            (rollouts and evaluation) on a mesh of its own, the weights resharded onto it
+            before each rollout; ``None``: sample on the trainer's mesh.
 
     Returns:
         A :class:`TrainResult`.
@@ -635,6 +721,12 @@ def train(
             raise ValueError(msg)
 
     check_tokenizer_fits(tokenizer, trainer.model)
+    if spans_processes(getattr(trainer, "mesh", None)) and config.dynamic_sampling:
+        msg = (
+            "TrainConfig.dynamic_sampling is not supported on a mesh spanning several processes "
+            "yet (its group filtering is host-side); got dynamic_sampling=True"
+        )
+        raise ValueError(msg)
     data = DataIterator(dataset, seed=config.seed, shuffle=config.shuffle)
     base_key = jax.random.key(config.seed)
     # Pre-flight: every output location is checked before the first (expensive) step.
@@ -695,6 +787,7 @@ def train(
             eval_reward,
             rcfg,
             pass_threshold=config.pass_threshold,
+            placement=rollout_placement,
         )
         evaluations.append((step, metrics))
         logger.log(step, metrics, advance=False)
@@ -722,7 +815,9 @@ def train(
         for step in range(start_step + 1, config.num_steps + 1):
             t0 = time.perf_counter()
             key = jax.random.fold_in(base_key, step)
-            ro, batch, info = _rollout_step(trainer, tokenizer, data, rewards, rcfg, config, key)
+            ro, batch, info = _rollout_step(
+                trainer, tokenizer, data, rewards, rcfg, config, key, rollout_placement
+            )
             t_rollout = time.perf_counter() - t0
             if config.num_minibatches > 1:
                 batch = batch.replace(

@@ -27,7 +27,14 @@ import numpy as np
 from artifex.generative_models.inference.sampling import generate
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
-from artifex.generative_models.training.sharding import host_array, num_data_shards, shard_batch
+from artifex.generative_models.training.sharding import (
+    batch_partition_spec,
+    host_array,
+    local_rows,
+    num_data_shards,
+    rows_to_global,
+    shard_batch,
+)
 
 __all__ = [
     "Completions",
@@ -36,6 +43,7 @@ __all__ = [
     "encode_prompts",
     "rollout",
     "sample_completions",
+    "spans_processes",
 ]
 
 OldLogProbs = Literal["auto", "sampler", "recompute"]
@@ -103,6 +111,10 @@ class RolloutConfig:
 @dataclasses.dataclass
 class Rollout:
     """One generation batch and what the loop logs about it.
+
+    On a mesh spanning several processes, ``batch`` is global while ``rows``, ``prompts`` and
+    ``completions`` are this process's (its rows of the batch); ``rewards_per_function`` and
+    ``truncated`` are all-gathered, so :meth:`metrics` is the same in every process.
 
     Attributes:
         batch: The prompt-major ``GRPOBatch`` (``num_prompts * num_generations`` rows).
@@ -248,6 +260,13 @@ def sample_completions(
     With a ``mesh`` whose data axes divide the number of prompts, the prompts are sharded over
     them first, so the generation runs data-parallel (otherwise every device decodes every row).
 
+    On a mesh spanning several processes (:func:`spans_processes`), ``rows`` are this
+    process's prompts (the same number in every process, a multiple of its data shards): the
+    prompt width is agreed with the other processes, the sampler runs once on the global prompt
+    array, and only this process's rows of the output are copied to the host and decoded
+    (``output`` stays global; ``prompts``, ``completions``, ``columns``, ``lengths`` and
+    ``truncated`` are this process's).
+
     Args:
         model: The causal LM that samples.
         tokenizer: Its tokenizer.
@@ -271,7 +290,10 @@ def sample_completions(
         prompt_column=config.prompt_column,
         max_prompt_length=config.max_prompt_length,
     )
-    if mesh is not None and ids.shape[0] % num_data_shards(mesh) == 0:
+    across = spans_processes(mesh)
+    if across:
+        ids, mask = _global_prompts(ids, mask, mesh, tokenizer.pad_id)
+    elif mesh is not None and ids.shape[0] % num_data_shards(mesh) == 0:
         ids, mask = shard_batch((jnp.asarray(ids), jnp.asarray(mask)), mesh)
     out = generate(
         model,
@@ -286,7 +308,14 @@ def sample_completions(
         eos_ids=tokenizer.eos_ids,
         pad_id=tokenizer.pad_id,
     )
-    completion_ids, lengths = host_array(out.completion_ids), host_array(out.lengths)
+    if across:
+        # Each process decodes (and the caller scores) only its own rows.
+        rows_sharding = jax.sharding.NamedSharding(mesh, batch_partition_spec(mesh))
+        out = jax.jit(lambda o: o, out_shardings=rows_sharding)(out)
+        fetch = local_rows
+    else:
+        fetch = host_array
+    completion_ids, lengths = fetch(out.completion_ids), fetch(out.lengths)
     completions = tokenizer.batch_decode(
         [row[:n] for row, n in zip(completion_ids, lengths, strict=True)],
         skip_special_tokens=True,
@@ -302,8 +331,50 @@ def sample_completions(
         completions=completions,
         columns=columns,
         lengths=lengths,
-        truncated=host_array(out.truncated),
+        truncated=fetch(out.truncated),
     )
+
+
+# ------------------------------------------------------------------------------ several processes
+def spans_processes(mesh: Any) -> bool:
+    """Whether ``mesh`` has devices of more than one process (a multi-host run).
+
+    Then every process passes only its own dataset rows to :func:`sample_completions` and
+    :func:`rollout`; the completions, their decoding and their rewards stay per process, and
+    the batch arrays are global.
+
+    Args:
+        mesh: A ``jax.sharding.Mesh`` or ``None``.
+
+    Returns:
+        ``True`` when the mesh spans several processes.
+    """
+    if mesh is None:
+        return False
+    return len({d.process_index for d in np.asarray(mesh.devices).flat}) > 1
+
+
+def _global_prompts(
+    ids: np.ndarray, mask: np.ndarray, mesh: Any, pad_id: int | None
+) -> tuple[jax.Array, jax.Array]:
+    """This process's encoded prompts -> global arrays with one agreed width, rows sharded."""
+    from jax.experimental import multihost_utils
+
+    sizes = np.asarray(
+        multihost_utils.process_allgather(np.asarray(ids.shape, np.int64)), np.int64
+    ).reshape(-1, 2)
+    if len(set(sizes[:, 0].tolist())) != 1:
+        msg = (
+            "every process must roll out the same number of prompts, got "
+            f"{sizes[:, 0].tolist()} (by process)"
+        )
+        raise ValueError(msg)
+    width = int(sizes[:, 1].max())
+    if width > ids.shape[1]:
+        extra = width - ids.shape[1]
+        ids = np.pad(ids, ((0, 0), (extra, 0)), constant_values=0 if pad_id is None else pad_id)
+        mask = np.pad(mask, ((0, 0), (extra, 0)))
+    return shard_batch((ids, mask), mesh, process_local=True)
 
 
 def rollout(
@@ -315,6 +386,7 @@ def rollout(
     *,
     key: jax.Array,
     need_old_log_probs: bool = False,
+    placement: Any = None,
 ) -> Rollout:
     """Samples ``num_generations`` completions per row, scores them and builds the batch.
 
@@ -329,6 +401,9 @@ def rollout(
         need_old_log_probs: Fill ``old_log_probs`` (and ``ref_log_probs`` when the trainer
             has a reference and ``beta > 0``): needed when the policy changes between updates
             on this batch.
+        placement: A :class:`~artifex.generative_models.training.placement.RolloutPlacement`
+            to sample on a mesh of its own (weights resharded onto it first, the batch moved
+            back to the trainer's mesh); ``None`` samples with the trainer's model where it is.
 
     Returns:
         A :class:`Rollout`.
@@ -342,15 +417,18 @@ def rollout(
         raise ValueError(msg)
     grpo = trainer.config
     k = grpo.num_generations
+    sampler_model, sampler_mesh = trainer.model, getattr(trainer, "mesh", None)
+    if placement is not None:  # the sampler on its own mesh: sync the weights onto it
+        sampler_model, sampler_mesh = placement.sampler_model(trainer.model), placement.mesh
     sampled = sample_completions(
-        trainer.model,
+        sampler_model,
         tokenizer,
         rows,
         config,
         key=key,
         num_generations=k,
         temperature=grpo.temperature,
-        mesh=getattr(trainer, "mesh", None),
+        mesh=sampler_mesh,
     )
     out = sampled.output
     combined = rewards(sampled.prompts, sampled.completions, **sampled.columns)
@@ -359,25 +437,46 @@ def rollout(
         prompt_mask=out.prompt_mask,
         completion_ids=out.completion_ids,
         completion_mask=out.completion_mask,
-        rewards=jnp.asarray(combined.total, jnp.float32),
+        rewards=_rewards_array(combined.total, getattr(trainer, "mesh", None)),
         group_size=k,
         shared_prompts=True,
     )
     if grpo.sampler_correction != "none" or grpo.off_policy_mask_threshold is not None:
         batch = batch.replace(sampler_log_probs=out.log_probs)
+    if placement is not None:  # back onto the training mesh
+        batch = placement.to_training(batch, getattr(trainer, "mesh", None))
     if need_old_log_probs:
         use_sampler = config.old_log_probs == "sampler" or (
             config.old_log_probs == "auto" and _sampler_matches_loss(trainer, config)
         )
         if use_sampler:
-            batch = batch.replace(old_log_probs=out.log_probs)
+            old = out.log_probs
+            if placement is not None:
+                old = placement.to_training(old, getattr(trainer, "mesh", None))
+            batch = batch.replace(old_log_probs=old)
         batch = trainer.compute_log_probs(batch)
     return Rollout(
         batch=batch,
         rows=list(rows),
         prompts=sampled.prompts[::k],
         completions=sampled.completions,
-        rewards_per_function=np.asarray(combined.per_function),
+        rewards_per_function=_all_rows(combined.per_function, getattr(trainer, "mesh", None)),
         reward_names=list(rewards.names),
-        truncated=sampled.truncated,
+        truncated=_all_rows(sampled.truncated, getattr(trainer, "mesh", None)),
     )
+
+
+def _rewards_array(total: Any, mesh: Any) -> jax.Array:
+    """The ``(B,)`` float32 rewards; across processes, global from each process's rows."""
+    total = np.asarray(total, np.float32)
+    return rows_to_global(total, mesh) if spans_processes(mesh) else jnp.asarray(total)
+
+
+def _all_rows(local: Any, mesh: Any) -> np.ndarray:
+    """Every process's rows of a host array, in row order (the array itself in one process)."""
+    local = np.asarray(local)
+    if not spans_processes(mesh):
+        return local
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(local, tiled=True))

@@ -1,0 +1,166 @@
+"""Two real JAX processes on 127.0.0.1 (gloo CPU collectives, 2 CPU devices each, one mesh).
+
+Two launches of two processes each (see ``multihost_worker.py``): ``first`` (three
+``train_step`` calls, the whole loop uninterrupted, then the loop again SIGKILLed right after its
+step-2 checkpoint) and ``resume`` (the loop again, resuming from that checkpoint). A compilation
+cache shared by the launches keeps the test inside the CI budget; every subprocess has a hard
+timeout, so a hang fails the test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.generative_models.training import multihost_worker as worker
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+TIMEOUT_S = 600  # per launch; a hang fails the test instead of stalling CI
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(mode: str, out: str, cache: str) -> list[subprocess.Popen]:
+    env = dict(os.environ)
+    env.update(
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+        JAX_COMPILATION_CACHE_DIR=cache,
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    port = _free_port()
+    procs = []
+    for pid in range(2):
+        cmd = [sys.executable, "-m", "tests.generative_models.training.multihost_worker"]
+        cmd += [mode, out, "--coordinator", f"127.0.0.1:{port}"]
+        cmd += ["--num-processes", "2", "--process-id", str(pid)]
+        log = open(os.path.join(out, f"{mode}-stdout-p{pid}.txt"), "w")  # noqa: SIM115
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], out: str, mode: str) -> list[int]:
+    codes = []
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=TIMEOUT_S))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{mode}: the two processes did not finish within {TIMEOUT_S} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    expected = [-signal.SIGKILL] * 2 if mode == "first" else [0, 0]
+    if codes != expected:
+        with open(os.path.join(out, f"{mode}-stdout-p0.txt")) as fh:
+            tail = fh.read()[-3000:]
+        pytest.fail(f"{mode}: exit codes {codes}\n{tail}")
+    return codes
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("multihost"))
+    cache = os.path.join(out, "jax-cache")
+    killed_codes = _wait(_start("first", out, cache), out, "first")
+    _wait(_start("resume", out, cache), out, "resume")
+    return out, killed_codes
+
+
+def _load(out: str, name: str) -> dict[str, np.ndarray]:
+    with np.load(os.path.join(out, name)) as f:
+        return dict(f)
+
+
+def _jsonl(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def test_train_step_across_two_processes_equals_one_process(runs):
+    out, _ = runs
+    two = _load(out, "first-p0.npz")
+    other = _load(out, "first-p1.npz")
+    for key in two:  # both processes hold the same (global) values
+        np.testing.assert_array_equal(two[key], other[key])
+    # One process with 4 devices (of this test process's 8), the same mesh shape.
+    mesh = worker.make_mesh_for_test(jax.devices()[:4])
+    trainer, _ = worker.make_trainer(mesh)
+    history = worker.run_steps(trainer, mesh)
+    one = worker.flat_params(trainer)
+    assert len(one) > 10
+    worst = max(_rel(two[f"steps/{k}"], v) for k, v in one.items())
+    assert worst <= 1e-6, worst
+    np.testing.assert_allclose(two["steps/loss"], [h["total_loss"] for h in history], rtol=1e-6)
+    # The parameters did move (the comparison is not between two initial models).
+    first = worker.make_trainer(mesh)[0]
+    moved = max(_rel(v, worker.flat_params(first)[k]) for k, v in one.items() if "model" in k)
+    assert moved > 1e-4
+
+
+def test_killed_and_resumed_loop_matches_the_uninterrupted_run(runs):
+    out, killed_codes = runs
+    assert killed_codes == [-signal.SIGKILL, -signal.SIGKILL]
+    with open(os.path.join(out, "first-stdout-p0.txt"), encoding="utf-8") as fh:
+        assert "the killed run was not killed" not in fh.read()
+    full, resumed = _load(out, "first-p0.npz"), _load(out, "resume-p0.npz")
+    assert int(resumed["loop/start_step"]) == 2 and int(full["loop/start_step"]) == 0
+    keys = [k for k in full if k.startswith("loop/model/") or k.startswith("loop/opt/")]
+    assert len(keys) > 10
+    for key in keys:
+        np.testing.assert_array_equal(full[key], resumed[key], err_msg=key)
+    # The step the resumed run trained is the uninterrupted run's step 3.
+    np.testing.assert_array_equal(full["loop/reward_mean"][-1:], resumed["loop/reward_mean"])
+    assert sorted(os.listdir(os.path.join(out, "ckpt-killed"))) == ["1", "2", "3"]
+    other = _load(out, "resume-p1.npz")
+    for key in keys:
+        np.testing.assert_array_equal(resumed[key], other[key])
+
+
+def test_only_process_zero_writes_logs_and_the_model(runs):
+    out, _ = runs
+    names = set(os.listdir(out))
+    for run in ("full", "killed", "resume"):
+        assert f"logs-{run}-p0" in names
+        assert f"logs-{run}-p1" not in names  # process 1 never created its log directory
+    assert "model-full-p0" in names and "model-full-p1" not in names
+    steps = [r["step"] for r in _jsonl(os.path.join(out, "logs-full-p0", "metrics.jsonl"))]
+    assert steps == [0, 1, 2, 3, 3]  # eval at 0, three steps, eval at the end
+    resumed = _jsonl(os.path.join(out, "logs-resume-p0", "metrics.jsonl"))
+    assert [r["step"] for r in resumed] == [3, 3]
+    # save_pretrained from process 0 wrote the gathered (FSDP-sharded) parameters.
+    from flax import nnx
+
+    from artifex.generative_models.models.causal_lm import from_pretrained
+
+    saved = from_pretrained(os.path.join(out, "model-full-p0"))
+    full = _load(out, "first-p0.npz")
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(saved, nnx.Param))[0]
+    assert len(leaves) > 5
+    for path, x in leaves:
+        key = "loop/model/" + jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(x), full[key])
