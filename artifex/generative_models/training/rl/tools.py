@@ -60,7 +60,9 @@ def _type_schema(tp: Any, where: str) -> dict[str, Any]:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         parts = [_type_schema(a, where) for a in args if a is not type(None)]
-        if all(set(p) == {"type"} for p in parts):
+        if len(parts) == 1:
+            schema = dict(parts[0])
+        elif all(set(p) == {"type"} for p in parts):
             names = [p["type"] for p in parts]
             schema: dict[str, Any] = {"type": names[0] if len(names) == 1 else names}
         else:
