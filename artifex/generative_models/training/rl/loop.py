@@ -334,11 +334,12 @@ def _rollout_step(
     rcfg: RolloutConfig,
     cfg: TrainConfig,
     key: jax.Array,
+    rollout_fn: Callable[..., Rollout] = rollout,
 ) -> tuple[Rollout, GRPOBatch, dict[str, float]]:
     need_old = cfg.num_iterations > 1 or cfg.num_minibatches > 1
     g = trainer.config.num_generations
     n = cfg.prompts_per_step
-    first = rollout(
+    first = rollout_fn(
         trainer,
         tokenizer,
         data.take(n),
@@ -360,7 +361,7 @@ def _rollout_step(
             if kept_groups >= n:
                 break
             rollouts.append(
-                rollout(
+                rollout_fn(
                     trainer,
                     tokenizer,
                     data.take(n),
@@ -421,6 +422,8 @@ def train(
     *,
     eval_dataset: Sequence[Mapping[str, Any]] | None = None,
     eval_reward: Callable[..., Sequence[float | None]] | None = None,
+    rollout_fn: Callable[..., Rollout] | None = None,
+    evaluate_fn: Callable[..., dict[str, float]] | None = None,
 ) -> TrainResult:
     """Trains ``trainer``'s policy with GRPO on prompts from ``dataset``.
 
@@ -434,6 +437,11 @@ def train(
         rollout_config: Generation settings (defaults to ``RolloutConfig()``).
         eval_dataset: Held-out rows for pass@1 (optional).
         eval_reward: Scores evaluation completions; defaults to the first reward function.
+        rollout_fn: Replaces :func:`~artifex.generative_models.training.rl.rollout.rollout`
+            (same signature), e.g. a
+            :class:`~artifex.generative_models.training.rl.multiturn.MultiTurnRollout`.
+        evaluate_fn: Replaces :func:`evaluate` (same signature), e.g.
+            ``MultiTurnRollout.evaluate``.
 
     Returns:
         A :class:`TrainResult`.
@@ -493,7 +501,7 @@ def train(
     def run_eval(step: int) -> None:
         if eval_dataset is None:
             return
-        metrics = evaluate(
+        metrics = (evaluate if evaluate_fn is None else evaluate_fn)(
             trainer,
             tokenizer,
             eval_dataset,
@@ -524,7 +532,9 @@ def train(
         for step in range(start_step + 1, config.num_steps + 1):
             t0 = time.perf_counter()
             key = jax.random.fold_in(base_key, step)
-            ro, batch, info = _rollout_step(trainer, tokenizer, data, rewards, rcfg, config, key)
+            ro, batch, info = _rollout_step(
+                trainer, tokenizer, data, rewards, rcfg, config, key, rollout_fn or rollout
+            )
             t_rollout = time.perf_counter() - t0
             if config.num_minibatches > 1:
                 batch = batch.replace(
