@@ -25,12 +25,12 @@ import types
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from tokenizers import AddedToken
 
-from artifex.demo import supervised_warmup
 from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig, Tokenizer
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.grpo import GRPOTrainer
@@ -52,6 +52,7 @@ __all__ = [
     "multiply",
     "run_tool_demo",
     "tool_demo_tokenizer",
+    "tool_warmup",
     "tool_warmup_rows",
 ]
 
@@ -171,11 +172,11 @@ def multiplication_dataset(seed: int = 0, num_eval: int = 100, size: int = 3000)
 
 def tool_warmup_rows(
     tokenizer: Tokenizer, rows: list[dict[str, Any]], tool_fraction: float, seed: int
-) -> list[dict[str, str]]:
-    """Formatted warm-up examples as ``{"prompt", "answer"}`` text pairs for the SFT helper.
+) -> list[list[tuple[str, bool]]]:
+    """Formatted warm-up examples: each a list of ``(text, written_by_the_model)`` pieces.
 
-    A tool example's "answer" is the whole completion (call, appended tool response, final
-    answer); the warm-up trains on all of it, which only teaches the format.
+    A tool example is prompt, tool call, appended tool response and scaffolding, final answer;
+    a direct example is prompt and an answer (which the model cannot compute).
 
     Args:
         tokenizer: The demo tokenizer.
@@ -184,30 +185,93 @@ def tool_warmup_rows(
         seed: Seeds which ones.
 
     Returns:
-        Text pairs.
+        One list of pieces per example.
     """
     rng = np.random.default_rng(seed)
     schemas = [tool_schema(multiply)]
+    eos = tokenizer.eos_token or ""
     out = []
     for row in rows:
         user = [{"role": "user", "content": row["prompt"]}]
         prompt = tokenizer.apply_chat_template(
             user, add_generation_prompt=True, tokenize=False, tools=schemas
         )
+        pieces = [(prompt, False)]
         if rng.random() < tool_fraction:
             call = (
-                '<tool_call>{"name":"multiply","arguments":{"a":%d,"b":%d}}</tool_call>'
-                % (row["a"], row["b"])
+                '<tool_call>{"name":"multiply","arguments":'
+                f'{{"a":{row["a"]},"b":{row["b"]}}}}}</tool_call>'
             )
             history = [*user, {"role": "assistant", "content": call}]
             obs = [{"role": "tool", "name": "multiply", "content": row["answer"]}]
-            appended = _appended_text(tokenizer, history, obs, schemas, call)
-            answer = call + appended + row["answer"]
-        else:
-            answer = row["answer"]
-        # the SFT helper adds <bos> itself and appends EOS after the answer
-        out.append({"prompt": prompt.removeprefix(tokenizer.bos_token or ""), "answer": answer})
+            pieces += [
+                (call, True),
+                (_appended_text(tokenizer, history, obs, schemas, call), False),
+            ]
+        pieces.append((row["answer"] + eos, True))
+        out.append(pieces)
     return out
+
+
+def tool_warmup(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    examples: list[list[tuple[str, bool]]],
+    *,
+    steps: int,
+    batch_size: int = 32,
+    learning_rate: float = 3e-3,
+    seed: int = 0,
+) -> list[float]:
+    """Teacher-forced training on the model-written pieces only (the loss mask of GRPO).
+
+    Args:
+        model: The model (updated in place).
+        tokenizer: Its tokenizer.
+        examples: From :func:`tool_warmup_rows`.
+        steps: Optimizer steps.
+        batch_size: Examples per step.
+        learning_rate: Adam learning rate.
+        seed: Seeds the example sampling.
+
+    Returns:
+        The loss of each step.
+    """
+    seqs, masks = [], []
+    for pieces in examples:
+        ids, mask = [], []
+        for text, by_model in pieces:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids += piece
+            mask += [int(by_model)] * len(piece)
+        seqs.append(ids)
+        masks.append(mask)
+    width = max(len(s) for s in seqs)
+    ids = np.zeros((len(seqs), width), np.int32)
+    loss_mask = np.zeros((len(seqs), width), np.float32)
+    attn = np.zeros((len(seqs), width), np.int32)
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+        ids[i, : len(s)], loss_mask[i, : len(m)], attn[i, : len(s)] = s, m, 1
+    optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model: CausalLM, optimizer: nnx.Optimizer, ids, attn, loss_mask):
+        def loss_fn(m: CausalLM) -> jax.Array:
+            logp = jax.nn.log_softmax(m(ids, attention_mask=attn)[:, :-1])
+            tok = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+            w = loss_mask[:, 1:]
+            return -jnp.sum(tok * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(steps):
+        idx = rng.integers(0, len(seqs), size=batch_size)
+        losses.append(float(step(model, optimizer, ids[idx], attn[idx], loss_mask[idx])))
+    return losses
 
 
 def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True) -> dict[str, Any]:
@@ -242,9 +306,7 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
     warm = tool_warmup_rows(
         tokenizer, train_rows[: cfg.warmup_examples], cfg.tool_fraction, cfg.seed
     )
-    losses = supervised_warmup(
-        model, tokenizer, warm, max_steps=cfg.warmup_steps, batch_size=32, seed=cfg.seed
-    )
+    losses = tool_warmup(model, tokenizer, warm, steps=cfg.warmup_steps, seed=cfg.seed)
     t_warmup = time.perf_counter() - t0
     holder = types.SimpleNamespace(model=model)
     before = rollout_fn.evaluate(holder, tokenizer, eval_rows, reward, rcfg)

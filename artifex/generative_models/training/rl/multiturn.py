@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: episodes with tools or environments, flattened into a ``GRPOBatch``.
+r"""Multi-turn rollouts: episodes with tools or environments, flattened into a ``GRPOBatch``.
 
 Each of the ``G`` members of a group runs its own episode. An environment (see
 :class:`Environment`) gives the opening messages of a dataset row; the model generates a turn
@@ -22,7 +22,7 @@ context for the log-prob pass.
 Appended text is found from the chat template itself: with ``history`` the conversation up to
 and including the model's last turn (as an assistant message) and ``obs`` the environment's
 messages, the appended text is the part of the template's closing of the assistant message
-that the model did not write itself (for example ``<|im_end|>\\n`` after a ``</tool_call>``
+that the model did not write itself (for example ``<|im_end|>\n`` after a ``</tool_call>``
 stop), followed by ``render(history + obs, add_generation_prompt=True)`` minus
 ``render(history)``.
 """
@@ -312,9 +312,7 @@ class Episodes:
         return out
 
 
-def _render(
-    tokenizer: Any, messages: list[Message], tools: Any, *, generation_prompt: bool
-) -> str:
+def _render(tokenizer: Any, messages: list[Message], tools: Any, *, generation_prompt: bool) -> str:
     extra = {} if tools is None else {"tools": tools}
     return tokenizer.apply_chat_template(
         messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
@@ -421,9 +419,7 @@ def run_episodes(
     logits = jnp.repeat(logits, g, axis=0)
 
     eos = tuple(tokenizer.eos_ids)
-    stops = tuple(
-        tuple(tokenizer.encode(s, add_special_tokens=False)) for s in config.stop_strings
-    )
+    stops = tuple(tuple(tokenizer.encode(s, add_special_tokens=False)) for s in config.stop_strings)
     comp_ids: list[list[int]] = [[] for _ in range(rows_n)]
     comp_mask: list[list[int]] = [[] for _ in range(rows_n)]
     comp_logp: list[list[float]] = [[] for _ in range(rows_n)]
@@ -512,7 +508,10 @@ def run_episodes(
             token_limit |= active
             break
         cache, logits = append_tokens(
-            model, cache, [a if active[r] else [] for r, a in enumerate(appends)], logits,
+            model,
+            cache,
+            [a if active[r] else [] for r, a in enumerate(appends)],
+            logits,
             pad_id=tokenizer.pad_id,
         )
 

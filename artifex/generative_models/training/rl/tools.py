@@ -5,7 +5,7 @@ A tool is a plain Python callable with type hints and a Google-style docstring:
     def multiply(a: int, b: int) -> int:
         \"\"\"Multiplies two integers.
 
-        Args:
+Args:
             a: The first factor.
             b: The second factor.
         \"\"\"
@@ -110,6 +110,7 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str], str | None]:
         name = m.group(1)
         if name in ("Args", "Arguments", "Parameters"):
             current = None
+            indent = 0
             for line in body.splitlines():
                 item = re.match(r"^\s{1,8}(\*{0,2}\w+)(?:\s*\([^)]*\))?\s*:\s*(.*)$", line)
                 if item and (current is None or len(line) - len(line.lstrip()) <= indent):
@@ -328,13 +329,15 @@ class ToolRunner:
         try:
             inspect.signature(tool).bind(**call.arguments)
         except TypeError as err:
-            return ToolResult(call.name, f"Error: bad arguments for {call.name}: {err}", "arguments")
+            return ToolResult(
+                call.name, f"Error: bad arguments for {call.name}: {err}", "arguments"
+            )
         box: dict[str, Any] = {}
 
         def target() -> None:
             try:
                 box["value"] = tool(**call.arguments)
-            except BaseException as err:  # noqa: BLE001 - any failure is reported to the model
+            except BaseException as err:
                 box["error"] = err
 
         thread = threading.Thread(target=target, name=f"tool-{call.name}", daemon=True)

@@ -54,7 +54,7 @@ def test_schema_errors() -> None:
     def no_doc(a: int) -> int:
         return a
 
-    def no_hint(a) -> int:  # noqa: ANN001
+    def no_hint(a) -> int:
         """Doc.
 
         Args:
