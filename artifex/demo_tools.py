@@ -110,9 +110,9 @@ class ToolDemoConfig:
 
     seed: int = 0
     num_eval: int = 100
-    warmup_examples: int = 64
+    warmup_examples: int = 1024
     tool_fraction: float = 0.5
-    warmup_steps: int = 300
+    warmup_steps: int = 600
     grpo_steps: int = 40
     prompts_per_step: int = 8
     num_generations: int = 8
@@ -151,7 +151,7 @@ def _model(tokenizer: Tokenizer, seed: int) -> CausalLM:
 
 
 def multiplication_dataset(seed: int = 0, num_eval: int = 100, size: int = 3000):
-    """Random products ``a*b`` (100 <= a < 10000, 10 <= b < 100), train and held-out rows.
+    """Random products ``a*b`` (1000 <= a < 10000, 10 <= b < 100), train and held-out rows.
 
     Args:
         seed: Seeds the problems.
@@ -165,7 +165,7 @@ def multiplication_dataset(seed: int = 0, num_eval: int = 100, size: int = 3000)
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(size + num_eval):
-        a, b = int(rng.integers(100, 10000)), int(rng.integers(10, 100))
+        a, b = int(rng.integers(1000, 10000)), int(rng.integers(10, 100))
         rows.append({"prompt": f"{a}*{b}", "answer": str(a * b), "a": a, "b": b})
     return rows[num_eval:], rows[:num_eval]
 
@@ -295,7 +295,7 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
     tokenizer = tool_demo_tokenizer()
     model = _model(tokenizer, cfg.seed)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    say(f"model: {n_params:,} parameters; tool: multiply(a, b); task: 'a*b' with a < 10^4")
+    say(f"model: {n_params:,} parameters; tool: multiply(a, b); task: 'a*b' with 4-digit a, 2-digit b")
 
     multi = MultiTurnConfig(max_turns=3, max_new_tokens=56, max_completion_tokens=112)
     rollout_fn = MultiTurnRollout(lambda: ToolEnvironment([multiply], timeout=5.0), multi)

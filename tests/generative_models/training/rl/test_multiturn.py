@@ -271,7 +271,7 @@ def test_multi_turn_rollout_trains_one_step() -> None:
         np.asarray(b.old_log_probs) * (np.asarray(b.completion_mask) == 0), 0.0
     )
     metrics = trainer.train_step(b)
-    assert np.isfinite(metrics["loss"])
+    assert np.isfinite(metrics["total_loss"])
     assert "multiturn/tool_calls_mean" in ro.metrics()
     ev = ro_fn.evaluate(trainer, tok, rows, environment_reward, RolloutConfig(), pass_threshold=3)
     assert ev["eval/pass@1"] == 1.0  # two turns: rewards 1 + 2
