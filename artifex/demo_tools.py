@@ -111,7 +111,7 @@ class ToolDemoConfig:
     seed: int = 0
     num_eval: int = 100
     warmup_examples: int = 1024
-    tool_fraction: float = 0.5
+    tool_fraction: float = 0.3
     warmup_steps: int = 600
     grpo_steps: int = 40
     prompts_per_step: int = 8

@@ -569,6 +569,13 @@ class MultiTurnRolloutResult(Rollout):
     """A :class:`~artifex.generative_models.training.rl.rollout.Rollout` with its episodes.
 
     Attributes:
+        batch: The prompt-major ``GRPOBatch``.
+        rows: The dataset rows, one per prompt.
+        prompts: The rendered prompts, one per prompt.
+        completions: The model's final turn of each episode.
+        rewards_per_function: ``(B, F)`` raw rewards of each function (NaN: none).
+        reward_names: The functions' names.
+        truncated: ``(B,)`` episodes stopped by the turn or token limit.
         episodes: The :class:`Episodes` (turns, tool calls, limits, per-turn rewards).
     """
 
