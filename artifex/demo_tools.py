@@ -40,6 +40,7 @@ from artifex.generative_models.training.rl.multiturn import (
     MultiTurnRollout,
     ToolEnvironment,
     _appended_text,
+    run_episodes,
 )
 from artifex.generative_models.training.rl.rewards import math_answer_reward
 from artifex.generative_models.training.rl.rollout import RolloutConfig
@@ -111,7 +112,7 @@ class ToolDemoConfig:
     seed: int = 0
     num_eval: int = 100
     warmup_examples: int = 1024
-    tool_fraction: float = 0.3
+    tool_fraction: float = 0.5
     warmup_steps: int = 600
     grpo_steps: int = 40
     prompts_per_step: int = 8
@@ -295,7 +296,7 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
     tokenizer = tool_demo_tokenizer()
     model = _model(tokenizer, cfg.seed)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    say(f"model: {n_params:,} parameters; tool: multiply(a, b); task: 'a*b' with 4-digit a, 2-digit b")
+    say(f"model: {n_params:,} parameters; tool: multiply(a, b); task: 4-digit a * 2-digit b")
 
     multi = MultiTurnConfig(max_turns=3, max_new_tokens=56, max_completion_tokens=112)
     rollout_fn = MultiTurnRollout(lambda: ToolEnvironment([multiply], timeout=5.0), multi)
@@ -309,7 +310,22 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
     losses = tool_warmup(model, tokenizer, warm, steps=cfg.warmup_steps, seed=cfg.seed)
     t_warmup = time.perf_counter() - t0
     holder = types.SimpleNamespace(model=model)
+    factory = rollout_fn.environment_factory
+
+    def sampled(m: CausalLM) -> dict[str, float]:
+        """Accuracy and tool-call rate of 4 sampled episodes (temperature 1) per problem."""
+        ep = run_episodes(
+            m, tokenizer, eval_rows, factory, multi, key=jax.random.key(1), num_generations=4
+        )
+        answers = [row["answer"] for row in eval_rows for _ in range(4)]
+        right = [f.strip() == a for f, a in zip(ep.final_turns, answers, strict=True)]
+        return {
+            "accuracy": float(np.mean(right)),
+            "tool_call_rate": float(np.mean(ep.tool_calls > 0)),
+        }
+
     before = rollout_fn.evaluate(holder, tokenizer, eval_rows, reward, rcfg)
+    before_sampled = sampled(model)
     say(
         f"after warm-up on {cfg.warmup_examples} examples ({len(losses)} steps, loss "
         f"{losses[0]:.2f} -> {losses[-1]:.2f}, {t_warmup:.0f} s): held-out accuracy "
@@ -346,6 +362,7 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
     )
     t_grpo = time.perf_counter() - t0
     after = rollout_fn.evaluate(trainer, tokenizer, eval_rows, reward, rcfg)
+    after_sampled = sampled(model)
     hist = result.history
     key = "rewards/math_answer_reward"
     summary = {
@@ -353,6 +370,10 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
         "held_out_accuracy_after": after["eval/pass@1"],
         "tool_call_rate_before": before["eval/tool_call_rate"],
         "tool_call_rate_after": after["eval/tool_call_rate"],
+        "sampled_accuracy_before": before_sampled["accuracy"],
+        "sampled_accuracy_after": after_sampled["accuracy"],
+        "sampled_tool_call_rate_before": before_sampled["tool_call_rate"],
+        "sampled_tool_call_rate_after": after_sampled["tool_call_rate"],
         "train_reward_first_5_steps": float(np.mean([m[key] for m in hist[:5]])),
         "train_reward_last_5_steps": float(np.mean([m[key] for m in hist[-5:]])),
         "train_tool_call_rate_first_5_steps": float(
@@ -371,12 +392,17 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
         json.dump(summary, fh, indent=2)
     say("")
     say(
-        f"held-out accuracy: {summary['held_out_accuracy_before']:.3f} (before GRPO) -> "
+        f"held-out greedy accuracy: {summary['held_out_accuracy_before']:.3f} (before GRPO) -> "
         f"{summary['held_out_accuracy_after']:.3f} (after)"
     )
     say(
         f"tool-call rate:    {summary['tool_call_rate_before']:.3f} -> "
         f"{summary['tool_call_rate_after']:.3f}"
+    )
+    say(
+        f"sampled (T=1, 4 per problem): accuracy {before_sampled['accuracy']:.3f} -> "
+        f"{after_sampled['accuracy']:.3f}, tool-call rate "
+        f"{before_sampled['tool_call_rate']:.3f} -> {after_sampled['tool_call_rate']:.3f}"
     )
     say(
         f"time: warm-up {t_warmup:.0f} s, GRPO {t_grpo:.0f} s, "
