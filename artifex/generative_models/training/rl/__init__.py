@@ -62,6 +62,7 @@ from artifex.generative_models.training.rl.multiturn import (
     ToolEnvironment,
     environment_reward,
     run_episodes,
+    turn_step_rewards,
 )
 from artifex.generative_models.training.rl.rewards import (
     CombinedRewards,
@@ -166,4 +167,5 @@ __all__ = [
     "token_log_probs",
     "tool_schema",
     "train",
+    "turn_step_rewards",
 ]

@@ -58,6 +58,7 @@ __all__ = [
     "ToolEnvironment",
     "environment_reward",
     "run_episodes",
+    "turn_step_rewards",
 ]
 
 Message = dict[str, Any]
@@ -213,6 +214,11 @@ class MultiTurnConfig:
         stop_strings: Texts that end a model turn besides EOS (encoded without special tokens;
             the default ends a Qwen-style tool call).
         completion_buckets: Completion widths the batch is padded to (fewer recompiles).
+        turn_rewards_as_step_rewards: Put the environment's per-turn rewards in the batch's
+            ``step_rewards`` at the last model token of each turn, so that token advantages
+            come from process supervision (DeepSeekMath sec. 4.1.3) instead of the summed
+            episode reward; ``False`` (default): per-turn rewards are only summed into
+            ``env_reward`` and logged.
     """
 
     max_turns: int = 4
@@ -220,6 +226,7 @@ class MultiTurnConfig:
     max_completion_tokens: int = 512
     stop_strings: tuple[str, ...] = ("</tool_call>",)
     completion_buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS
+    turn_rewards_as_step_rewards: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_new_tokens", "max_completion_tokens"):
@@ -237,6 +244,12 @@ class MultiTurnConfig:
             isinstance(s, str) and s for s in self.stop_strings
         ):
             msg = f"MultiTurnConfig.stop_strings must be a tuple of non-empty str, got {self.stop_strings!r}"  # noqa: E501
+            raise ValueError(msg)
+        if not isinstance(self.turn_rewards_as_step_rewards, bool):
+            msg = (
+                "MultiTurnConfig.turn_rewards_as_step_rewards must be a bool, "
+                f"got {self.turn_rewards_as_step_rewards!r}"
+            )
             raise ValueError(msg)
         if not self.completion_buckets or not all(
             isinstance(b, int) and b >= 1 for b in self.completion_buckets
@@ -270,6 +283,8 @@ class Episodes:
         env_reward: ``(R,)`` summed environment rewards (NaN: none given).
         turn_rewards: ``(R, max_turns)`` per-turn environment rewards (NaN: none).
         model_tokens: ``(R,)`` tokens the model generated.
+        turn_ends: ``(R, max_turns)`` completion index of the last model token of each turn
+            (-1: no such turn).
     """
 
     prompt_ids: np.ndarray
@@ -289,6 +304,7 @@ class Episodes:
     env_reward: np.ndarray
     turn_rewards: np.ndarray
     model_tokens: np.ndarray
+    turn_ends: np.ndarray
 
     def metrics(self) -> dict[str, float]:
         """Episode statistics: turns, tool calls and errors, limits, per-turn rewards.
@@ -413,8 +429,10 @@ def run_episodes(
     rows_n = len(envs)
     slots = width + 2 * config.max_completion_tokens + config.max_new_tokens
     cache = model.init_cache(len(rows), slots)
-    cache, logits = append_tokens(model, cache, encoded, pad_id=tokenizer.pad_id, buckets=None)
-    # ``append_tokens`` left-pads to the longest prompt; the cache width is what matters here.
+    # The prompts are prefilled at their bucketed width (one compiled program per bucket).
+    cache, logits = append_tokens(
+        model, cache, encoded, pad_id=tokenizer.pad_id, buckets=DEFAULT_PROMPT_BUCKETS
+    )
     cache = cache.repeat(g)
     logits = jnp.repeat(logits, g, axis=0)
 
@@ -428,6 +446,7 @@ def run_episodes(
     turn_limit = np.zeros(rows_n, bool)
     token_limit = np.zeros(rows_n, bool)
     turn_rewards = np.full((rows_n, config.max_turns), np.nan)
+    turn_ends = np.full((rows_n, config.max_turns), -1, np.int32)
     active = np.ones(rows_n, bool)
     budget = config.max_completion_tokens
 
@@ -465,6 +484,7 @@ def run_episodes(
             comp_ids[r] += gen[:keep]
             comp_mask[r] += [1] * keep
             comp_logp[r] += lp[:keep]
+            turn_ends[r, turn] = len(comp_ids[r]) - 1
             turns[r] += 1
             text = tokenizer.decode(gen[:keep], skip_special_tokens=True)
             final[r] = text
@@ -543,7 +563,23 @@ def run_episodes(
         ),
         turn_rewards=turn_rewards,
         model_tokens=c_mask.sum(axis=1).astype(np.int32),
+        turn_ends=turn_ends,
     )
+
+
+def turn_step_rewards(episodes: Episodes) -> np.ndarray:
+    """Per-turn rewards placed at the last model token of each turn, NaN elsewhere.
+
+    Args:
+        episodes: Finished episodes.
+
+    Returns:
+        ``(R, T)`` float32 step rewards (the batch's ``step_rewards``).
+    """
+    out = np.full(episodes.completion_ids.shape, np.nan, np.float32)
+    rows, turns = np.nonzero((episodes.turn_ends >= 0) & ~np.isnan(episodes.turn_rewards))
+    out[rows, episodes.turn_ends[rows, turns]] = episodes.turn_rewards[rows, turns]
+    return out
 
 
 def _columns(rows: Sequence[Mapping[str, Any]], g: int, exclude: str, ep: Episodes) -> dict:
@@ -665,6 +701,8 @@ class MultiTurnRollout:
             group_size=k,
             shared_prompts=True,
         )
+        if self.config.turn_rewards_as_step_rewards:
+            batch = batch.replace(step_rewards=jnp.asarray(turn_step_rewards(ep)))
         if need_old_log_probs:
             use_sampler = config.old_log_probs == "sampler" or (
                 config.old_log_probs == "auto" and _sampler_matches_loss(trainer, config)

@@ -23,6 +23,7 @@ from artifex.generative_models.training.rl.multiturn import (
     ToolEnvironment,
     environment_reward,
     run_episodes,
+    turn_step_rewards,
 )
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollout import RolloutConfig
@@ -124,6 +125,14 @@ def test_completion_mask_covers_exactly_the_model_tokens(seed: int) -> None:
     m = ep.completion_mask == 1
     np.testing.assert_allclose(np.asarray(lp)[m], ep.log_probs[m], rtol=1e-4, atol=1e-4)
     assert (ep.log_probs[~m] == 0).all()
+    # per-turn rewards as step rewards: at the last model token of each turn
+    steps = turn_step_rewards(ep)
+    for r in range(6):
+        mask = ep.completion_mask[r]
+        ends = [b - 1 for a, b, v in _runs(mask) if v]
+        seen = len(envs[r].seen)
+        np.testing.assert_array_equal(np.flatnonzero(~np.isnan(steps[r])), ends[:seen])
+        np.testing.assert_array_equal(steps[r][ends[:seen]], np.arange(1, seen + 1))
     metrics = ep.metrics()
     assert metrics["multiturn/turns_mean"] == pytest.approx(ep.turns.mean())
     assert "multiturn/turn_reward_1" in metrics
@@ -276,6 +285,20 @@ def test_multi_turn_rollout_trains_one_step() -> None:
     assert "multiturn/tool_calls_mean" in ro.metrics()
     ev = ro_fn.evaluate(trainer, tok, rows, environment_reward, RolloutConfig(), pass_threshold=3)
     assert ev["eval/pass@1"] == 1.0  # two turns: rewards 1 + 2
+    assert b.step_rewards is None
+    # per-turn rewards as process-supervision step rewards train too
+    ro_fn = MultiTurnRollout(
+        lambda: ScriptedModelEnv(2),
+        MultiTurnConfig(
+            max_turns=3,
+            max_new_tokens=5,
+            max_completion_tokens=64,
+            turn_rewards_as_step_rewards=True,
+        ),
+    )
+    ro2 = ro_fn(trainer, tok, rows, rewards, RolloutConfig(), key=jax.random.key(1))
+    assert ro2.batch.step_rewards is not None
+    assert np.isfinite(trainer.train_step(ro2.batch)["total_loss"])
 
 
 def test_environment_protocol_and_config_checks() -> None:
