@@ -25,7 +25,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_parser", "load_rows", "main"]
+__all__ = ["build_parser", "import_object", "load_rows", "main"]
 
 _REWARDS = ("math", "format", "overlong")
 
@@ -203,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="GRPO steps (default 1000)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="runs/demo", help="output directory")
+    demo.add_argument(
+        "--task",
+        choices=("addition", "tools"),
+        default="addition",
+        help="addition (single turn) or tools (multi-turn: learn to call a multiply tool)",
+    )
 
     tr = sub.add_parser("train", help="train a local Hugging Face model on a local dataset")
     for sp in (demo, tr):  # also accepted after the subcommand
@@ -238,6 +244,35 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     tr.add_argument("--output", default="runs/train/model", help="save_pretrained directory")
     _add_distributed_options(tr)
+    mt = tr.add_argument_group("multi-turn (tools or an environment)")
+    mt.add_argument(
+        "--tools",
+        action="append",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="a tool by import path (repeatable); episodes become multi-turn tool use",
+    )
+    mt.add_argument(
+        "--environment",
+        default=None,
+        metavar="MODULE:FACTORY",
+        help="a zero-argument factory of environments (reset(row), step(text)) by import path",
+    )
+    mt.add_argument("--tool-format", choices=("qwen", "llama3"), default="qwen")
+    mt.add_argument("--tool-timeout", type=float, default=10.0, help="seconds per tool call")
+    mt.add_argument("--max-turns", type=int, default=4, help="model turns per episode")
+    mt.add_argument(
+        "--max-completion-tokens",
+        type=int,
+        default=None,
+        help="tokens after the prompt per episode (default 4 * max_new_tokens)",
+    )
+    mt.add_argument(
+        "--stop-string",
+        action="append",
+        default=None,
+        help="text that ends a model turn (repeatable; default </tool_call>)",
+    )
     _add_dataclass_options(tr, GRPOConfig)
     _add_dataclass_options(tr, TrainConfig)
     _add_dataclass_options(tr, RolloutConfig)
@@ -280,6 +315,14 @@ def _setup_devices(args: argparse.Namespace) -> Any:
 def _demo(args: argparse.Namespace) -> int:
     from artifex.demo import DemoConfig, run_demo
 
+    if getattr(args, "task", "addition") == "tools":
+        from artifex.demo_tools import ToolDemoConfig, run_tool_demo
+
+        tcfg = ToolDemoConfig(seed=args.seed, out_dir=args.out)
+        if args.steps is not None:
+            tcfg = dataclasses.replace(tcfg, grpo_steps=args.steps)
+        run_tool_demo(tcfg)
+        return 0
     cfg = DemoConfig(seed=args.seed, out_dir=args.out)
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, grpo_steps=args.steps)
@@ -381,7 +424,10 @@ def _train(args: argparse.Namespace) -> int:
         if grpo.beta > 0:
             reference = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
     trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference, mesh=mesh)
-    result = train(trainer, tokenizer, rows, rewards, loop, rollout_config, eval_dataset=eval_rows)
+    hooks = _multi_turn_hooks(args, rollout_config)
+    result = train(
+        trainer, tokenizer, rows, rewards, loop, rollout_config, eval_dataset=eval_rows, **hooks
+    )
     if result.interrupted is not None:
         where = loop.checkpoint_dir or "nowhere (no --checkpoint-dir)"
         print(
@@ -451,6 +497,70 @@ def _error_line(err: BaseException) -> str:
     if hint is not None and hint not in text:
         text = f"{text} ({hint})"
     return f"artifex-grpo: error: {text} [--debug shows the traceback]"
+def import_object(path: str) -> Any:
+    """Imports ``"package.module:attribute"`` (the current directory is importable).
+
+    Args:
+        path: The import path.
+
+    Returns:
+        The attribute.
+
+    Raises:
+        ValueError: The path has no ``:`` or names a missing attribute.
+        ImportError: The module cannot be imported.
+    """
+    import importlib
+
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        msg = f"expected an import path 'module:attribute', got {path!r}"
+        raise ValueError(msg)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    module = importlib.import_module(module_name)
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            msg = f"module {module_name!r} has no attribute {attr!r}"
+            raise ValueError(msg)
+        obj = getattr(obj, part)
+    return obj
+
+
+def _multi_turn_hooks(args: argparse.Namespace, rollout_config: Any) -> dict[str, Any]:
+    """``rollout_fn``/``evaluate_fn`` for ``train`` when ``--tools`` or ``--environment``."""
+    if not args.tools and not args.environment:
+        return {}
+    from artifex.generative_models.training.rl.multiturn import (
+        MultiTurnConfig,
+        MultiTurnRollout,
+        ToolEnvironment,
+    )
+
+    if args.tools and args.environment:
+        msg = "use --tools or --environment, not both (an environment can hold its own tools)"
+        raise ValueError(msg)
+    per_turn = rollout_config.max_new_tokens
+    config = MultiTurnConfig(
+        max_turns=args.max_turns,
+        max_new_tokens=per_turn,
+        max_completion_tokens=args.max_completion_tokens or 4 * per_turn,
+        stop_strings=tuple(args.stop_string or ("</tool_call>",)),
+    )
+    if args.tools:
+        tools = [import_object(p) for p in args.tools]
+        column, fmt, timeout = rollout_config.prompt_column, args.tool_format, args.tool_timeout
+
+        def factory() -> Any:
+            return ToolEnvironment(tools, tool_format=fmt, timeout=timeout, prompt_column=column)
+    else:
+        factory = import_object(args.environment)
+        if not callable(factory):
+            msg = f"--environment {args.environment!r} is not callable"
+            raise TypeError(msg)
+    rollout_fn = MultiTurnRollout(factory, config)
+    return {"rollout_fn": rollout_fn, "evaluate_fn": rollout_fn.evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -524,7 +524,8 @@ class Tokenizer:
             add_generation_prompt: Whether to end with the assistant header.
             tokenize: Return ids (True) or the text (False).
             chat_template: Template to use instead of the tokenizer's.
-            **kwargs: Extra template variables (e.g. `tools`, `enable_thinking`).
+            **kwargs: Extra template variables (e.g. `tools`, `enable_thinking`). `tools` may hold
+                JSON schemas or plain functions (converted with `tool_schema`).
 
         Returns:
             Ids or text; a list of them for a list of conversations.
@@ -545,6 +546,12 @@ class Tokenizer:
             name: getattr(self, name) for name in _SPECIAL_NAMES if getattr(self, name) is not None
         }
         variables.update(kwargs)
+        tools = variables.get("tools")
+        if tools is not None and any(callable(t) for t in tools):
+            # Plain Python functions become JSON schemas, as transformers does.
+            from artifex.generative_models.training.rl.tools import tool_schema
+
+            variables["tools"] = [tool_schema(t) if callable(t) else t for t in tools]
         out = []
         for conversation in conversations:
             if not conversation:

@@ -51,6 +51,19 @@ from artifex.generative_models.training.rl.losses import (
     loss_normalizer,
     masked_mean,
 )
+
+# Multi-turn rollouts: tools and environments
+from artifex.generative_models.training.rl.multiturn import (
+    Environment,
+    Episodes,
+    MultiTurnConfig,
+    MultiTurnRollout,
+    MultiTurnRolloutResult,
+    ToolEnvironment,
+    environment_reward,
+    run_episodes,
+    turn_step_rewards,
+)
 from artifex.generative_models.training.rl.rewards import (
     CombinedRewards,
     RewardCombiner,
@@ -75,21 +88,37 @@ from artifex.generative_models.training.rl.rollout import (
     rollout,
     sample_completions,
 )
+from artifex.generative_models.training.rl.tools import (
+    ToolCall,
+    ToolResult,
+    ToolRunner,
+    parse_tool_calls,
+    tool_schema,
+)
 
 __all__ = [
     "CombinedRewards",
     "Completions",
     "DataIterator",
+    "Environment",
+    "Episodes",
     "GRPOBatch",
     "GRPOConfig",
     "GRPOTrainer",
     "GroupStats",
+    "MultiTurnConfig",
+    "MultiTurnRollout",
+    "MultiTurnRolloutResult",
     "NonFiniteUpdateError",
     "RewardCombiner",
     "RewardFunction",
     "RewardFunctionError",
     "Rollout",
     "RolloutConfig",
+    "ToolCall",
+    "ToolEnvironment",
+    "ToolResult",
+    "ToolRunner",
     "TrainConfig",
     "TrainResult",
     "advantages_from_config",
@@ -110,6 +139,7 @@ __all__ = [
     "default_log_prob_fn",
     "encode_prompts",
     "entropy_from_logits",
+    "environment_reward",
     "evaluate",
     "extract_answer",
     "format_reward",
@@ -124,16 +154,20 @@ __all__ = [
     "math_answer_reward",
     "normalize_number",
     "overlong_penalty",
+    "parse_tool_calls",
     "process_advantages",
     "reward_names",
     "rollout",
+    "run_episodes",
     "sample_completions",
     "segment_advantages",
     "segment_stats",
     "soft_overlong_penalty",
     "split_microbatches",
     "token_log_probs",
+    "tool_schema",
     "train",
+    "turn_step_rewards",
 ]
 
 # 2025-2026 GRPO variants (see docs/algorithm.md, "Variants as settings").

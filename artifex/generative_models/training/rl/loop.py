@@ -574,13 +574,14 @@ def _rollout_step(
     cfg: TrainConfig,
     key: jax.Array,
     placement: Any = None,
+    rollout_fn: Callable[..., Rollout] = rollout,
 ) -> tuple[Rollout, GRPOBatch, dict[str, float]]:
     need_old = cfg.num_iterations > 1 or cfg.num_minibatches > 1
     g = trainer.config.num_generations
     n = cfg.prompts_per_step
     mesh = getattr(trainer, "mesh", None)
     part = process_row_range(n, mesh) if spans_processes(mesh) else None
-    first = rollout(
+    first = rollout_fn(
         trainer,
         tokenizer,
         data.take(n, part=part),
@@ -588,7 +589,7 @@ def _rollout_step(
         rcfg,
         key=jax.random.fold_in(key, 0),
         need_old_log_probs=need_old,
-        placement=placement,
+        **({} if placement is None else {"placement": placement}),
     )
     info: dict[str, float] = {}
     if not cfg.dynamic_sampling:
@@ -603,7 +604,7 @@ def _rollout_step(
             if kept_groups >= n:
                 break
             rollouts.append(
-                rollout(
+                rollout_fn(
                     trainer,
                     tokenizer,
                     data.take(n),
@@ -611,7 +612,7 @@ def _rollout_step(
                     rcfg,
                     key=jax.random.fold_in(key, round_),
                     need_old_log_probs=need_old,
-                    placement=placement,
+                    **({} if placement is None else {"placement": placement}),
                 )
             )
         ro = rollouts[-1]
@@ -666,6 +667,8 @@ def train(
     eval_dataset: Sequence[Mapping[str, Any]] | None = None,
     eval_reward: Callable[..., Sequence[float | None]] | None = None,
     rollout_placement: Any = None,
+    rollout_fn: Callable[..., Rollout] | None = None,
+    evaluate_fn: Callable[..., dict[str, float]] | None = None,
 ) -> TrainResult:
     """Trains ``trainer``'s policy with GRPO on prompts from ``dataset``.
 
@@ -683,6 +686,11 @@ def train(
             :class:`~artifex.generative_models.training.placement.RolloutPlacement`: sample
             (rollouts and evaluation) on a mesh of its own, the weights resharded onto it
             before each rollout; ``None``: sample on the trainer's mesh.
+        rollout_fn: Replaces :func:`~artifex.generative_models.training.rl.rollout.rollout`
+            (same signature), e.g. a
+            :class:`~artifex.generative_models.training.rl.multiturn.MultiTurnRollout`.
+        evaluate_fn: Replaces :func:`evaluate` (same signature), e.g.
+            ``MultiTurnRollout.evaluate``.
 
     Returns:
         A :class:`TrainResult`.
@@ -780,14 +788,14 @@ def train(
     def run_eval(step: int) -> None:
         if eval_dataset is None:
             return
-        metrics = evaluate(
+        metrics = (evaluate if evaluate_fn is None else evaluate_fn)(
             trainer,
             tokenizer,
             eval_dataset,
             eval_reward,
             rcfg,
             pass_threshold=config.pass_threshold,
-            placement=rollout_placement,
+            **({} if rollout_placement is None else {"placement": rollout_placement}),
         )
         evaluations.append((step, metrics))
         logger.log(step, metrics, advance=False)
@@ -816,7 +824,15 @@ def train(
             t0 = time.perf_counter()
             key = jax.random.fold_in(base_key, step)
             ro, batch, info = _rollout_step(
-                trainer, tokenizer, data, rewards, rcfg, config, key, rollout_placement
+                trainer,
+                tokenizer,
+                data,
+                rewards,
+                rcfg,
+                config,
+                key,
+                rollout_placement,
+                rollout_fn or rollout,
             )
             t_rollout = time.perf_counter() - t0
             if config.num_minibatches > 1:

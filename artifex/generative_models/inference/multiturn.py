@@ -1,0 +1,334 @@
+r"""KV-cache continuation for multi-turn generation: append tokens, then decode a turn.
+
+A multi-turn episode alternates model turns with appended text (tool results, environment
+messages, chat-template scaffolding). The cache carries across turns, with the invariant
+
+    *every token of the conversation so far is encoded in the cache, and ``logits`` holds the
+    next-token logits after the last one.*
+
+:func:`append_tokens` prefills new tokens into an existing cache (nothing already encoded is
+encoded again) and :func:`decode_turn` samples one turn, feeding each sampled token back into the
+cache, until every active row has produced an end-of-sequence id or a stop sequence, or the
+turn's token limit. Both are compiled programs with static shapes: appended chunks are
+left-padded to a width bucket (padding slots are marked invalid in the cache and never attended
+to; positions count valid slots only, so a conversation with padding in the middle has the same
+logits as the unpadded conversation), and a turn has a static maximum length with a traced
+per-call limit. The host loop only runs between turns.
+
+Sampling is :func:`~artifex.generative_models.inference.sampling.sample_logits`: the returned
+log-probs are ``log pi(token)`` under the sampling distribution
+``pi(v) \propto exp(z_v / tau)`` (restricted by top-k / top-p when set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from artifex.generative_models.inference.sampling import bucket_length, sample_logits
+from artifex.generative_models.models.causal_lm.cache import KVCache
+
+__all__ = [
+    "DEFAULT_APPEND_BUCKETS",
+    "TurnOutput",
+    "append_tokens",
+    "decode_turn",
+]
+
+DEFAULT_APPEND_BUCKETS: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TurnOutput:
+    """One decoded turn for every row.
+
+    Attributes:
+        tokens: ``(R, N)`` sampled ids; ``pad_id`` after a row stopped or for inactive rows.
+        mask: ``(R, N)`` int32, 1 on the tokens the model generated this turn.
+        log_probs: ``(R, N)`` float32 log-prob of each token under the sampling distribution.
+        eos: ``(R,)`` bool, the row ended with an end-of-sequence id.
+        stopped: ``(R,)`` bool, the row ended with one of the stop sequences.
+        cache: The cache with every generated token encoded.
+        logits: ``(R, V)`` float32 next-token logits after each row's last token.
+    """
+
+    tokens: jax.Array
+    mask: jax.Array
+    log_probs: jax.Array
+    eos: jax.Array
+    stopped: jax.Array
+    cache: KVCache
+    logits: jax.Array
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def _append(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: KVCache,
+    ids: jax.Array,
+    mask: jax.Array,
+    logits: jax.Array,
+) -> tuple[KVCache, jax.Array]:
+    model = nnx.merge(graphdef, state)
+    hidden, cache = model.hidden_states(ids, attention_mask=mask, cache=cache)
+    new = model.logits_from_hidden(hidden[:, -1])
+    has_tokens = jnp.any(mask.astype(jnp.bool_), axis=-1)
+    return cache, jnp.where(has_tokens[:, None], new, logits)
+
+
+def append_tokens(
+    model: nnx.Module,
+    cache: KVCache,
+    sequences: Sequence[Sequence[int]],
+    logits: jax.Array | None = None,
+    *,
+    pad_id: int = 0,
+    buckets: Sequence[int] | None = DEFAULT_APPEND_BUCKETS,
+) -> tuple[KVCache, jax.Array]:
+    """Prefills each row's new tokens into the cache and returns the next-token logits.
+
+    The rows' token lists are left-padded to a common width (a bucket), so the last column is
+    every non-empty row's last new token. A row with no new tokens keeps its ``logits``.
+
+    Args:
+        model: The causal LM (``hidden_states(..., cache=)``, ``logits_from_hidden``).
+        cache: The cache holding the conversation so far (``batch_size`` = number of rows).
+        sequences: One list of new token ids per row (may be empty).
+        logits: ``(R, V)`` current next-token logits, kept for rows without new tokens;
+            ``None`` is allowed only when every row has new tokens.
+        pad_id: Filler id for padding slots.
+        buckets: Widths to pad to (``None``: the longest row's length).
+
+    Returns:
+        ``(cache, logits)``: the cache advanced by the padded width, and ``(R, V)`` float32
+        next-token logits.
+
+    Raises:
+        ValueError: The number of rows differs from the cache's, there is no new token at all,
+            the cache has no room for the chunk, or ``logits`` is missing for an empty row.
+    """
+    rows = cache.batch_size
+    if len(sequences) != rows:
+        msg = f"append_tokens: got {len(sequences)} token lists for a cache of {rows} rows"
+        raise ValueError(msg)
+    longest = max((len(s) for s in sequences), default=0)
+    if longest == 0:
+        msg = "append_tokens: every row's token list is empty"
+        raise ValueError(msg)
+    width = longest if buckets is None else bucket_length(longest, buckets)
+    index = int(cache.index)
+    if index + width > cache.max_length:
+        msg = (
+            f"append_tokens: the cache has {cache.max_length - index} free slots, "
+            f"the chunk needs {width}"
+        )
+        raise ValueError(msg)
+    if logits is None:
+        if any(len(s) == 0 for s in sequences):
+            msg = "append_tokens: logits are needed when some rows have no new tokens"
+            raise ValueError(msg)
+        logits = jnp.zeros((rows, model.config.vocab_size), jnp.float32)
+    ids = np.full((rows, width), pad_id, np.int32)
+    mask = np.zeros((rows, width), np.int32)
+    for r, seq in enumerate(sequences):
+        if len(seq):
+            ids[r, width - len(seq) :] = np.asarray(seq, np.int32)
+            mask[r, width - len(seq) :] = 1
+    graphdef, state = nnx.split(model)
+    return _append(graphdef, state, cache, jnp.asarray(ids), jnp.asarray(mask), logits)
+
+
+@partial(
+    jax.jit,
+    static_argnames=(
+        "graphdef",
+        "max_new_tokens",
+        "top_k",
+        "use_top_p",
+        "greedy",
+        "eos_ids",
+        "stop_sequences",
+        "pad_id",
+    ),
+)
+def _decode(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    cache: KVCache,
+    logits: jax.Array,
+    active: jax.Array,
+    key: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    limit: jax.Array,
+    *,
+    max_new_tokens: int,
+    top_k: int | None,
+    use_top_p: bool,
+    greedy: bool,
+    eos_ids: tuple[int, ...],
+    stop_sequences: tuple[tuple[int, ...], ...],
+    pad_id: int,
+) -> TurnOutput:
+    model = nnx.merge(graphdef, state)
+    rows, n = active.shape[0], max_new_tokens
+    width = max((len(s) for s in stop_sequences), default=1)
+    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+
+    def stop_hit(recent: jax.Array) -> jax.Array:
+        hit = jnp.zeros((rows,), jnp.bool_)
+        for seq in stop_sequences:
+            tail = recent[:, width - len(seq) :]
+            hit = hit | jnp.all(tail == jnp.asarray(seq, jnp.int32)[None, :], axis=-1)
+        return hit
+
+    def cond(c: dict[str, Any]) -> jax.Array:
+        return (c["step"] < limit) & ~jnp.all(c["done"])
+
+    def body(c: dict[str, Any]) -> dict[str, Any]:
+        step = c["step"]
+        token, logp = sample_logits(
+            c["logits"],
+            jax.random.fold_in(key, step),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p if use_top_p else None,
+            greedy=greedy,
+        )
+        alive = ~c["done"]
+        token = jnp.where(alive, token, pad_id)
+        recent = jnp.concatenate([c["recent"][:, 1:], token[:, None]], axis=1)
+        recent = jnp.where(alive[:, None], recent, c["recent"])
+        is_eos = alive & jnp.any(token[:, None] == eos[None, :], axis=-1)
+        is_stop = alive & ~is_eos & stop_hit(recent)
+        hidden, new_cache = model.hidden_states(
+            token[:, None], attention_mask=alive[:, None].astype(jnp.int32), cache=c["cache"]
+        )
+        new_logits = model.logits_from_hidden(hidden[:, 0])
+        return dict(
+            c,
+            tokens=c["tokens"].at[:, step].set(token),
+            mask=c["mask"].at[:, step].set(alive.astype(jnp.int32)),
+            logps=c["logps"].at[:, step].set(jnp.where(alive, logp, 0.0)),
+            done=c["done"] | is_eos | is_stop,
+            eos=c["eos"] | is_eos,
+            stopped=c["stopped"] | is_stop,
+            recent=recent,
+            cache=new_cache,
+            logits=jnp.where(alive[:, None], new_logits, c["logits"]),
+            step=step + 1,
+        )
+
+    carry = {
+        "tokens": jnp.full((rows, n), pad_id, jnp.int32),
+        "mask": jnp.zeros((rows, n), jnp.int32),
+        "logps": jnp.zeros((rows, n), jnp.float32),
+        "done": ~active.astype(jnp.bool_),
+        "eos": jnp.zeros((rows,), jnp.bool_),
+        "stopped": jnp.zeros((rows,), jnp.bool_),
+        "recent": jnp.full((rows, width), -1, jnp.int32),
+        "cache": cache,
+        "logits": logits.astype(jnp.float32),
+        "step": jnp.zeros((), jnp.int32),
+    }
+    c = jax.lax.while_loop(cond, body, carry)
+    return TurnOutput(
+        tokens=c["tokens"],
+        mask=c["mask"],
+        log_probs=c["logps"],
+        eos=c["eos"],
+        stopped=c["stopped"],
+        cache=c["cache"],
+        logits=c["logits"],
+    )
+
+
+def decode_turn(
+    model: nnx.Module,
+    cache: KVCache,
+    logits: jax.Array,
+    active: jax.Array | np.ndarray,
+    *,
+    key: jax.Array,
+    max_new_tokens: int,
+    limit: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    eos_ids: Sequence[int] = (),
+    stop_sequences: Sequence[Sequence[int]] = (),
+    pad_id: int = 0,
+) -> TurnOutput:
+    """Samples one turn for the active rows, continuing the cache.
+
+    At each step every active row draws a token from its logits, the token is written to the
+    cache (so the cache always holds the whole conversation) and the row stops after an
+    end-of-sequence id or when its last tokens equal one of ``stop_sequences``. Inactive rows
+    write invalid slots only. The loop ends when every row stopped or after ``limit`` steps.
+
+    Args:
+        model: The causal LM.
+        cache: The conversation so far; must have ``limit`` free slots.
+        logits: ``(R, V)`` next-token logits after each row's last token.
+        active: ``(R,)`` bool, rows that generate this turn.
+        key: PRNG key (the output is a deterministic function of it).
+        max_new_tokens: Static width of the output (one compiled program per value).
+        limit: Most steps this call (``<= max_new_tokens``; ``None``: ``max_new_tokens``).
+        temperature: ``tau >= 0``; 0 is greedy.
+        top_k: Optional top-k.
+        top_p: Nucleus mass in (0, 1].
+        eos_ids: Ids that end the turn (and, usually, the episode).
+        stop_sequences: Token-id sequences that end the turn (e.g. an encoded ``</tool_call>``).
+        pad_id: Filler id.
+
+    Returns:
+        A :class:`TurnOutput`.
+
+    Raises:
+        ValueError: ``limit`` outside ``[1, max_new_tokens]``, the cache has fewer free slots
+            than ``limit``, an empty stop sequence, or a negative temperature.
+    """
+    limit = max_new_tokens if limit is None else int(limit)
+    if not 1 <= limit <= max_new_tokens:
+        msg = f"decode_turn: limit must be in [1, max_new_tokens={max_new_tokens}], got {limit}"
+        raise ValueError(msg)
+    free = cache.max_length - int(cache.index)
+    if free < limit:
+        msg = f"decode_turn: the cache has {free} free slots, the turn may need {limit}"
+        raise ValueError(msg)
+    stops = tuple(tuple(int(t) for t in s) for s in stop_sequences)
+    if any(len(s) == 0 for s in stops):
+        msg = "decode_turn: stop_sequences must not contain an empty sequence"
+        raise ValueError(msg)
+    if not np.isfinite(temperature) or temperature < 0:
+        msg = f"decode_turn: temperature must be a finite number >= 0, got {temperature!r}"
+        raise ValueError(msg)
+    greedy = temperature == 0
+    graphdef, state = nnx.split(model)
+    return _decode(
+        graphdef,
+        state,
+        cache,
+        logits,
+        jnp.asarray(active, jnp.bool_),
+        key,
+        jnp.asarray(1.0 if greedy else temperature, jnp.float32),
+        jnp.asarray(top_p, jnp.float32),
+        jnp.asarray(limit, jnp.int32),
+        max_new_tokens=int(max_new_tokens),
+        top_k=top_k,
+        use_top_p=top_p < 1.0,
+        greedy=greedy,
+        eos_ids=tuple(int(e) for e in eos_ids),
+        stop_sequences=stops,
+        pad_id=int(pad_id),
+    )

@@ -1,0 +1,776 @@
+r"""Multi-turn rollouts: episodes with tools or environments, flattened into a ``GRPOBatch``.
+
+Each of the ``G`` members of a group runs its own episode. An environment (see
+:class:`Environment`) gives the opening messages of a dataset row; the model generates a turn
+until an end-of-sequence id or a stop sequence (for tools, the end of a ``<tool_call>``
+block); the environment answers the turn with observation messages (tool results, a game's
+next state, a simulated user), an optional reward and whether the episode is over; the answer is
+rendered through the tokenizer's chat template and appended, and the model continues, up to
+``max_turns`` model turns and ``max_completion_tokens`` tokens after the prompt.
+
+The KV cache carries across turns (:mod:`artifex.generative_models.inference.multiturn`): only the
+appended tokens are prefilled, nothing already encoded is encoded again, and the compiled pieces
+have static shapes (length buckets); the host loop runs between turns only.
+
+The batch stays flat, prompt-major and generation-minor, so the trainer and the loss are those
+of single-turn GRPO. A row's completion is everything after the prompt, in order: the model's
+turns, the appended scaffolding and observations. The completion mask is 1 exactly on the
+tokens the model generated, and the sampler's log-probs cover those tokens, so old-policy
+ratios and the KL penalty apply to model tokens only while the whole conversation stays in
+context for the log-prob pass.
+
+Appended text is found from the chat template itself: with ``history`` the conversation up to
+and including the model's last turn (as an assistant message) and ``obs`` the environment's
+messages, the appended text is the part of the template's closing of the assistant message
+that the model did not write itself (for example ``<|im_end|>\n`` after a ``</tool_call>``
+stop), followed by ``render(history + obs, add_generation_prompt=True)`` minus
+``render(history)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from artifex.generative_models.inference.multiturn import append_tokens, decode_turn
+from artifex.generative_models.inference.sampling import DEFAULT_PROMPT_BUCKETS, bucket_length
+from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.rewards import RewardCombiner
+from artifex.generative_models.training.rl.rollout import (
+    Rollout,
+    RolloutConfig,
+    _sampler_matches_loss,
+)
+from artifex.generative_models.training.rl.tools import ToolRunner, parse_tool_calls
+
+__all__ = [
+    "Environment",
+    "Episodes",
+    "MultiTurnConfig",
+    "MultiTurnRollout",
+    "MultiTurnRolloutResult",
+    "ToolEnvironment",
+    "environment_reward",
+    "run_episodes",
+    "turn_step_rewards",
+]
+
+Message = dict[str, Any]
+_SENTINEL = "\x00ARTIFEX-ASSISTANT-CONTENT\x00"
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """What a multi-turn rollout talks to; one instance per episode.
+
+    ``reset(row)`` returns the opening chat messages for a dataset row. ``step(text)`` receives
+    the model's turn (decoded, special tokens removed) and returns
+    ``(observation, reward, done)``: the messages to append (``None`` or empty when there are
+    none), a reward for this turn (``None``: none) and whether the episode is over. Episode
+    rewards are summed into the ``env_reward`` column reward functions receive
+    (:func:`environment_reward` reads it). Optional attributes read by the rollout:
+    ``tool_schemas`` (passed to the chat template as ``tools``), ``tool_calls`` and
+    ``tool_errors`` (counters for the metrics).
+    """
+
+    def reset(self, row: Mapping[str, Any]) -> list[Message]:
+        """Opening messages for a row.
+
+        Args:
+            row: The dataset row.
+
+        Returns:
+            Chat messages.
+        """
+        ...
+
+    def step(self, completion: str) -> tuple[list[Message] | None, float | None, bool]:
+        """Answers one model turn.
+
+        Args:
+            completion: The model's turn as text.
+
+        Returns:
+            ``(observation messages or None, reward or None, done)``.
+        """
+        ...
+
+
+class ToolEnvironment:
+    """The environment of tool use: run the turn's tool calls, end on a turn without any.
+
+    Args:
+        tools: The tools (callables with type hints and Google docstrings).
+        tool_format: How calls are written: ``"qwen"`` (``<tool_call>`` JSON) or ``"llama3"``.
+        timeout: Seconds per tool call.
+        prompt_column: The row's prompt column (a string becomes one user message; a list of
+            messages is used as is).
+        system_prompt: Optional system message put first.
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[Callable[..., Any]],
+        *,
+        tool_format: Literal["qwen", "llama3"] = "qwen",
+        timeout: float = 10.0,
+        prompt_column: str = "prompt",
+        system_prompt: str | None = None,
+    ):
+        self.runner = ToolRunner(tools, timeout=timeout)
+        self.tool_schemas = self.runner.schemas
+        self.tool_format = tool_format
+        self.prompt_column = prompt_column
+        self.system_prompt = system_prompt
+        self.tool_calls = 0
+        self.tool_errors = 0
+
+    def reset(self, row: Mapping[str, Any]) -> list[Message]:
+        """Opening messages: the optional system prompt and the row's prompt.
+
+        Args:
+            row: The dataset row.
+
+        Returns:
+            Chat messages.
+
+        Raises:
+            ValueError: The row has no prompt column.
+            TypeError: The prompt is neither a string nor a list of messages.
+        """
+        if self.prompt_column not in row:
+            msg = f"dataset row has no prompt column {self.prompt_column!r} (it has {sorted(row)})"
+            raise ValueError(msg)
+        prompt = row[self.prompt_column]
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
+            messages = [dict(m) for m in prompt]
+        else:
+            msg = (
+                f"column {self.prompt_column!r} must hold a string or chat messages, "
+                f"got {type(prompt).__name__}"
+            )
+            raise TypeError(msg)
+        if self.system_prompt is not None and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        self.tool_calls = 0
+        self.tool_errors = 0
+        return messages
+
+    def step(self, completion: str) -> tuple[list[Message] | None, float | None, bool]:
+        """Runs the turn's tool calls; a turn without calls ends the episode.
+
+        Args:
+            completion: The model's turn.
+
+        Returns:
+            ``(tool messages, None, False)`` after calls, ``(None, None, True)`` otherwise.
+        """
+        calls = parse_tool_calls(completion, self.tool_format)
+        if not calls:
+            return None, None, True
+        results = self.runner.run_all(calls)
+        self.tool_calls += len(results)
+        self.tool_errors += sum(r.error is not None for r in results)
+        messages = [
+            {"role": "tool", "name": r.name or "unknown", "content": r.content} for r in results
+        ]
+        return messages, None, False
+
+
+def environment_reward(
+    prompts: list[str], completions: list[str], env_reward: list[float], **columns: Any
+) -> list[float | None]:
+    """The environment's summed episode reward (``None`` where it gave none).
+
+    Args:
+        prompts: The prompts (unused).
+        completions: Final model turns (unused).
+        env_reward: The ``env_reward`` column of a multi-turn rollout (NaN: none).
+        **columns: Other columns (unused).
+
+    Returns:
+        One reward (or ``None``) per row.
+    """
+    return [None if v is None or math.isnan(v) else float(v) for v in env_reward]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MultiTurnConfig:
+    """Limits and settings of multi-turn episodes.
+
+    Attributes:
+        max_turns: Most model turns per episode.
+        max_new_tokens: Most tokens per model turn (static shape of the turn program).
+        max_completion_tokens: Most tokens after the prompt (model turns plus appended text);
+            an episode that would exceed it ends ("token limit").
+        stop_strings: Texts that end a model turn besides EOS (encoded without special tokens;
+            the default ends a Qwen-style tool call).
+        completion_buckets: Completion widths the batch is padded to (fewer recompiles).
+        turn_rewards_as_step_rewards: Put the environment's per-turn rewards in the batch's
+            ``step_rewards`` at the last model token of each turn, so that token advantages
+            come from process supervision (DeepSeekMath sec. 4.1.3) instead of the summed
+            episode reward; ``False`` (default): per-turn rewards are only summed into
+            ``env_reward`` and logged.
+    """
+
+    max_turns: int = 4
+    max_new_tokens: int = 128
+    max_completion_tokens: int = 512
+    stop_strings: tuple[str, ...] = ("</tool_call>",)
+    completion_buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS
+    turn_rewards_as_step_rewards: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_new_tokens", "max_completion_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                msg = f"MultiTurnConfig.{name} must be an int >= 1, got {value!r}"
+                raise ValueError(msg)
+        if self.max_new_tokens > self.max_completion_tokens:
+            msg = (
+                f"MultiTurnConfig.max_new_tokens ({self.max_new_tokens}) must be <= "
+                f"max_completion_tokens ({self.max_completion_tokens})"
+            )
+            raise ValueError(msg)
+        if not isinstance(self.stop_strings, tuple) or not all(
+            isinstance(s, str) and s for s in self.stop_strings
+        ):
+            msg = f"MultiTurnConfig.stop_strings must be a tuple of non-empty str, got {self.stop_strings!r}"  # noqa: E501
+            raise ValueError(msg)
+        if not isinstance(self.turn_rewards_as_step_rewards, bool):
+            msg = (
+                "MultiTurnConfig.turn_rewards_as_step_rewards must be a bool, "
+                f"got {self.turn_rewards_as_step_rewards!r}"
+            )
+            raise ValueError(msg)
+        if not self.completion_buckets or not all(
+            isinstance(b, int) and b >= 1 for b in self.completion_buckets
+        ):
+            msg = (
+                "MultiTurnConfig.completion_buckets must be a non-empty tuple of ints >= 1, "
+                f"got {self.completion_buckets!r}"
+            )
+            raise ValueError(msg)
+
+
+@dataclasses.dataclass
+class Episodes:
+    """Finished episodes, one per batch row (prompt-major, generation-minor).
+
+    Attributes:
+        prompt_ids: ``(R, P)`` left-padded prompt ids (repeated per generation).
+        prompt_mask: ``(R, P)`` 1 on real prompt tokens.
+        completion_ids: ``(R, T)`` everything after the prompt, right-padded.
+        completion_mask: ``(R, T)`` 1 exactly on tokens the model generated.
+        log_probs: ``(R, T)`` sampler log-probs on model tokens (0 elsewhere).
+        prompts: Rendered prompt texts, one per row.
+        final_turns: The model's last turn as text, one per row.
+        transcripts: Everything after the prompt as text (special tokens kept), one per row.
+        messages: The whole conversation of each episode (chat messages).
+        turns: ``(R,)`` model turns.
+        tool_calls: ``(R,)`` tool calls (from the environment's ``tool_calls`` counter).
+        tool_errors: ``(R,)`` failed tool calls.
+        turn_limit: ``(R,)`` episodes stopped by ``max_turns``.
+        token_limit: ``(R,)`` episodes stopped by a token limit (per turn or in total).
+        env_reward: ``(R,)`` summed environment rewards (NaN: none given).
+        turn_rewards: ``(R, max_turns)`` per-turn environment rewards (NaN: none).
+        model_tokens: ``(R,)`` tokens the model generated.
+        turn_ends: ``(R, max_turns)`` completion index of the last model token of each turn
+            (-1: no such turn).
+    """
+
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    completion_ids: np.ndarray
+    completion_mask: np.ndarray
+    log_probs: np.ndarray
+    prompts: list[str]
+    final_turns: list[str]
+    transcripts: list[str]
+    messages: list[list[Message]]
+    turns: np.ndarray
+    tool_calls: np.ndarray
+    tool_errors: np.ndarray
+    turn_limit: np.ndarray
+    token_limit: np.ndarray
+    env_reward: np.ndarray
+    turn_rewards: np.ndarray
+    model_tokens: np.ndarray
+    turn_ends: np.ndarray
+
+    def metrics(self) -> dict[str, float]:
+        """Episode statistics: turns, tool calls and errors, limits, per-turn rewards.
+
+        Returns:
+            Scalar metrics under ``multiturn/``.
+        """
+        out = {
+            "multiturn/turns_mean": float(self.turns.mean()),
+            "multiturn/tool_calls_mean": float(self.tool_calls.mean()),
+            "multiturn/tool_errors_mean": float(self.tool_errors.mean()),
+            "multiturn/tool_call_rate": float((self.tool_calls > 0).mean()),
+            "multiturn/turn_limit_fraction": float(self.turn_limit.mean()),
+            "multiturn/token_limit_fraction": float(self.token_limit.mean()),
+            "multiturn/model_tokens_mean": float(self.model_tokens.mean()),
+        }
+        for t in range(self.turn_rewards.shape[1]):
+            col = self.turn_rewards[:, t]
+            if (~np.isnan(col)).any():
+                out[f"multiturn/turn_reward_{t + 1}"] = float(np.nanmean(col))
+        return out
+
+
+def _render(tokenizer: Any, messages: list[Message], tools: Any, *, generation_prompt: bool) -> str:
+    extra = {} if tools is None else {"tools": tools}
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
+    )
+
+
+def _appended_text(
+    tokenizer: Any, history: list[Message], obs: list[Message], tools: Any, generated: str
+) -> str:
+    """Text to append after the model's turn ``generated`` (which ends ``history``)."""
+    probe = _render(
+        tokenizer,
+        [*history[:-1], {"role": "assistant", "content": _SENTINEL}],
+        tools,
+        generation_prompt=False,
+    )
+    closing = probe[probe.index(_SENTINEL) + len(_SENTINEL) :] if _SENTINEL in probe else ""
+    overlap = 0
+    for k in range(len(closing), 0, -1):
+        if generated.endswith(closing[:k]):
+            overlap = k
+            break
+    base = _render(tokenizer, history, tools, generation_prompt=False)
+    full = _render(tokenizer, [*history, *obs], tools, generation_prompt=True)
+    if not full.startswith(base):
+        msg = (
+            "the chat template does not render the conversation as a prefix of its "
+            "continuation, so turns cannot be appended; got "
+            f"{base[-80:]!r} vs {full[len(base) - 80 : len(base)]!r}"
+        )
+        raise ValueError(msg)
+    return closing[overlap:] + full[len(base) :]
+
+
+def run_episodes(
+    model: Any,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    environment_factory: Callable[[], Environment],
+    config: MultiTurnConfig,
+    *,
+    key: jax.Array,
+    num_generations: int = 1,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> Episodes:
+    """Runs ``num_generations`` episodes per row with one KV cache carried across turns.
+
+    Args:
+        model: The causal LM.
+        tokenizer: Its tokenizer (with a chat template).
+        rows: Dataset rows.
+        environment_factory: Builds one environment per episode (``factory()``).
+        config: Turn and token limits, stop strings.
+        key: PRNG key.
+        num_generations: Episodes per row ``G``.
+        temperature: Sampling temperature (0: greedy).
+        top_k: Optional top-k.
+        top_p: Nucleus mass.
+
+    Returns:
+        The :class:`Episodes`.
+
+    Raises:
+        ValueError: No rows, the ``G`` episodes of a row open with different messages, or the
+            prompt does not fit the model's positions.
+    """
+    if not rows:
+        msg = "run_episodes needs at least one row"
+        raise ValueError(msg)
+    g = int(num_generations)
+    envs = [environment_factory() for _ in range(len(rows) * g)]
+    histories: list[list[Message]] = []
+    for i, env in enumerate(envs):
+        histories.append(list(env.reset(rows[i // g])))
+        if i % g and histories[-1] != histories[i - i % g]:
+            msg = f"row {i // g}: the environment opened episodes of one group differently"
+            raise ValueError(msg)
+    tools = [getattr(env, "tool_schemas", None) for env in envs]
+    prompt_texts = [
+        _render(tokenizer, histories[i * g], tools[i * g], generation_prompt=True)
+        for i in range(len(rows))
+    ]
+    encoded = [tokenizer.encode(t, add_special_tokens=False) for t in prompt_texts]
+    p_ids, p_mask = tokenizer.pad_batch(encoded, side="left")
+    width = bucket_length(p_ids.shape[1])
+    p_ids, p_mask = tokenizer.pad_batch(encoded, length=width, side="left")
+    cfg_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    longest = max(len(e) for e in encoded)
+    if cfg_pos is not None and longest + config.max_completion_tokens > cfg_pos:
+        msg = (
+            f"the longest prompt has {longest} tokens and max_completion_tokens="
+            f"{config.max_completion_tokens}, but the model has {cfg_pos} positions"
+        )
+        raise ValueError(msg)
+
+    rows_n = len(envs)
+    slots = width + 2 * config.max_completion_tokens + config.max_new_tokens
+    cache = model.init_cache(len(rows), slots)
+    # The prompts are prefilled at their bucketed width (one compiled program per bucket).
+    cache, logits = append_tokens(
+        model, cache, encoded, pad_id=tokenizer.pad_id, buckets=DEFAULT_PROMPT_BUCKETS
+    )
+    cache = cache.repeat(g)
+    logits = jnp.repeat(logits, g, axis=0)
+
+    eos = tuple(tokenizer.eos_ids)
+    stops = tuple(tuple(tokenizer.encode(s, add_special_tokens=False)) for s in config.stop_strings)
+    comp_ids: list[list[int]] = [[] for _ in range(rows_n)]
+    comp_mask: list[list[int]] = [[] for _ in range(rows_n)]
+    comp_logp: list[list[float]] = [[] for _ in range(rows_n)]
+    final = [""] * rows_n
+    turns = np.zeros(rows_n, np.int32)
+    turn_limit = np.zeros(rows_n, bool)
+    token_limit = np.zeros(rows_n, bool)
+    turn_rewards = np.full((rows_n, config.max_turns), np.nan)
+    turn_ends = np.full((rows_n, config.max_turns), -1, np.int32)
+    active = np.ones(rows_n, bool)
+    budget = config.max_completion_tokens
+
+    for turn in range(config.max_turns):
+        free = cache.max_length - int(cache.index)
+        room = max(budget - len(comp_ids[r]) for r in range(rows_n) if active[r])
+        limit = min(config.max_new_tokens, room, free)
+        if limit < 1:
+            token_limit |= active
+            break
+        out = decode_turn(
+            model,
+            cache,
+            logits,
+            active,
+            key=jax.random.fold_in(key, turn),
+            max_new_tokens=config.max_new_tokens,
+            limit=limit,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_ids=eos,
+            stop_sequences=stops,
+            pad_id=tokenizer.pad_id,
+        )
+        cache, logits = out.cache, out.logits
+        toks, mask, logps = (np.asarray(x) for x in (out.tokens, out.mask, out.log_probs))
+        ended = np.asarray(out.eos) | np.asarray(out.stopped)
+        appends: list[list[int]] = [[] for _ in range(rows_n)]
+        for r in np.flatnonzero(active):
+            n = int(mask[r].sum())
+            gen = [int(t) for t in toks[r, :n]]
+            lp = [float(x) for x in logps[r, :n]]
+            keep = min(n, budget - len(comp_ids[r]))
+            comp_ids[r] += gen[:keep]
+            comp_mask[r] += [1] * keep
+            comp_logp[r] += lp[:keep]
+            turn_ends[r, turn] = len(comp_ids[r]) - 1
+            turns[r] += 1
+            text = tokenizer.decode(gen[:keep], skip_special_tokens=True)
+            final[r] = text
+            histories[r].append({"role": "assistant", "content": text})
+            if keep < n or not ended[r]:
+                token_limit[r] = True
+                active[r] = False
+                continue
+            obs, reward, done = envs[r].step(text)
+            if reward is not None:
+                turn_rewards[r, turn] = float(reward)
+            if done:
+                active[r] = False
+                continue
+            if turn + 1 == config.max_turns:
+                turn_limit[r] = True
+                active[r] = False
+                continue
+            obs = list(obs or [])
+            generated = tokenizer.decode(gen, skip_special_tokens=False)
+            text_in = _appended_text(tokenizer, histories[r], obs, tools[r], generated)
+            new = tokenizer.encode(text_in, add_special_tokens=False)
+            if len(comp_ids[r]) + len(new) + 1 > budget:
+                token_limit[r] = True
+                active[r] = False
+                continue
+            histories[r].extend(obs)
+            appends[r] = new
+            comp_ids[r] += new
+            comp_mask[r] += [0] * len(new)
+            comp_logp[r] += [0.0] * len(new)
+        if not active.any():
+            break
+        longest_new = max(len(a) for a in appends)
+        free = cache.max_length - int(cache.index)
+        if bucket_length(longest_new, (8, 16, 32, 64, 128, 256, 512, 1024)) + 1 > free:
+            for r in np.flatnonzero(active):  # no room left: these episodes end here
+                k = len(appends[r])
+                if k:
+                    del comp_ids[r][-k:], comp_mask[r][-k:], comp_logp[r][-k:]
+            token_limit |= active
+            break
+        cache, logits = append_tokens(
+            model,
+            cache,
+            [a if active[r] else [] for r, a in enumerate(appends)],
+            logits,
+            pad_id=tokenizer.pad_id,
+        )
+
+    width_c = bucket_length(max(len(c) for c in comp_ids), config.completion_buckets)
+    c_ids = np.full((rows_n, width_c), tokenizer.pad_id, np.int32)
+    c_mask = np.zeros((rows_n, width_c), np.int32)
+    c_logp = np.zeros((rows_n, width_c), np.float32)
+    for r in range(rows_n):
+        n = len(comp_ids[r])
+        c_ids[r, :n], c_mask[r, :n], c_logp[r, :n] = comp_ids[r], comp_mask[r], comp_logp[r]
+    rep = np.repeat(np.arange(len(rows)), g)
+    return Episodes(
+        prompt_ids=np.asarray(p_ids, np.int32)[rep],
+        prompt_mask=np.asarray(p_mask, np.int32)[rep],
+        completion_ids=c_ids,
+        completion_mask=c_mask,
+        log_probs=c_logp,
+        prompts=[prompt_texts[i] for i in rep],
+        final_turns=final,
+        transcripts=[tokenizer.decode(c, skip_special_tokens=False) for c in comp_ids],
+        messages=histories,
+        turns=turns,
+        tool_calls=np.asarray([getattr(e, "tool_calls", 0) for e in envs], np.int32),
+        tool_errors=np.asarray([getattr(e, "tool_errors", 0) for e in envs], np.int32),
+        turn_limit=turn_limit,
+        token_limit=token_limit,
+        env_reward=np.where(
+            np.isnan(turn_rewards).all(axis=1), np.nan, np.nansum(turn_rewards, axis=1)
+        ),
+        turn_rewards=turn_rewards,
+        model_tokens=c_mask.sum(axis=1).astype(np.int32),
+        turn_ends=turn_ends,
+    )
+
+
+def turn_step_rewards(episodes: Episodes) -> np.ndarray:
+    """Per-turn rewards placed at the last model token of each turn, NaN elsewhere.
+
+    Args:
+        episodes: Finished episodes.
+
+    Returns:
+        ``(R, T)`` float32 step rewards (the batch's ``step_rewards``).
+    """
+    out = np.full(episodes.completion_ids.shape, np.nan, np.float32)
+    rows, turns = np.nonzero((episodes.turn_ends >= 0) & ~np.isnan(episodes.turn_rewards))
+    out[rows, episodes.turn_ends[rows, turns]] = episodes.turn_rewards[rows, turns]
+    return out
+
+
+def _columns(rows: Sequence[Mapping[str, Any]], g: int, exclude: str, ep: Episodes) -> dict:
+    names = sorted({n for row in rows for n in row} - {exclude})
+    columns = {n: [row.get(n) for row in rows for _ in range(g)] for n in names}
+    own = {
+        "completion_length": [int(x) for x in ep.model_tokens],
+        "env_reward": [float(x) for x in ep.env_reward],
+        "turns": [int(x) for x in ep.turns],
+        "tool_calls": [int(x) for x in ep.tool_calls],
+        "transcript": ep.transcripts,
+    }
+    clash = sorted(set(own) & set(columns))
+    if clash:
+        msg = f"dataset columns {clash} clash with the multi-turn rollout's own columns"
+        raise ValueError(msg)
+    columns.update(own)
+    return columns
+
+
+@dataclasses.dataclass
+class MultiTurnRolloutResult(Rollout):
+    """A :class:`~artifex.generative_models.training.rl.rollout.Rollout` with its episodes.
+
+    Attributes:
+        batch: The prompt-major ``GRPOBatch``.
+        rows: The dataset rows, one per prompt.
+        prompts: The rendered prompts, one per prompt.
+        completions: The model's final turn of each episode.
+        rewards_per_function: ``(B, F)`` raw rewards of each function (NaN: none).
+        reward_names: The functions' names.
+        truncated: ``(B,)`` episodes stopped by the turn or token limit.
+        episodes: The :class:`Episodes` (turns, tool calls, limits, per-turn rewards).
+    """
+
+    episodes: Episodes | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """The single-turn metrics plus the episodes' (see :meth:`Episodes.metrics`).
+
+        Returns:
+            Scalar metrics.
+        """
+        out = Rollout.metrics(self)
+        if self.episodes is not None:
+            out.update(self.episodes.metrics())
+        return out
+
+
+class MultiTurnRollout:
+    """A rollout function for :func:`~artifex.generative_models.training.rl.loop.train`.
+
+    ``MultiTurnRollout(factory, config)`` is called like
+    :func:`~artifex.generative_models.training.rl.rollout.rollout` (pass it as ``rollout_fn``)
+    and its :meth:`evaluate` like :func:`~artifex.generative_models.training.rl.loop.evaluate`
+    (``evaluate_fn``). Reward functions receive the model's final turn as ``completions`` and
+    the columns ``completion_length`` (model tokens), ``env_reward``, ``turns``, ``tool_calls``
+    and ``transcript`` besides the dataset's.
+
+    Args:
+        environment_factory: Builds one :class:`Environment` per episode.
+        config: The :class:`MultiTurnConfig`.
+    """
+
+    def __init__(self, environment_factory: Callable[[], Environment], config: MultiTurnConfig):
+        if not callable(environment_factory):
+            msg = "MultiTurnRollout: environment_factory must be callable"
+            raise TypeError(msg)
+        self.environment_factory = environment_factory
+        self.config = config
+
+    def __call__(
+        self,
+        trainer: Any,
+        tokenizer: Any,
+        rows: Sequence[Mapping[str, Any]],
+        rewards: RewardCombiner,
+        config: RolloutConfig,
+        *,
+        key: jax.Array,
+        need_old_log_probs: bool = False,
+    ) -> MultiTurnRolloutResult:
+        """Runs ``G`` episodes per row, scores them and builds the batch.
+
+        Args:
+            trainer: The GRPO trainer (its model samples; ``num_generations``, temperature).
+            tokenizer: The tokenizer.
+            rows: Dataset rows.
+            rewards: The reward functions.
+            config: The single-turn settings read here: ``top_k``, ``top_p``,
+                ``prompt_column`` (excluded from the columns), ``old_log_probs``.
+            key: PRNG key.
+            need_old_log_probs: Fill ``old_log_probs`` (see the single-turn rollout).
+
+        Returns:
+            A :class:`MultiTurnRolloutResult`.
+        """
+        k = trainer.config.num_generations
+        ep = run_episodes(
+            trainer.model,
+            tokenizer,
+            rows,
+            self.environment_factory,
+            self.config,
+            key=key,
+            num_generations=k,
+            temperature=trainer.config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+        )
+        columns = _columns(rows, k, config.prompt_column, ep)
+        combined = rewards(ep.prompts, ep.final_turns, **columns)
+        batch = GRPOBatch(
+            prompt_ids=jnp.asarray(ep.prompt_ids),
+            prompt_mask=jnp.asarray(ep.prompt_mask),
+            completion_ids=jnp.asarray(ep.completion_ids),
+            completion_mask=jnp.asarray(ep.completion_mask),
+            rewards=jnp.asarray(combined.total, jnp.float32),
+            group_size=k,
+            shared_prompts=True,
+        )
+        if self.config.turn_rewards_as_step_rewards:
+            batch = batch.replace(step_rewards=jnp.asarray(turn_step_rewards(ep)))
+        if need_old_log_probs:
+            use_sampler = config.old_log_probs == "sampler" or (
+                config.old_log_probs == "auto" and _sampler_matches_loss(trainer, config)
+            )
+            if use_sampler:
+                batch = batch.replace(old_log_probs=jnp.asarray(ep.log_probs))
+            batch = trainer.compute_log_probs(batch)
+        return MultiTurnRolloutResult(
+            batch=batch,
+            rows=list(rows),
+            prompts=ep.prompts[::k],
+            completions=ep.final_turns,
+            rewards_per_function=np.asarray(combined.per_function),
+            reward_names=list(rewards.names),
+            truncated=ep.token_limit | ep.turn_limit,
+            episodes=ep,
+        )
+
+    def evaluate(
+        self,
+        trainer: Any,
+        tokenizer: Any,
+        rows: Sequence[Mapping[str, Any]],
+        reward_fn: Callable[..., Sequence[float | None]],
+        rollout_config: RolloutConfig,
+        *,
+        pass_threshold: float = 1.0,
+        batch_size: int = 64,
+    ) -> dict[str, float]:
+        """Greedy pass@1 of one episode per row, with the tool-call rate.
+
+        Args:
+            trainer: The trainer (or anything with a ``model``).
+            tokenizer: The tokenizer.
+            rows: Evaluation rows.
+            reward_fn: Scores the final turns like a training reward function.
+            rollout_config: Its ``prompt_column`` is excluded from the columns.
+            pass_threshold: Reward needed to pass.
+            batch_size: Rows per batch of episodes.
+
+        Returns:
+            ``eval/pass@1``, ``eval/reward_mean``, ``eval/tool_call_rate``, ``eval/turns_mean``.
+        """
+        scores: list[float] = []
+        calls: list[int] = []
+        turns: list[int] = []
+        for start in range(0, len(rows), batch_size):
+            chunk = list(rows[start : start + batch_size])
+            ep = run_episodes(
+                trainer.model,
+                tokenizer,
+                chunk,
+                self.environment_factory,
+                self.config,
+                key=jax.random.key(0),
+                num_generations=1,
+                temperature=0.0,
+            )
+            columns = _columns(chunk, 1, rollout_config.prompt_column, ep)
+            values = reward_fn(ep.prompts, ep.final_turns, **columns)
+            scores += [float("nan") if v is None else float(v) for v in values]
+            calls += [int(c) for c in ep.tool_calls]
+            turns += [int(t) for t in ep.turns]
+        s = np.asarray(scores, np.float64)
+        valid = ~np.isnan(s)
+        return {
+            "eval/pass@1": float(np.mean(np.where(valid, s, -np.inf) >= pass_threshold)),
+            "eval/reward_mean": float(s[valid].mean()) if valid.any() else float("nan"),
+            "eval/tool_call_rate": float(np.mean(np.asarray(calls) > 0)),
+            "eval/turns_mean": float(np.mean(turns)),
+        }

@@ -1,0 +1,313 @@
+"""Tests of multi-turn episodes: completion masks, log-probs, environments, faulty tools."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.demo_tools import TOOL_CHAT_TEMPLATE, multiply, tool_demo_tokenizer
+from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.grpo import GRPOTrainer
+from artifex.generative_models.training.rl.logprobs import causal_lm_log_probs
+from artifex.generative_models.training.rl.multiturn import (
+    Environment,
+    MultiTurnConfig,
+    MultiTurnRollout,
+    ToolEnvironment,
+    environment_reward,
+    run_episodes,
+    turn_step_rewards,
+)
+from artifex.generative_models.training.rl.rewards import RewardCombiner
+from artifex.generative_models.training.rl.rollout import RolloutConfig
+
+
+def _model(tokenizer, seed: int = 0) -> CausalLM:
+    config = CausalLMConfig.tiny(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_ids,
+        pad_token_id=tokenizer.pad_id,
+    )
+    return CausalLM(config, rngs=nnx.Rngs(seed))
+
+
+class ScriptedModelEnv:
+    """An environment that always answers with an observation until ``turns`` turns."""
+
+    def __init__(self, turns: int = 3):
+        self.turns = turns
+        self.seen: list[str] = []
+
+    def reset(self, row):
+        self.seen = []
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, completion):
+        self.seen.append(completion)
+        reward = float(len(self.seen))
+        if len(self.seen) >= self.turns:
+            return None, reward, True
+        return [{"role": "tool", "content": f"obs {len(self.seen)}"}], reward, False
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int, int]]:
+    """Maximal runs (start, end, value) of a 0/1 row."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((start, i, int(mask[start])))
+            start = i
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_completion_mask_covers_exactly_the_model_tokens(seed: int) -> None:
+    tok = tool_demo_tokenizer()
+    model = _model(tok, seed)
+    envs: list[ScriptedModelEnv] = []
+
+    def factory() -> ScriptedModelEnv:
+        envs.append(ScriptedModelEnv(turns=3))
+        return envs[-1]
+
+    cfg = MultiTurnConfig(
+        max_turns=4, max_new_tokens=6, max_completion_tokens=80, stop_strings=("7",)
+    )
+    rows = [{"prompt": "12*3"}, {"prompt": "456*78"}]
+    ep = run_episodes(model, tok, rows, factory, cfg, key=jax.random.key(seed), num_generations=3)
+    assert ep.completion_ids.shape[0] == 6
+    for r in range(6):
+        ids, mask = ep.completion_ids[r], ep.completion_mask[r]
+        n = int((np.cumsum(mask[::-1]) > 0)[::-1].sum())  # up to the last model token
+        runs = _runs(mask[:n])
+        model_runs = [tok.decode(ids[a:b], skip_special_tokens=True) for a, b, v in runs if v]
+        # each model turn is one run of mask 1 and the environment saw exactly those texts
+        assert model_runs[: len(envs[r].seen)] == envs[r].seen
+        assert len(model_runs) == ep.turns[r]
+        # the appended runs (mask 0) are the template's rendering of the observations
+        for a, b, v in runs:
+            if not v:
+                text = tok.decode(ids[a:b], skip_special_tokens=False)
+                assert "<tool_response>obs " in text and text.endswith("<|assistant|>")
+        # prompt + completion is the chat template's rendering of the whole conversation,
+        # with the model's turns as written (completed episodes end with the model's EOS)
+        full = tok.apply_chat_template(ep.messages[r], tokenize=False)
+        prompt = tok.decode(ep.prompt_ids[r][ep.prompt_mask[r] == 1], skip_special_tokens=False)
+        got = prompt + tok.decode(ids[:n], skip_special_tokens=False)
+        if not ep.token_limit[r] and not ep.turn_limit[r]:
+            assert got == full
+        # per-turn rewards and their sum
+        seen = len(envs[r].seen)
+        np.testing.assert_array_equal(ep.turn_rewards[r, :seen], np.arange(1, seen + 1))
+        assert np.isnan(ep.turn_rewards[r, seen:]).all()
+    # the sampler's log-probs equal the trainer's teacher-forced log-probs on model tokens
+    lp, _ = causal_lm_log_probs(
+        model,
+        jnp.asarray(ep.prompt_ids),
+        jnp.asarray(ep.completion_ids),
+        prompt_mask=jnp.asarray(ep.prompt_mask),
+    )
+    m = ep.completion_mask == 1
+    np.testing.assert_allclose(np.asarray(lp)[m], ep.log_probs[m], rtol=1e-4, atol=1e-4)
+    assert (ep.log_probs[~m] == 0).all()
+    # per-turn rewards as step rewards: at the last model token of each turn
+    steps = turn_step_rewards(ep)
+    for r in range(6):
+        mask = ep.completion_mask[r]
+        ends = [b - 1 for a, b, v in _runs(mask) if v]
+        seen = len(envs[r].seen)
+        np.testing.assert_array_equal(np.flatnonzero(~np.isnan(steps[r])), ends[:seen])
+        np.testing.assert_array_equal(steps[r][ends[:seen]], np.arange(1, seen + 1))
+    metrics = ep.metrics()
+    assert metrics["multiturn/turns_mean"] == pytest.approx(ep.turns.mean())
+    assert "multiturn/turn_reward_1" in metrics
+
+
+def test_limits_are_counted() -> None:
+    tok = tool_demo_tokenizer()
+    model = _model(tok, 3)
+    rows = [{"prompt": "1*2"}]
+    # never-ending environment: every episode hits the turn limit (unless a token limit first)
+    cfg = MultiTurnConfig(max_turns=2, max_new_tokens=4, max_completion_tokens=200)
+    ep = run_episodes(
+        model,
+        tok,
+        rows,
+        lambda: ScriptedModelEnv(99),
+        cfg,
+        key=jax.random.key(0),
+        num_generations=4,
+    )
+    assert ((ep.turns == 2) | ep.token_limit).all()
+    assert (ep.turn_limit | ep.token_limit).all()
+    # a tiny token budget: every episode ends by the token limit
+    cfg = MultiTurnConfig(max_turns=5, max_new_tokens=4, max_completion_tokens=6)
+    ep = run_episodes(
+        model,
+        tok,
+        rows,
+        lambda: ScriptedModelEnv(99),
+        cfg,
+        key=jax.random.key(1),
+        num_generations=4,
+    )
+    assert ep.token_limit.all() and (ep.completion_mask.sum(1) + 0 <= 6).all()
+    assert (np.asarray([len(c) for c in ep.completion_ids]) >= 6).all()
+
+
+def boom(a: int, b: int) -> str:
+    """Raises.
+
+    Args:
+        a: A.
+        b: B.
+    """
+    raise ZeroDivisionError("no")
+
+
+def hang(a: int, b: int) -> str:
+    """Hangs.
+
+    Args:
+        a: A.
+        b: B.
+    """
+    time.sleep(30)
+    return "late"
+
+
+def not_text(a: int, b: int) -> dict:
+    """Returns a dict, not text.
+
+    Args:
+        a: A.
+        b: B.
+    """
+    return {"a": a}
+
+
+class CallingEnv(ToolEnvironment):
+    """A tool environment whose model turns are replaced by a scripted call (the model is
+    random, so the test feeds the calls it wants through ``step``)."""
+
+    script = ""
+
+    def step(self, completion):
+        return super().step(self.script if not getattr(self, "_called", False) else completion)
+
+
+@pytest.mark.parametrize("name", ["boom", "hang", "not_text", "nosuch", "multiply"])
+def test_faulty_tools_leave_the_run_going(name: str) -> None:
+    tok = tool_demo_tokenizer()
+    model = _model(tok)
+
+    class Env(CallingEnv):
+        script = f'<tool_call>{{"name":"{name}","arguments":{{"a":2,"b":3}}}}</tool_call>'
+
+        def step(self, completion):
+            first = not getattr(self, "_called", False)
+            self._called = True
+            if first:
+                return ToolEnvironment.step(self, self.script)
+            return None, None, True
+
+    factory = lambda: Env([boom, hang, not_text, multiply], timeout=0.2)  # noqa: E731
+    # the model is random: every token ends its turn, so each turn reaches the environment
+    every = tuple(
+        tok.decode([i], skip_special_tokens=False)
+        for i in range(tok.vocab_size)
+        if i not in tok.eos_ids
+    )
+    cfg = MultiTurnConfig(
+        max_turns=3, max_new_tokens=4, max_completion_tokens=120, stop_strings=every
+    )
+    t0 = time.monotonic()
+    ep = run_episodes(
+        model, tok, [{"prompt": "2*3"}], factory, cfg, key=jax.random.key(0), num_generations=2
+    )
+    assert time.monotonic() - t0 < 25
+    assert (ep.tool_calls == 1).all()
+    assert (ep.tool_errors == (0 if name == "multiply" else 1)).all()
+    assert (ep.turns == 2).all()
+    text = ep.transcripts[0]
+    assert ("<tool_response>6</tool_response>" in text) == (name == "multiply")
+    if name != "multiply":
+        # (the demo alphabet has no capitals: "Error" decodes as "<unk>rror")
+        assert "<tool_response><unk>rror: " in text
+
+
+def test_multi_turn_rollout_trains_one_step() -> None:
+    """The rollout plugs into the unchanged trainer: one GRPO step on a multi-turn batch."""
+    tok = tool_demo_tokenizer()
+    model = _model(tok)
+    trainer = GRPOTrainer(
+        model,
+        nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+        GRPOConfig(num_generations=4, beta=0.0),
+    )
+    ro_fn = MultiTurnRollout(
+        lambda: ScriptedModelEnv(2),
+        MultiTurnConfig(max_turns=3, max_new_tokens=5, max_completion_tokens=64),
+    )
+    rewards = RewardCombiner([environment_reward])
+    rows = [{"prompt": "3*4", "answer": "12"}, {"prompt": "5*6", "answer": "30"}]
+    ro = ro_fn(
+        trainer,
+        tok,
+        rows,
+        rewards,
+        RolloutConfig(),
+        key=jax.random.key(0),
+        need_old_log_probs=True,
+    )
+    b = ro.batch.validate()
+    assert b.batch_size == 8 and b.shared_prompts
+    np.testing.assert_array_equal(
+        np.asarray(b.old_log_probs) * (np.asarray(b.completion_mask) == 0), 0.0
+    )
+    metrics = trainer.train_step(b)
+    assert np.isfinite(metrics["total_loss"])
+    assert "multiturn/tool_calls_mean" in ro.metrics()
+    ev = ro_fn.evaluate(trainer, tok, rows, environment_reward, RolloutConfig(), pass_threshold=3)
+    assert ev["eval/pass@1"] == 1.0  # two turns: rewards 1 + 2
+    assert b.step_rewards is None
+    # per-turn rewards as process-supervision step rewards train too
+    ro_fn = MultiTurnRollout(
+        lambda: ScriptedModelEnv(2),
+        MultiTurnConfig(
+            max_turns=3,
+            max_new_tokens=5,
+            max_completion_tokens=64,
+            turn_rewards_as_step_rewards=True,
+        ),
+    )
+    ro2 = ro_fn(trainer, tok, rows, rewards, RolloutConfig(), key=jax.random.key(1))
+    assert ro2.batch.step_rewards is not None
+    assert np.isfinite(trainer.train_step(ro2.batch)["total_loss"])
+
+
+def test_environment_protocol_and_config_checks() -> None:
+    assert isinstance(ScriptedModelEnv(), Environment)
+    assert isinstance(ToolEnvironment([multiply]), Environment)
+    with pytest.raises(ValueError, match="max_turns"):
+        MultiTurnConfig(max_turns=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        MultiTurnConfig(max_new_tokens=10, max_completion_tokens=5)
+    with pytest.raises(ValueError, match="stop_strings"):
+        MultiTurnConfig(stop_strings=("",))
+    assert TOOL_CHAT_TEMPLATE
