@@ -11,12 +11,12 @@ ours and TRL load) into Tunix's own ``tunix.models.qwen2.model.Qwen2`` with Tuni
 256, 4 layers, 4 query / 2 key-value heads of width 64, MLP 768, tied embeddings, q/k/v biases,
 RoPE base 1e6, fp32), twice (policy and reference, separate buffers), and the prompt ids of
 ``DIR/prompts.json`` (as the text "t<id> ..." that the word-level adapter below maps back to the
-same ids). Steps are timed as clean windows (``benchmarks/cleanwin.py``). One step is 8 prompts x 4 generations = 32
-completions of exactly 96 tokens by Tunix's KV-cache sampler (the ``vanilla`` rollout engine,
-temperature 1, top_p 1), a reference forward (``beta=0.04``), the rewards, one AdamW update
-(``num_iterations=1``: no old-policy forward, as ours). The tokenizer's EOS and pad ids are 4096
-and 4097, outside the model's vocabulary, so sampling never stops early and no sampled token
-is mistaken for padding.
+same ids). Steps are timed as clean windows (``benchmarks/cleanwin.py``). One step is 8 prompts
+x 4 generations = 32 completions of exactly 96 tokens by Tunix's KV-cache sampler (the
+``vanilla`` rollout engine, temperature 1, top_p 1), a reference forward (``beta=0.04``), the
+rewards, one AdamW update (``num_iterations=1``: no old-policy forward, as ours). The
+tokenizer's EOS and pad ids are 4096 and 4097, outside the model's vocabulary, so sampling never
+stops early and no sampled token is mistaken for padding.
 
 Prints a human-readable summary and, last, one line ``RESULT {json}`` that
 ``benchmarks/honest.py`` parses. The run fails (exit 1) when a step did not do W1's
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cleanwin  # noqa: E402  (benchmarks/cleanwin.py: standard library only)
+import cleanwin
 import numpy as np
 import optax
 from flax import nnx
