@@ -143,6 +143,11 @@ class Windows:
             "other_cpu_max": max((r["other_cpu"] for r in pool), default=float("nan")),
             "other_cpu_all": [round(r["other_cpu"], 3) for r in self.records],
         }
+        for r in self.records:
+            if "generation_s" in r:  # everything after generation: reference, reward, update
+                r["after_generation_s"] = r["seconds"] - r["generation_s"]
+        if "generation_s" in keys:
+            keys = (*keys, "after_generation_s")
         for key in ("seconds", *keys):
             vals = [r[key] for r in pool if key in r]
             if vals:

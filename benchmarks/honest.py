@@ -139,7 +139,7 @@ def table(results: dict, peak: dict) -> list[str]:
         lines.append(f"**{wname.upper()}** ({runs['spec']})")
         lines.append("")
         lines.append(
-            "| System | Whole step, ms median (min-max) | Generation, ms | Training, ms | "
+            "| System | Whole step, ms median (min-max) | Generation, ms | After generation, ms | "
             "First step, s | Peak RSS | Clean windows | Ours / faster peer |"
         )
         lines.append("|---|---|---|---|---|---|---|---|")
@@ -166,7 +166,7 @@ def table(results: dict, peak: dict) -> list[str]:
                 clean += f"; CHECKS FAILED: {problems[0]}"
             lines.append(
                 f"| {label} | {_spread(step)} | {_spread(r.get('generation_s'))} | "
-                f"{_spread(r.get('training_s'))} | {r.get('first_step_s') or 0:.1f} | "
+                f"{_spread(r.get('after_generation_s'))} | {r.get('first_step_s') or 0:.1f} | "
                 f"{_gb(r.get('peak_rss_bytes'))} | {clean} | {ratio} |"
             )
         for r in runs["runs"]:
