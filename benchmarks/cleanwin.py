@@ -116,10 +116,7 @@ class Windows:
 
     def done(self) -> bool:
         """Enough clean windows, or the retry budget is spent."""
-        return (
-            len(self.clean) >= self.wanted
-            or len(self.records) >= self.wanted + self.max_retries
-        )
+        return len(self.clean) >= self.wanted or len(self.records) >= self.wanted + self.max_retries
 
     def run(self, fn: Callable[[], Any]) -> None:
         """Times ``fn`` until :meth:`done`."""

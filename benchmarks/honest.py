@@ -31,6 +31,11 @@ import subprocess
 import sys
 import time
 
+# The orchestrator holds the matmul-peak buffers only: on a GPU it must not take the device's
+# memory (JAX preallocates 75% by default) away from the benchmark processes it starts.
+_USER_PREALLOCATE = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
@@ -208,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     systems = args.systems.split(",")
     wins = ["--windows", str(args.windows), "--max-retries", str(args.max_retries)]
     wins += ["--threshold", str(args.threshold)]
-    base_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    drop = {"XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE"}
+    base_env = {k: v for k, v in os.environ.items() if k not in drop}
+    if _USER_PREALLOCATE is not None:
+        base_env["XLA_PYTHON_CLIENT_PREALLOCATE"] = _USER_PREALLOCATE
     ours_env = dict(base_env, PYTHONPATH=ROOT)
     peer_env = {k: v for k, v in base_env.items() if k != "PYTHONPATH"}
     started = datetime.datetime.now(datetime.UTC)
