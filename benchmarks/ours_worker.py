@@ -31,8 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=0.05)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--flops", action="store_true", help="XLA cost analysis of the update")
+    parser.add_argument(
+        "--compilation-cache", default="none", help="JAX persistent cache dir ('none': off)"
+    )
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
+    from artifex.cli import enable_compilation_cache
+
+    enable_compilation_cache(args.compilation_cache)
 
     import jax
     import jax.numpy as jnp
