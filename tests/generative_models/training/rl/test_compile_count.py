@@ -2,10 +2,11 @@
 
 A step is what the benchmarks time (``benchmarks/ours_worker.py``): ``generate`` K completions
 per prompt, a host-side reward, ``GRPOTrainer.train_step``. The first step compiles the sampler
-and the update once each; later steps with prompts of other widths in the same bucket, other
-sampled tokens and other rewards must compile nothing at all (counted through JAX's backend
-compile event, so a stray jit anywhere in the step shows up). A prompt width in the next bucket
-compiles the sampler and the update once more.
+and the update once each; later steps with other prompts of the same width, other sampled tokens
+and other rewards must compile nothing at all (counted through JAX's backend compile event, so a
+stray jit anywhere in the step shows up). Another width in the same bucket reuses both programs
+(only the two small left-padding ops of ``generate`` compile, once per new width). A prompt width
+in the next bucket compiles the sampler and the update once more.
 
 Shapes: W1 exactly (Qwen2, vocab 4096, width 256, 4 layers, 8 prompts x 4, 32 + 96 tokens). W2
 (SmolLM2-135M's shape: Llama, vocab 49152, width 576, 9 q / 3 kv heads, MLP 1536, tied, 4 prompts
@@ -120,15 +121,22 @@ def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_b
 
     counter.count, counter.active = 0, True
     try:
-        # Same bucket: other prompt widths and fillings, other tokens, other rewards.
-        for width in same_bucket:
-            ids, mask = _prompts(rng, num_prompts, width, min(width, p) // 2, cfg.vocab_size)
+        # Same prompt width: other prompts, other sampled tokens, other rewards compile nothing.
+        for _ in range(2):
+            ids, mask = _prompts(rng, num_prompts, p, p // 2, cfg.vocab_size)
             _step(trainer, ids, mask, next(keys), k, n)
-        ids, mask = _prompts(rng, num_prompts, p, p, cfg.vocab_size)
-        _step(trainer, ids, mask, next(keys), k, n)
-        assert counter.count == 0, f"{counter.count} compilations in steps of a compiled bucket"
+        assert counter.count == 0, f"{counter.count} compilations in steps of a compiled shape"
+
+        # Other widths in the same bucket: the sampler and the update are not compiled again;
+        # only the left-padding to the bucket (two small device ops in ``generate``) compiles,
+        # once per new width.
+        for width in same_bucket:
+            for _ in range(2):
+                ids, mask = _prompts(rng, num_prompts, width, min(width, p) // 2, cfg.vocab_size)
+                _step(trainer, ids, mask, next(keys), k, n)
         assert sampling._generate._cache_size() == gen_before + 1
         assert trainer._step_fn._cache_size() == 1
+        assert counter.count <= 2 * len(same_bucket), f"{counter.count} compilations"
 
         # The next bucket: the sampler and the update compile once more, and only once.
         for _ in range(2):
