@@ -110,7 +110,7 @@ def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_b
         model, optimizer, GRPOConfig(num_generations=k, beta=0.04), reference_model=reference
     )
     rng = np.random.default_rng(0)
-    keys = iter(jax.random.split(jax.random.key(0), 8))
+    keys = iter(jax.random.split(jax.random.key(0), 32))
     gen_before = sampling._generate._cache_size()
 
     ids, mask = _prompts(rng, num_prompts, p, p, cfg.vocab_size)
