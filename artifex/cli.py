@@ -276,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_options(tr, GRPOConfig)
     _add_dataclass_options(tr, TrainConfig)
     _add_dataclass_options(tr, RolloutConfig)
+    for sub_parser in (demo, tr):
+        sub_parser.add_argument(
+            "--compilation-cache",
+            default=os.environ.get("ARTIFEX_COMPILATION_CACHE", DEFAULT_COMPILATION_CACHE),
+            help="JAX persistent compilation cache directory ('none' disables; default "
+            "$ARTIFEX_COMPILATION_CACHE or %(default)s)",
+        )
     return parser
 
 
@@ -310,6 +317,32 @@ def _setup_devices(args: argparse.Namespace) -> Any:
     if joined or args.mesh_fsdp > 1 or args.mesh_tensor > 1:
         return make_mesh(fsdp=args.mesh_fsdp, tensor=args.mesh_tensor)
     return None
+#: Where the command keeps compiled XLA programs between runs (``--compilation-cache``).
+DEFAULT_COMPILATION_CACHE = "~/.cache/artifex/jax"
+
+
+def enable_compilation_cache(path: str | None) -> str | None:
+    """Turns on JAX's persistent compilation cache in ``path``.
+
+    A second run with the same shapes then loads the compiled programs instead of compiling them
+    again. Every program is cached, however short its compilation.
+
+    Args:
+        path: Cache directory (``~`` expanded, created by JAX); None, "" or "none" leaves the
+            cache off.
+
+    Returns:
+        The directory used, or None when the cache stays off.
+    """
+    if not path or path.lower() == "none":
+        return None
+    import jax
+
+    directory = os.path.abspath(os.path.expanduser(path))
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -577,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         The process exit status.
     """
     args = build_parser().parse_args(argv)
+    enable_compilation_cache(args.compilation_cache)
     try:
         if args.command == "demo":
             return _demo(args)

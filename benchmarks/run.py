@@ -14,8 +14,9 @@ included), so a noisy shared machine moves both sides together. Sections:
   151,936 and B x T = 8 x 1024, chunked log-probs against naive full logits.
 - ``fsdp_memory``: per-device parameter + optimizer bytes under FSDP over 1, 2, 4, 8 simulated
   devices (``benchmarks/sharding_memory.py`` in a subprocess, which needs 8 host devices).
-- ``peers``: W1 with TRL and with Tunix, each run by ``benchmarks/peers/*_w1.py`` in its own
-  virtual environment (``benchmarks/peers/README.md``); a row says "not installed" without it.
+
+Ours against TRL and Tunix (same weights, prompts and settings, clean timing windows) is
+``benchmarks/honest.py``, not a section here.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def bench_w1(ctx: dict) -> list[Row]:
         {
             "benchmark": "W1 whole step (generate + reward + train_step)",
             "value": f"{t_step * 1e3:.0f} ms",
-            "detail": "median of 7; target < 900 ms (TRL and Tunix: the peers rows)",
+            "detail": "median of 7 (against TRL and Tunix: benchmarks/honest.py)",
         },
     ]
 
@@ -326,83 +327,6 @@ def bench_fsdp_memory(ctx: dict) -> list[Row]:
                     "detail": cells[2] if len(cells) > 2 else "",
                 }
             )
-    return rows
-
-
-# Peers on W1, each in its own virtual environment (benchmarks/peers/README.md): TRL (PyTorch)
-# and Tunix (JAX). A peer's interpreter is $ARTIFEX_<NAME>_PYTHON or the default path below.
-PEERS = (
-    ("trl", "TRL", "trl_w1.py", "/tmp/artifex-peers/trl/bin/python"),
-    ("tunix", "Tunix", "tunix_w1.py", "/tmp/artifex-peers/tunix/bin/python"),
-)
-
-
-@section("peers")
-def bench_peers(ctx: dict) -> list[Row]:
-    import subprocess
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-    ours = ctx.get("w1_step_s")
-    rows: list[Row] = []
-    for key, name, script, default in PEERS:
-        python = os.environ.get(f"ARTIFEX_{key.upper()}_PYTHON", default)
-        label = f"{name} W1 whole step (same workload, its own GRPO trainer)"
-        if not os.path.exists(python):
-            rows.append(
-                {
-                    "benchmark": label,
-                    "value": "not installed",
-                    "detail": f"no {python}: see benchmarks/peers/README.md",
-                }
-            )
-            continue
-        load = os.getloadavg()[0]
-        cmd = [python, os.path.join(here, "peers", script), "--steps", "8", "--warmup", "2"]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        except subprocess.TimeoutExpired:
-            rows.append({"benchmark": label, "value": "failed", "detail": "timed out (900 s)"})
-            continue
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PEER_RESULT ")]
-        if not lines:
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
-            rows.append(
-                {"benchmark": label, "value": "failed", "detail": f"exit {proc.returncode}: {tail}"}
-            )
-            continue
-        res = json.loads(lines[-1][len("PEER_RESULT ") :])
-        ms = {k: 1e3 * res[k] for k in ("step_s", "generation_s", "rollout_s", "training_s")}
-        if key == "trl":
-            split = (
-                f"generation {ms['generation_s']:.0f} ms, reference fwd + reward "
-                f"{ms['rollout_s'] - ms['generation_s']:.0f} ms, policy fwd+bwd + AdamW "
-                f"{ms['training_s']:.0f} ms"
-            )
-        else:
-            split = (
-                f"generation {ms['generation_s']:.0f} ms, reference fwd "
-                f"{1e3 * res['reference_s']:.0f} ms, policy fwd+bwd + AdamW "
-                f"{ms['training_s']:.0f} ms"
-            )
-        versions = ", ".join(f"{k} {v}" for k, v in res["versions"].items())
-        ratio = (
-            f"; ours {1e3 * ours:.0f} ms is {res['step_s'] / ours:.2f}x faster"
-            if ours
-            else "; add the w1 section (--only w1,peers) for the ratio"
-        )
-        problems = res["check"]["problems"]
-        check = "W1 checks failed: " + "; ".join(problems[:3]) if problems else "W1 checks pass"
-        rows.append(
-            {
-                "benchmark": label,
-                "value": f"{ms['step_s']:.0f} ms",
-                "detail": (
-                    f"median of {res['steps_timed']} steps ({split}){ratio}; {versions}; "
-                    f"{check}; load average {load:.1f} at start"
-                ),
-            }
-        )
     return rows
 
 

@@ -148,3 +148,41 @@ def test_short_demo_raises_held_out_accuracy(tmp_path):
     assert summary["held_out_pass@1_after"] > summary["held_out_pass@1_before"] + 0.1
     assert summary["train_reward_last_10_steps"] > summary["train_reward_first_10_steps"]
     assert os.path.getsize(summary["reward_curve"]) > 1000
+
+
+def test_compilation_cache_flag_writes_and_reuses_compiled_programs(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from artifex.cli import DEFAULT_COMPILATION_CACHE, build_parser, enable_compilation_cache
+
+    parser = build_parser()
+    assert parser.parse_args(["demo"]).compilation_cache in (
+        DEFAULT_COMPILATION_CACHE,
+        os.environ.get("ARTIFEX_COMPILATION_CACHE"),
+    )
+    assert parser.parse_args(["demo", "--compilation-cache", "none"]).compilation_cache == "none"
+    assert enable_compilation_cache("none") is None
+    assert enable_compilation_cache(None) is None
+
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_compile_time_secs",
+        "jax_persistent_cache_min_entry_size_bytes",
+    )
+    from jax._src import compilation_cache as cc  # the cache is set up once per process
+
+    before = {n: getattr(jax.config, n) for n in names}
+    cache = tmp_path / "cache"
+    cc.reset_cache()
+    try:
+        assert enable_compilation_cache(str(cache)) == str(cache)
+        assert jax.config.jax_compilation_cache_dir == str(cache)
+        x = jnp.arange(7.0)
+        jax.jit(lambda v: jnp.sin(v) * 3.0 + v.sum()).lower(x).compile()
+        entries = list(cache.iterdir())
+        assert entries, "no compiled program was written to the cache"
+    finally:
+        for n, v in before.items():
+            jax.config.update(n, v)
+        cc.reset_cache()

@@ -2,21 +2,24 @@
 
 Run in the Tunix venv (see ``benchmarks/peers/README.md``), not in the project's Python:
 
-    /tmp/artifex-peers/tunix/bin/python benchmarks/peers/tunix_w1.py [--steps 8] [--warmup 2]
+    /tmp/artifex-peers/tunix/bin/python benchmarks/peers/tunix_w1.py --model-dir DIR \
+        [--windows 5] [--max-retries 10]
 
-Builds everything locally (no hub access): Tunix's own ``tunix.models.qwen2.model.Qwen2`` from a
-``ModelConfig`` of W1's shapes (vocabulary 4096, width 256, 4 layers, 4 query / 2 key-value heads
-of width 64, MLP 768, tied embeddings, q/k/v biases, RoPE base 1e6, fp32), random init, a
-separate reference model with the same initial weights, a word-level tokenizer over
-"t0".."t4095", and prompts of exactly 32 tokens. One step is 8 prompts x 4 generations = 32
-completions of exactly 96 tokens by Tunix's KV-cache sampler (the ``vanilla`` rollout engine,
-temperature 1, top_p 1), a reference forward (``beta=0.04``), the rewards, one AdamW update
-(``num_iterations=1``: no old-policy forward, as ours). The tokenizer's EOS and pad ids are 4096
-and 4097, outside the model's vocabulary, so sampling never stops early and no sampled token
-is mistaken for padding.
+Loads the shared W1 directory written by ``benchmarks/hfdir.py`` (the same ``model.safetensors``
+ours and TRL load) into Tunix's own ``tunix.models.qwen2.model.Qwen2`` with Tunix's own loader
+(``tunix.models.qwen2.params.create_model_from_safe_tensors``; W1's shapes: vocabulary 4096, width
+256, 4 layers, 4 query / 2 key-value heads of width 64, MLP 768, tied embeddings, q/k/v biases,
+RoPE base 1e6, fp32), twice (policy and reference, separate buffers), and the prompt ids of
+``DIR/prompts.json`` (as the text "t<id> ..." that the word-level adapter below maps back to the
+same ids). Steps are timed as clean windows (``benchmarks/cleanwin.py``). One step is 8 prompts
+x 4 generations = 32 completions of exactly 96 tokens by Tunix's KV-cache sampler (the
+``vanilla`` rollout engine, temperature 1, top_p 1), a reference forward (``beta=0.04``), the
+rewards, one AdamW update (``num_iterations=1``: no old-policy forward, as ours). The
+tokenizer's EOS and pad ids are 4096 and 4097, outside the model's vocabulary, so sampling never
+stops early and no sampled token is mistaken for padding.
 
-Prints a human-readable summary and, last, one line ``PEER_RESULT {json}`` that
-``benchmarks/run.py --only peers`` parses. The run fails (exit 1) when a step did not do W1's
+Prints a human-readable summary and, last, one line ``RESULT {json}`` that
+``benchmarks/honest.py`` parses. The run fails (exit 1) when a step did not do W1's
 work: a completion that is not 96 tokens, a batch that is not 8 x 4, no reference forward.
 """
 
@@ -36,10 +39,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cleanwin
 import numpy as np
 import optax
 from flax import nnx
 from tunix.models.qwen2 import model as qwen2_lib
+from tunix.models.qwen2 import params as qwen2_params
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner as grpo_lib
 from tunix.rl.rollout import base_rollout
@@ -89,11 +96,6 @@ def model_config() -> qwen2_lib.ModelConfig:
     )
 
 
-def build_model(seed: int) -> qwen2_lib.Qwen2:
-    """A random-init W1 Qwen2 (Tunix's class); ``RLCluster`` puts it on its mesh."""
-    return qwen2_lib.Qwen2(model_config(), rngs=nnx.Rngs(seed))
-
-
 def toy_reward(prompts, completions, **kwargs):
     """The fraction of even token ids in each completion (W1's toy reward)."""
     out = []
@@ -103,33 +105,42 @@ def toy_reward(prompts, completions, **kwargs):
     return out
 
 
+_SPLITS = ("generation_s", "reference_s", "rollout_s", "training_s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="steps run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-dir", required=True, help="workload directory (hfdir.py)")
+    parser.add_argument("--windows", type=int, default=5, help="clean timed steps wanted")
+    parser.add_argument("--max-retries", type=int, default=10, help="extra steps for noisy ones")
+    parser.add_argument("--threshold", type=float, default=0.05)
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out")
     args = parser.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.WARNING)
+    t_start = time.perf_counter()
+    with open(os.path.join(args.model_dir, "prompts.json")) as fh:
+        prompt_ids = json.load(fh)["ids"]
+    if len(prompt_ids) != NUM_PROMPTS or {len(p) for p in prompt_ids} != {PROMPT_LEN}:
+        print(f"prompts.json is not W1's {NUM_PROMPTS} x {PROMPT_LEN}", file=sys.stderr)
+        return 1
+    max_steps = args.warmup + args.windows + args.max_retries
+    windows = cleanwin.Windows(args.windows, args.max_retries, args.threshold)
 
     # One CPU device; Auto axes, as Tunix's examples make their meshes.
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    policy = build_model(args.seed)
-    reference = build_model(args.seed)  # same initial weights, its own buffers
+    policy = qwen2_params.create_model_from_safe_tensors(args.model_dir, model_config(), mesh)
+    reference = qwen2_params.create_model_from_safe_tensors(args.model_dir, model_config(), mesh)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Param)))
+    load_s = time.perf_counter() - t_start
 
-    rng = np.random.default_rng(args.seed + 1)
-    data = [
-        {
-            # A NumPy array, as Tunix's grain pipelines give: the learner repeats it G times.
-            "prompts": np.array(
-                [
-                    " ".join(f"t{t}" for t in rng.integers(0, VOCAB, PROMPT_LEN))
-                    for _ in range(NUM_PROMPTS)
-                ]
-            )
-        }
-        for _ in range(args.steps)
-    ]
+    def data():
+        # The same prompts every step, as ours; stops once enough clean windows were timed.
+        # A NumPy array, as Tunix's grain pipelines give: the learner repeats it G times.
+        text = np.array([" ".join(f"t{t}" for t in row) for row in prompt_ids])
+        for i in range(max_steps):
+            if i > args.warmup and windows.done():
+                return
+            yield {"prompts": text}
 
     cluster_config = rl_cluster_lib.ClusterConfig(
         role_to_mesh={
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         training_config=rl_cluster_lib.RLTrainingConfig(
             actor_optimizer=optax.adamw(1e-5),
             eval_every_n_steps=10**9,
-            max_steps=args.steps,
+            max_steps=max_steps,
             checkpoint_root_directory=None,
         ),
         rollout_config=base_rollout.RolloutConfig(
@@ -222,9 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     def timed_global_step(*a, **k):
         step_begin()
         starts.append(cur["t0"])
+        snap = cleanwin.snapshot()
         out = run_global_step(*a, **k)
         cur["step_s"] = time.perf_counter() - cur.pop("t0")
+        cur["other_cpu"] = cleanwin.other_fraction(snap, cleanwin.snapshot())
         steps.append(dict(cur))
+        if len(steps) > args.warmup:
+            r = windows.records
+            r.append(
+                {
+                    "seconds": cur["step_s"],
+                    "other_cpu": cur["other_cpu"],
+                    "clean": cur["other_cpu"] <= args.threshold,
+                    **{key: cur.get(key, 0.0) for key in _SPLITS},
+                }
+            )
         return out
 
     learner._run_global_step = timed_global_step
@@ -234,18 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     wrap(learner, "_generate_and_compute_advantage", "rollout_s", check_example)
 
     t0 = time.perf_counter()
-    learner.train(data)
+    learner.train(data())
     total_s = time.perf_counter() - t0
 
-    med = statistics.median
-    timed = steps[args.warmup :]
-    step_s = [s["step_s"] for s in timed]
-    gen_s = [s["generation_s"] for s in timed]
-    ref_s = [s["reference_s"] for s in timed]
-    rollout_s = [s["rollout_s"] for s in timed]
-    train_s = [s["training_s"] for s in timed]
     batch = NUM_PROMPTS * NUM_GENERATIONS
-
     problems = []
     for i, s in enumerate(steps):
         c = s.get("check")
@@ -264,32 +279,32 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"step {i}: no reference forward")
         if "training_s" not in s:
             problems.append(f"step {i}: no update")
-    if len(steps) != args.steps:
-        problems.append(f"{len(steps)} steps run, want {args.steps}")
-    if cluster.actor_trainer.train_steps != args.steps:
+    if cluster.actor_trainer.train_steps != len(steps):
         problems.append(
-            f"{cluster.actor_trainer.train_steps} optimizer updates for {args.steps} steps"
+            f"{cluster.actor_trainer.train_steps} optimizer updates for {len(steps)} steps"
         )
+    if not windows.records:
+        problems.append("no timed step after the warm-up")
 
     versions = {
         p: importlib.metadata.version(p) for p in ("google-tunix", "jax", "jaxlib", "flax", "optax")
     }
     checks = [s.get("check", {}) for s in steps]
+    summary = windows.summary(_SPLITS)
     result = {
-        "peer": "tunix",
+        "system": "tunix",
         "versions": versions,
-        "devices": str(jax.devices()),
+        "device": str(jax.devices()[0].device_kind),
         "params": int(n_params),
-        "steps_timed": len(step_s),
-        "step_s": med(step_s),
-        "step_s_all": [round(s, 4) for s in step_s],
-        # step start to next step start: the loop's whole period, weight sync and metrics included
-        "step_period_s": med([b - a for a, b in itertools.pairwise(starts)][args.warmup :]),
-        "generation_s": med(gen_s),
-        "reference_s": med(ref_s),
-        "rollout_s": med(rollout_s),
-        "training_s": med(train_s),
+        "load_s": load_s,
+        "first_step_s": steps[0]["step_s"] if steps else None,
+        "step_period_s": statistics.median(
+            [b - a for a, b in itertools.pairwise(starts)][args.warmup :] or [float("nan")]
+        ),
         "total_train_s": total_s,
+        "peak_rss_bytes": cleanwin.peak_rss_bytes(),
+        "generated_tokens": batch * COMPLETION_LEN,
+        **summary,
         "check": {
             "completions_per_step": sorted({c.get("completions") for c in checks}),
             "completion_lengths": sorted(
@@ -303,17 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             "problems": problems,
         },
     }
-    print(
-        f"Tunix {versions['google-tunix']} (jax {versions['jax']}, flax {versions['flax']}), "
-        f"{n_params / 1e6:.2f}M params\n"
-        f"W1 step: median {med(step_s) * 1e3:.0f} ms over {len(step_s)} steps "
-        f"(generation {med(gen_s) * 1e3:.0f} ms, reference fwd {med(ref_s) * 1e3:.0f} ms, "
-        f"rollout incl. rewards {med(rollout_s) * 1e3:.0f} ms, "
-        f"update {med(train_s) * 1e3:.0f} ms)\n"
-        f"checks: {json.dumps(result['check'])}",
-        flush=True,
-    )
-    print("PEER_RESULT " + json.dumps(result), flush=True)
+    cleanwin.emit("RESULT", result)
     return 1 if problems else 0
 
 

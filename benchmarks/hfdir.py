@@ -1,0 +1,178 @@
+"""The one Hugging Face directory per workload that every system under test loads.
+
+``ensure_dir(workload, root)`` writes, once, ``root/<name>/``:
+
+- ``config.json`` + ``model.safetensors``: random weights from a fixed seed (our
+  ``CausalLM.save_pretrained``, the layout transformers reads), or, for W2, a copy-free link to a
+  real checkpoint directory given with ``--w2-model``;
+- ``tokenizer.json`` + ``tokenizer_config.json``: a word-level tokenizer over ``"<pad>"``,
+  ``"<eos>"``, ``"t2"`` ... ``"t{V-1}"`` (the text ``"t17 t4"`` is the ids ``[17, 4]``), so the
+  peers' text-based APIs see exactly the prompt ids we use;
+- ``prompts.json``: the prompt token ids (every prompt exactly ``prompt_length`` tokens) and, for
+  a real tokenizer, their text;
+- ``workload.json``: the settings every runner reads (prompts, generations, lengths, beta,
+  learning rate).
+
+W1: Qwen2-shaped (vocab 4096, width 256, 4 layers, 4 q / 2 kv heads of 64, MLP 768, tied, q/k/v
+biases, RoPE 1e6), 8 prompts x 4 generations, 32 + 96 tokens, beta 0.04, AdamW 1e-5.
+W2: SmolLM2-135M-Instruct's shape (Llama, vocab 49152, width 576, 30 layers, 9 q / 3 kv heads of
+64, MLP 1536, tied, RoPE 1e5), 4 prompts x 4 generations, 48 + 64 tokens, beta 0.04, AdamW 1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+WORKLOADS: dict[str, dict] = {
+    "w1": {
+        "name": "W1",
+        "num_prompts": 8,
+        "num_generations": 4,
+        "prompt_length": 32,
+        "completion_length": 96,
+        "beta": 0.04,
+        "learning_rate": 1e-5,
+        "seed": 0,
+        "model": {
+            "model_type": "qwen2",
+            "vocab_size": 4096,
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_layers": 4,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "rope_theta": 1_000_000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "max_position_embeddings": 2048,
+        },
+    },
+    "w2": {
+        "name": "W2",
+        "num_prompts": 4,
+        "num_generations": 4,
+        "prompt_length": 48,
+        "completion_length": 64,
+        "beta": 0.04,
+        "learning_rate": 1e-6,
+        "seed": 0,
+        "model": {
+            "model_type": "llama",
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_layers": 30,
+            "num_heads": 9,
+            "num_kv_heads": 3,
+            "head_dim": 64,
+            "rope_theta": 100_000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+            "max_position_embeddings": 8192,
+        },
+    },
+}
+
+PAD, EOS = 0, 1
+
+# Chat prompts for a real W2 checkpoint (its own tokenizer and chat template).
+_QUESTIONS = (
+    "What is 17 + 25? Think step by step, then give the answer as a number.",
+    "A train travels 60 km in 45 minutes. What is its speed in km/h? Show your work.",
+    "Name three prime numbers greater than 20 and explain why each one is prime.",
+    "If a rectangle has sides 7 cm and 12 cm, what are its area and its perimeter?",
+)
+
+
+def _word_level_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from artifex.generative_models.models.causal_lm import Tokenizer
+
+    vocab = {"<pad>": PAD, "<eos>": EOS}
+    vocab.update({f"t{i}": i for i in range(2, vocab_size)})
+    backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(backend, eos_token="<eos>", pad_token="<pad>", unk_token="<pad>")
+
+
+def _random_prompts(spec: dict, vocab_size: int) -> list[list[int]]:
+    rng = np.random.default_rng(spec["seed"] + 1)
+    ids = rng.integers(2, vocab_size, (spec["num_prompts"], spec["prompt_length"]))
+    return ids.tolist()
+
+
+def _chat_prompts(model_dir: str, spec: dict) -> tuple[list[list[int]], list[str]]:
+    """Chat-template prompts cut or left-filled to exactly ``prompt_length`` tokens."""
+    from artifex.generative_models.models.causal_lm import Tokenizer
+
+    tok = Tokenizer.from_pretrained(model_dir)
+    p = spec["prompt_length"]
+    ids_all, texts = [], []
+    for q in _QUESTIONS[: spec["num_prompts"]]:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) > p:
+            ids = ids[-p:]  # keep the end: the generation prompt
+        # Left-fill with copies of the first token so every prompt is exactly p tokens long.
+        ids = [ids[0]] * (p - len(ids)) + ids
+        ids_all.append([int(i) for i in ids])
+        texts.append(tok.decode(ids, skip_special_tokens=False))
+    return ids_all, texts
+
+
+def ensure_dir(name: str, root: str, *, real_model: str | None = None) -> str:
+    """Writes (once) and returns the workload directory ``root/<name>``.
+
+    Args:
+        name: "w1" or "w2".
+        root: Parent directory.
+        real_model: For W2, a Hugging Face directory with real weights and tokenizer (its files
+            are symlinked into the workload directory); None writes random weights.
+
+    Returns:
+        The directory path.
+    """
+    spec = WORKLOADS[name]
+    tag = name if real_model is None else f"{name}-real"
+    path = os.path.join(root, tag)
+    done = os.path.join(path, "workload.json")
+    if os.path.exists(done):
+        return path
+    os.makedirs(path, exist_ok=True)
+    info = dict(spec)
+    if real_model is None:
+        import jax  # noqa: F401  (imported before flax, for the CPU default)
+        from flax import nnx
+
+        from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+
+        cfg = CausalLMConfig(**spec["model"], param_dtype="float32")
+        model = CausalLM(cfg, rngs=nnx.Rngs(spec["seed"]))
+        model.save_pretrained(path)
+        tok = _word_level_tokenizer(cfg.vocab_size)
+        tok.save_pretrained(path)
+        prompts, texts = _random_prompts(spec, cfg.vocab_size), None
+        info["weights"] = f"random (CausalLM init, seed {spec['seed']})"
+        info["tokenizer"] = "word-level t<id>"
+    else:
+        real = os.path.abspath(real_model)
+        for f in os.listdir(real):
+            os.symlink(os.path.join(real, f), os.path.join(path, f))
+        prompts, texts = _chat_prompts(real, spec)
+        info["weights"] = f"checkpoint {real}"
+        info["tokenizer"] = "the checkpoint's"
+    with open(os.path.join(path, "prompts.json"), "w") as fh:
+        json.dump({"ids": prompts, "text": texts}, fh)
+    with open(done, "w") as fh:
+        json.dump(info, fh, indent=2)
+    return path

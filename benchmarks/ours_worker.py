@@ -1,0 +1,152 @@
+"""Our GRPO step on a workload directory (``benchmarks/hfdir.py``), in its own process.
+
+    python benchmarks/ours_worker.py --dir DIR [--windows 5] [--max-retries 10] [--dtype bfloat16]
+
+Loads the policy and the reference with ``CausalLM.from_pretrained(DIR)``, reads the prompt ids
+from ``DIR/prompts.json`` and the settings from ``DIR/workload.json``. One step = generate
+``num_generations`` completions per prompt (no early stop), score them with the toy reward on the
+host (fraction of even ids), one ``GRPOTrainer.train_step`` (reference forward, AdamW). The first
+step (compilation included) is timed alone; then steps are timed as windows until enough are clean
+(``benchmarks/cleanwin.py``). Prints ``RESULT {json}`` last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import cleanwin
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--windows", type=int, default=5)
+    parser.add_argument("--max-retries", type=int, default=10)
+    parser.add_argument("--threshold", type=float, default=0.05)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--flops", action="store_true", help="XLA cost analysis of the update")
+    parser.add_argument(
+        "--compilation-cache", default="none", help="JAX persistent cache dir ('none': off)"
+    )
+    args = parser.parse_args(argv)
+    t_start = time.perf_counter()
+    from artifex.cli import enable_compilation_cache
+
+    enable_compilation_cache(args.compilation_cache)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from artifex.generative_models.inference import generate
+    from artifex.generative_models.models.causal_lm import CausalLM
+    from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+    from artifex.generative_models.training.rl import GRPOBatch
+
+    with open(os.path.join(args.dir, "workload.json")) as fh:
+        w = json.load(fh)
+    with open(os.path.join(args.dir, "prompts.json")) as fh:
+        prompt_ids = jnp.asarray(np.asarray(json.load(fh)["ids"], np.int32))
+    prompt_mask = jnp.ones_like(prompt_ids)
+    k, n = w["num_generations"], w["completion_length"]
+
+    policy = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
+    reference = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
+    optimizer = nnx.Optimizer(policy, optax.adamw(w["learning_rate"]), wrt=nnx.Param)
+    trainer = GRPOTrainer(
+        policy,
+        optimizer,
+        GRPOConfig(num_generations=k, beta=w["beta"]),
+        reference_model=reference,
+    )
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Param)))
+    load_s = time.perf_counter() - t_start
+    keys = iter(jax.random.split(jax.random.key(0), 1000))
+    last: dict = {}
+
+    def step() -> dict[str, float]:
+        t0 = time.perf_counter()
+        out = generate(
+            trainer.model,
+            prompt_ids,
+            prompt_mask,
+            key=next(keys),
+            num_generations=k,
+            max_new_tokens=n,
+            eos_ids=(),  # no early stop: every completion is n tokens
+        )
+        comp = np.asarray(jax.device_get(out.completion_ids))
+        t1 = time.perf_counter()
+        rewards = (comp % 2 == 0).mean(axis=1).astype(np.float32)
+        batch = GRPOBatch(
+            prompt_ids=out.prompt_ids,
+            prompt_mask=out.prompt_mask,
+            completion_ids=out.completion_ids,
+            completion_mask=out.completion_mask,
+            rewards=jnp.asarray(rewards),
+            group_size=k,
+        )
+        t2 = time.perf_counter()
+        metrics = trainer.train_step(batch)
+        jax.block_until_ready((metrics, nnx.state(trainer.model)))
+        t3 = time.perf_counter()
+        last["batch"] = batch
+        if comp.shape != (prompt_ids.shape[0] * k, n):
+            msg = f"completions: expected {(prompt_ids.shape[0] * k, n)}, got {comp.shape}"
+            raise ValueError(msg)
+        return {"generation_s": t1 - t0, "host_s": t2 - t1, "training_s": t3 - t2}
+
+    t0 = time.perf_counter()
+    first_split = step()
+    first_step_s = time.perf_counter() - t0
+
+    win = cleanwin.Windows(args.windows, args.max_retries, args.threshold)
+    while not win.done():
+        win.begin()
+        split = step()
+        win.end(**split)
+
+    peak_rss = cleanwin.peak_rss_bytes()  # before the cost analysis below compiles again
+    flops = None
+    if args.flops:
+        args_ = (
+            nnx.state(trainer.model),
+            nnx.state(trainer.optimizer),
+            nnx.state(trainer.reference_model),
+            last["batch"],
+            1,
+        )
+        cost = trainer._step_fn.lower(*args_).compile().cost_analysis()
+        if isinstance(cost, list | tuple):
+            cost = cost[0]
+        flops = float(cost.get("flops", float("nan")))
+
+    summary = win.summary(("generation_s", "host_s", "training_s"))
+    result = {
+        "system": "ours",
+        "versions": {"jax": jax.__version__},
+        "device": str(jax.devices()[0].device_kind),
+        "dtype": args.dtype,
+        "params": int(n_params),
+        "load_s": load_s,
+        "first_step_s": first_step_s,
+        "first_step_split": first_split,
+        "train_flops": flops,
+        "peak_rss_bytes": peak_rss,
+        "generated_tokens": int(prompt_ids.shape[0] * k * n),
+        **summary,
+    }
+    cleanwin.emit("RESULT", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

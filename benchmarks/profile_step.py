@@ -1,0 +1,153 @@
+"""Where one GRPO step spends FLOPs, bytes and memory: XLA's cost and memory analysis.
+
+    python benchmarks/profile_step.py --dir DIR [--dtype bfloat16] [--trace OUT_DIR]
+
+``DIR`` is a workload directory (``benchmarks/hfdir.py``). Builds the trainer as
+``benchmarks/ours_worker.py`` does, runs one step, then prints, for the compiled update
+(``GRPOTrainer._step_fn``: reference forward, policy forward + backward, AdamW) and the compiled
+sampler (``generate``'s one program: prefill + decode loop), XLA's FLOPs and bytes accessed and
+the buffer sizes (arguments, outputs, temporaries, aliased = donated), next to the bytes of the
+parameters, the AdamW moments and the reference, and the process's peak resident memory. With
+``--trace`` a ``jax.profiler`` trace of two more steps is written for TensorBoard / Perfetto.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import cleanwin
+
+
+def _analysis(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0]
+    mem = compiled.memory_analysis()
+    return {
+        "flops": float(cost.get("flops", float("nan"))),
+        "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
+        "transcendentals": float(cost.get("transcendentals", float("nan"))),
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "alias_bytes": int(mem.alias_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "generated_code_bytes": int(mem.generated_code_size_in_bytes),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--trace", default="", help="write a jax.profiler trace here")
+    args = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from artifex.generative_models.inference import generate, sampling
+    from artifex.generative_models.models.causal_lm import CausalLM
+    from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+    from artifex.generative_models.training.rl import GRPOBatch
+
+    with open(os.path.join(args.dir, "workload.json")) as fh:
+        w = json.load(fh)
+    with open(os.path.join(args.dir, "prompts.json")) as fh:
+        ids = jnp.asarray(np.asarray(json.load(fh)["ids"], np.int32))
+    mask = jnp.ones_like(ids)
+    k, n = w["num_generations"], w["completion_length"]
+    policy = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
+    reference = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
+    rss_loaded = cleanwin.peak_rss_bytes()
+    optimizer = nnx.Optimizer(policy, optax.adamw(w["learning_rate"]), wrt=nnx.Param)
+    trainer = GRPOTrainer(
+        policy, optimizer, GRPOConfig(num_generations=k, beta=w["beta"]), reference_model=reference
+    )
+
+    def nbytes(tree) -> int:
+        return int(sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")))
+
+    sizes = {
+        "params_bytes": nbytes(nnx.state(policy, nnx.Param)),
+        "optimizer_bytes": nbytes(nnx.state(optimizer)),
+        "reference_bytes": nbytes(nnx.state(reference)),
+    }
+    keys = iter(jax.random.split(jax.random.key(0), 8))
+
+    def step():
+        out = generate(
+            trainer.model,
+            ids,
+            mask,
+            key=next(keys),
+            num_generations=k,
+            max_new_tokens=n,
+            eos_ids=(),
+        )
+        comp = np.asarray(jax.device_get(out.completion_ids))
+        batch = GRPOBatch(
+            prompt_ids=out.prompt_ids,
+            prompt_mask=out.prompt_mask,
+            completion_ids=out.completion_ids,
+            completion_mask=out.completion_mask,
+            rewards=jnp.asarray((comp % 2 == 0).mean(axis=1).astype(np.float32)),
+            group_size=k,
+        )
+        jax.block_until_ready(trainer.train_step(batch))
+        return batch
+
+    batch = step()
+    rss_step = cleanwin.peak_rss_bytes()
+    update = _analysis(
+        trainer._step_fn.lower(
+            nnx.state(trainer.model),
+            nnx.state(trainer.optimizer),
+            nnx.state(trainer.reference_model),
+            batch,
+            1,
+        ).compile()
+    )
+    # The sampler's program, lowered with the arguments generate() passes (its own helper).
+    sampler = None
+    lower = getattr(sampling, "_lower_for_analysis", None)
+    if lower is not None:
+        sampler = _analysis(lower(trainer.model, ids, mask, k, n))
+    if args.trace:
+        with jax.profiler.trace(args.trace):
+            step()
+            step()
+    result = {
+        "workload": w["name"],
+        "dtype": args.dtype,
+        "device": jax.devices()[0].device_kind,
+        **sizes,
+        "update": update,
+        "sampler": sampler,
+        "peak_rss_after_load_bytes": rss_loaded,
+        "peak_rss_after_first_step_bytes": rss_step,
+    }
+    gb = 1e9
+    print(
+        f"{w['name']} ({args.dtype}, {result['device']}): params {sizes['params_bytes'] / gb:.2f} GB,"
+        f" AdamW {sizes['optimizer_bytes'] / gb:.2f} GB, reference "
+        f"{sizes['reference_bytes'] / gb:.2f} GB; update: {update['flops'] / 1e9:.1f} GFLOP, "
+        f"{update['bytes_accessed'] / gb:.2f} GB accessed, args {update['argument_bytes'] / gb:.2f}"
+        f" GB, outputs {update['output_bytes'] / gb:.2f} GB (aliased {update['alias_bytes'] / gb:.2f}"
+        f" GB), temporaries {update['temp_bytes'] / gb:.2f} GB; peak RSS after load "
+        f"{rss_loaded / gb:.2f} GB, after the first step {rss_step / gb:.2f} GB",
+        flush=True,
+    )
+    cleanwin.emit("PROFILE", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

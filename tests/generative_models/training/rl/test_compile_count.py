@@ -1,0 +1,148 @@
+"""Compile count of a whole GRPO step: one program per shape bucket, nothing recompiled later.
+
+A step is what the benchmarks time (``benchmarks/ours_worker.py``): ``generate`` K completions
+per prompt, a host-side reward, ``GRPOTrainer.train_step``. The first step compiles the sampler
+and the update once each; later steps with other prompts of the same width, other sampled tokens
+and other rewards must compile nothing at all (counted through JAX's backend compile event, so a
+stray jit anywhere in the step shows up). Another width in the same bucket reuses both programs
+(only the two small left-padding ops of ``generate`` compile, once per new width). A prompt width
+in the next bucket compiles the sampler and the update once more.
+
+Shapes: W1 exactly (Qwen2, vocab 4096, width 256, 4 layers, 8 prompts x 4, 32 + 96 tokens). W2
+(SmolLM2-135M's shape: Llama, vocab 49152, width 576, 9 q / 3 kv heads, MLP 1536, tied, 4 prompts
+x 4, 48 + 64 tokens) with 2 layers instead of 30 to keep the test's compilation short; the layer
+count does not change which programs are built.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.generative_models.inference import generate, sampling
+from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl import GRPOBatch
+
+W1_MODEL = CausalLMConfig.qwen2_w1()
+W2_MODEL_2_LAYERS = CausalLMConfig(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=2,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100_000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.active = False
+
+    def __call__(self, event: str, duration: float, **kwargs) -> None:
+        if self.active and event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+@pytest.fixture(scope="module")
+def counter():
+    c = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(c)
+    yield c
+    c.active = False
+
+
+def _step(trainer, ids, mask, key, k, n):
+    out = generate(
+        trainer.model, ids, mask, key=key, num_generations=k, max_new_tokens=n, eos_ids=()
+    )
+    comp = np.asarray(jax.device_get(out.completion_ids))
+    rewards = (comp % 2 == 0).mean(axis=1).astype(np.float32)
+    batch = GRPOBatch(
+        prompt_ids=out.prompt_ids,
+        prompt_mask=out.prompt_mask,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        rewards=jnp.asarray(rewards),
+        group_size=k,
+    )
+    metrics = trainer.train_step(batch)
+    jax.block_until_ready(metrics)
+    return comp
+
+
+def _prompts(rng, num, width, filled, vocab):
+    """``num`` prompts left-padded to ``width`` with ``filled`` real tokens each."""
+    ids = np.zeros((num, width), np.int32)
+    mask = np.zeros((num, width), np.int32)
+    ids[:, width - filled :] = rng.integers(2, vocab, (num, filled))
+    mask[:, width - filled :] = 1
+    return jnp.asarray(ids), jnp.asarray(mask)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("cfg", "num_prompts", "k", "p", "n", "same_bucket", "next_bucket"),
+    [
+        (W1_MODEL, 8, 4, 32, 96, (20, 32), 33),  # bucket 32, then 64
+        (W2_MODEL_2_LAYERS, 4, 4, 48, 64, (40, 64), 65),  # bucket 64, then 128
+    ],
+    ids=["W1", "W2-2-layers"],
+)
+def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_bucket, next_bucket):
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
+    reference = CausalLM(cfg, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
+    trainer = GRPOTrainer(
+        model, optimizer, GRPOConfig(num_generations=k, beta=0.04), reference_model=reference
+    )
+    rng = np.random.default_rng(0)
+    keys = iter(jax.random.split(jax.random.key(0), 32))
+    gen_before = sampling._generate._cache_size()
+
+    ids, mask = _prompts(rng, num_prompts, p, p, cfg.vocab_size)
+    comp = _step(trainer, ids, mask, next(keys), k, n)  # first step: compiles
+    assert comp.shape == (num_prompts * k, n)
+    assert sampling._generate._cache_size() == gen_before + 1
+    assert trainer._step_fn._cache_size() == 1
+
+    counter.count, counter.active = 0, True
+    try:
+        # Same prompt width: other prompts, other sampled tokens, other rewards compile nothing.
+        for _ in range(2):
+            ids, mask = _prompts(rng, num_prompts, p, p // 2, cfg.vocab_size)
+            _step(trainer, ids, mask, next(keys), k, n)
+        assert counter.count == 0, f"{counter.count} compilations in steps of a compiled shape"
+
+        # Other widths in the same bucket: the sampler and the update are not compiled again;
+        # only the left-padding to the bucket (two small device ops in ``generate``) compiles,
+        # once per new width.
+        for width in same_bucket:
+            for _ in range(2):
+                ids, mask = _prompts(rng, num_prompts, width, min(width, p) // 2, cfg.vocab_size)
+                _step(trainer, ids, mask, next(keys), k, n)
+        assert sampling._generate._cache_size() == gen_before + 1
+        assert trainer._step_fn._cache_size() == 1
+        assert counter.count <= 2 * len(same_bucket), f"{counter.count} compilations"
+
+        # The next bucket: the sampler and the update compile once more, and only once.
+        for _ in range(2):
+            ids, mask = _prompts(rng, num_prompts, next_bucket, next_bucket, cfg.vocab_size)
+            _step(trainer, ids, mask, next(keys), k, n)
+        assert sampling._generate._cache_size() == gen_before + 2
+        assert trainer._step_fn._cache_size() == 2
+    finally:
+        counter.active = False
