@@ -1,5 +1,20 @@
-"""Inference: a compiled KV-cache sampler for causal language models."""
+"""Inference: a compiled KV-cache sampler for causal language models; SDE/ODE samplers for flows."""
 
+# flow-matching image models (Flow-GRPO)
+from artifex.generative_models.inference.flow_sampling import (
+    FlowSampler,
+    FlowTrajectory,
+    SDEConfig,
+    flow_kl,
+    flow_log_prob_fn,
+    gaussian_kl,
+    gaussian_log_prob,
+    sample_flow,
+    sde_step,
+    sde_transition,
+    time_grid,
+    to_grpo_batch,
+)
 from artifex.generative_models.inference.sampling import (
     DEFAULT_PROMPT_BUCKETS,
     Sampler,
@@ -11,9 +26,21 @@ from artifex.generative_models.inference.sampling import (
 
 __all__ = [
     "DEFAULT_PROMPT_BUCKETS",
+    "FlowSampler",
+    "FlowTrajectory",
+    "SDEConfig",
     "Sampler",
     "SamplerOutput",
     "bucket_length",
+    "flow_kl",
+    "flow_log_prob_fn",
+    "gaussian_kl",
+    "gaussian_log_prob",
     "generate",
+    "sample_flow",
     "sample_logits",
+    "sde_step",
+    "sde_transition",
+    "time_grid",
+    "to_grpo_batch",
 ]

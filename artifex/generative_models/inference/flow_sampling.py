@@ -90,7 +90,7 @@ class SDEConfig:
         if k is not None and (
             not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_steps
         ):
-            msg = f"SDEConfig.train_steps must be None or an int in [1, {self.num_steps}], got {k!r}"
+            msg = f"SDEConfig.train_steps must be None or in [1, {self.num_steps}], got {k!r}"
             raise ValueError(msg)
 
 
@@ -187,11 +187,12 @@ def sde_step(
     Returns:
         ``(mu, std)``: ``(N, D)`` means and ``(N, 1)`` standard deviations.
     """
-    grid = jnp.asarray(time_grid(config.num_steps))
+    host_grid = time_grid(config.num_steps)
+    grid = jnp.asarray(host_grid)
     t = grid[step]
     v = model(x, t, labels)
     return sde_transition(
-        x, v, t[:, None], grid[step + 1][:, None], float(grid[1]), config.noise_level
+        x, v, t[:, None], grid[step + 1][:, None], float(host_grid[1]), config.noise_level
     )
 
 

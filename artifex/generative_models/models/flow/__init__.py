@@ -22,21 +22,18 @@ from artifex.generative_models.models.flow.training import (
 )
 
 __all__ = [
-    # the network
+    "DigitClassifier",
     "FlowModel",
     "FlowModelConfig",
-    "timestep_features",
-    # pretraining
     "FlowTrainConfig",
-    "flow_matching_loss",
-    "load_digits_images",
-    "train_flow_matching",
-    # rewards
-    "DigitClassifier",
     "ImageReward",
     "brightness_reward",
     "classifier_reward",
     "combine_image_rewards",
     "compressibility_reward",
+    "flow_matching_loss",
+    "load_digits_images",
+    "timestep_features",
     "train_classifier",
+    "train_flow_matching",
 ]
