@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="GRPO steps (default 1000)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="runs/demo", help="output directory")
+    demo.add_argument(
+        "--task",
+        choices=("addition", "flow"),
+        default="addition",
+        help="addition: a tiny LM learns 2-digit sums; flow: Flow-GRPO on an 8x8 digit generator",
+    )
 
     tr = sub.add_parser("train", help="train a local Hugging Face model on a local dataset")
     tr.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -172,12 +178,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if getattr(args, "task", "addition") == "flow":
+        return _flow_demo(args)
     from artifex.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(seed=args.seed, out_dir=args.out)
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, grpo_steps=args.steps)
     run_demo(cfg)
+    return 0
+
+
+def _flow_demo(args: argparse.Namespace) -> int:
+    from artifex.flow_demo import FlowDemoConfig, run_flow_demo
+
+    out = "runs/flow_demo" if args.out == "runs/demo" else args.out
+    cfg = FlowDemoConfig(seed=args.seed, out_dir=out)
+    if args.steps is not None:
+        cfg = dataclasses.replace(cfg, grpo_steps=args.steps)
+    run_flow_demo(cfg)
     return 0
 
 

@@ -82,7 +82,7 @@ class FlowDemoConfig:
     seed: int = 0
     hidden_dim: int = 128
     num_blocks: int = 2
-    pretrain_steps: int = 500
+    pretrain_steps: int = 300
     classifier_steps: int = 400
     grpo_steps: int = 40
     classes: tuple[int, ...] = tuple(range(10))
@@ -91,7 +91,7 @@ class FlowDemoConfig:
     noise_level: float = 0.7
     train_steps: int | None = None
     learning_rate: float = 3e-4
-    beta: float = 0.01
+    beta: float = 0.05
     brightness_weight: float = 0.0
     num_eval: int = 16
     out_dir: str | None = "runs/flow_demo"

@@ -187,7 +187,7 @@ def _hand_surrogate_loss(model, batch, cfg, old_lp, rewards, g):
     r = rewards.reshape(-1, g)
     adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1)
     states = batch.prompt_ids
-    b, s1, d = states.shape
+    b, s1, _ = states.shape
     grid = jnp.asarray(time_grid(s1 - 1))
     total = 0.0
     for s in range(s1 - 1):
@@ -209,6 +209,7 @@ def _hand_surrogate_loss(model, batch, cfg, old_lp, rewards, g):
     return -jnp.mean(total / (s1 - 1))
 
 
+@pytest.mark.slow
 def test_trainer_update_matches_hand_surrogate_on_two_step_toy():
     cfg = SDEConfig(num_steps=2, noise_level=0.9)
     model = _model(5)
@@ -244,6 +245,7 @@ def test_trainer_update_matches_hand_surrogate_on_two_step_toy():
     assert any(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_compiles_once_per_shape():
     cfg = SDEConfig(num_steps=3, noise_level=0.7, train_steps=2)
     model = _model(6)
