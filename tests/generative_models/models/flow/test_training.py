@@ -51,6 +51,7 @@ def test_flow_matching_loss_against_numpy(seed):
     np.testing.assert_allclose(float(got), ref, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss():
     images, labels = load_digits_images()
     model = FlowModel(

@@ -29,6 +29,7 @@ def _model(seed: int) -> FlowModel:
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_closed_form_kl_term_against_numpy(seed):
     sde = SDEConfig(num_steps=3, noise_level=0.6, train_steps=2)
@@ -66,6 +67,7 @@ def test_closed_form_kl_term_against_numpy(seed):
     assert kl_ref > 0
 
 
+@pytest.mark.slow
 def test_kl_gradient_only_moves_the_policy_and_vanishes_at_the_reference():
     sde = SDEConfig(num_steps=2, noise_level=0.8)
     policy = _model(3)
