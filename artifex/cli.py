@@ -3,6 +3,8 @@
 - ``artifex-grpo demo``: the built-in end-to-end run (a tiny Llama-style model learns 2-digit
   addition with GRPO on the CPU in a few minutes); prints accuracy before and after and writes a
   reward-curve PNG.
+- ``artifex-grpo demo --task flow``: Flow-GRPO on images (a tiny flow-matching model of 8x8
+  digits, a classifier reward); writes before/after images and the reward and KL curves.
 - ``artifex-grpo train --model DIR --data FILE.jsonl --reward math ...``: GRPO on a local
   Hugging Face model (Llama / Qwen) with a local JSONL or Parquet dataset. Every field of
   ``GRPOConfig``, ``TrainConfig`` and ``RolloutConfig`` is an option (``--beta 0.04``,
@@ -205,9 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", help="output directory")
     demo.add_argument(
         "--task",
-        choices=("addition", "tools"),
+        choices=("addition", "tools", "flow"),
         default="addition",
-        help="addition (single turn) or tools (multi-turn: learn to call a multiply tool)",
+        help="addition: a tiny LM learns 2-digit sums; tools: multi-turn, learn to call a "
+        "multiply tool; flow: Flow-GRPO on an 8x8 digit generator",
     )
 
     tr = sub.add_parser("train", help="train a local Hugging Face model on a local dataset")
@@ -317,6 +320,8 @@ def _setup_devices(args: argparse.Namespace) -> Any:
     if joined or args.mesh_fsdp > 1 or args.mesh_tensor > 1:
         return make_mesh(fsdp=args.mesh_fsdp, tensor=args.mesh_tensor)
     return None
+
+
 #: Where the command keeps compiled XLA programs between runs (``--compilation-cache``).
 DEFAULT_COMPILATION_CACHE = "~/.cache/artifex/jax"
 
@@ -346,6 +351,8 @@ def enable_compilation_cache(path: str | None) -> str | None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if getattr(args, "task", "addition") == "flow":
+        return _flow_demo(args)
     from artifex.demo import DemoConfig, run_demo
 
     if getattr(args, "task", "addition") == "tools":
@@ -360,6 +367,17 @@ def _demo(args: argparse.Namespace) -> int:
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, grpo_steps=args.steps)
     run_demo(cfg)
+    return 0
+
+
+def _flow_demo(args: argparse.Namespace) -> int:
+    from artifex.flow_demo import FlowDemoConfig, run_flow_demo
+
+    out = "runs/flow_demo" if args.out == "runs/demo" else args.out
+    cfg = FlowDemoConfig(seed=args.seed, out_dir=out)
+    if args.steps is not None:
+        cfg = dataclasses.replace(cfg, grpo_steps=args.steps)
+    run_flow_demo(cfg)
     return 0
 
 

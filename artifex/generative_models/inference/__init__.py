@@ -1,6 +1,21 @@
-"""Inference: a compiled KV-cache sampler for causal language models."""
+"""Inference: a compiled KV-cache sampler for causal language models; SDE/ODE samplers for flows."""
 
 # Multi-turn: KV-cache continuation across turns
+# flow-matching image models (Flow-GRPO)
+from artifex.generative_models.inference.flow_sampling import (
+    FlowSampler,
+    FlowTrajectory,
+    SDEConfig,
+    flow_kl,
+    flow_log_prob_fn,
+    gaussian_kl,
+    gaussian_log_prob,
+    sample_flow,
+    sde_step,
+    sde_transition,
+    time_grid,
+    to_grpo_batch,
+)
 from artifex.generative_models.inference.multiturn import (
     DEFAULT_APPEND_BUCKETS,
     TurnOutput,
@@ -19,12 +34,24 @@ from artifex.generative_models.inference.sampling import (
 __all__ = [
     "DEFAULT_APPEND_BUCKETS",
     "DEFAULT_PROMPT_BUCKETS",
+    "FlowSampler",
+    "FlowTrajectory",
+    "SDEConfig",
     "Sampler",
     "SamplerOutput",
     "TurnOutput",
     "append_tokens",
     "bucket_length",
     "decode_turn",
+    "flow_kl",
+    "flow_log_prob_fn",
+    "gaussian_kl",
+    "gaussian_log_prob",
     "generate",
+    "sample_flow",
     "sample_logits",
+    "sde_step",
+    "sde_transition",
+    "time_grid",
+    "to_grpo_batch",
 ]

@@ -1,0 +1,39 @@
+"""A small flow-matching image model, its pretraining, and image rewards (for Flow-GRPO)."""
+
+from artifex.generative_models.models.flow.model import (
+    FlowModel,
+    FlowModelConfig,
+    timestep_features,
+)
+from artifex.generative_models.models.flow.rewards import (
+    DigitClassifier,
+    ImageReward,
+    brightness_reward,
+    classifier_reward,
+    combine_image_rewards,
+    compressibility_reward,
+    train_classifier,
+)
+from artifex.generative_models.models.flow.training import (
+    FlowTrainConfig,
+    flow_matching_loss,
+    load_digits_images,
+    train_flow_matching,
+)
+
+__all__ = [
+    "DigitClassifier",
+    "FlowModel",
+    "FlowModelConfig",
+    "FlowTrainConfig",
+    "ImageReward",
+    "brightness_reward",
+    "classifier_reward",
+    "combine_image_rewards",
+    "compressibility_reward",
+    "flow_matching_loss",
+    "load_digits_images",
+    "timestep_features",
+    "train_classifier",
+    "train_flow_matching",
+]

@@ -1,0 +1,140 @@
+"""A small class-conditioned velocity network for flow matching on tiny images.
+
+The network predicts the rectified-flow velocity ``v_theta(x_t, t, y)`` of a flattened image
+``x_t`` at time ``t`` (``t = 0`` data, ``t = 1`` noise) for class ``y``. It is a residual MLP:
+the input is projected to ``D`` features, the time (sinusoidal features) and class
+(embedding table) are added as a conditioning vector inside every block, and a zero-initialized
+output layer makes the untrained network predict zero velocity. On 8x8 digits it trains in
+about a minute on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["FlowModel", "FlowModelConfig", "timestep_features"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class FlowModelConfig:
+    """Shape of a :class:`FlowModel`.
+
+    Attributes:
+        image_shape: ``(H, W)`` or ``(H, W, C)`` of one image; the network sees it flattened.
+        num_classes: Number of class prompts ``y in [0, num_classes)``.
+        hidden_dim: Width ``D`` of the residual blocks.
+        num_blocks: Number of residual blocks.
+        time_features: Number of sinusoidal time features (even).
+    """
+
+    image_shape: tuple[int, ...] = (8, 8)
+    num_classes: int = 10
+    hidden_dim: int = 256
+    num_blocks: int = 3
+    time_features: int = 32
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.image_shape)
+        if len(shape) not in (2, 3) or any(int(s) < 1 for s in shape):
+            msg = f"FlowModelConfig.image_shape must be (H, W) or (H, W, C) > 0, got {shape}"
+            raise ValueError(msg)
+        for name in ("num_classes", "hidden_dim", "num_blocks", "time_features"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                msg = f"FlowModelConfig.{name} must be a positive int, got {value!r}"
+                raise ValueError(msg)
+        if self.time_features % 2:
+            msg = f"FlowModelConfig.time_features must be even, got {self.time_features}"
+            raise ValueError(msg)
+
+    @property
+    def data_dim(self) -> int:
+        """Number of values in one image (``H * W * C``)."""
+        return math.prod(self.image_shape)
+
+
+def timestep_features(t: jax.Array, num_features: int) -> jax.Array:
+    r"""Sinusoidal features of times ``t in [0, 1]``.
+
+    ``phi(t) = [sin(1000 t w_k), cos(1000 t w_k)]_k`` with ``w_k = 10000^{-k / (F/2)}``, the
+    transformer position encoding applied to ``1000 t``.
+
+    Args:
+        t: ``(N,)`` times.
+        num_features: ``F`` (even).
+
+    Returns:
+        ``(N, F)`` float32 features.
+    """
+    half = num_features // 2
+    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    angles = 1000.0 * jnp.asarray(t, jnp.float32)[:, None] * freqs[None, :]
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+class _Block(nnx.Module):
+    """``h + W2 silu(W1 LN(h) + c)``: a pre-norm residual MLP block with additive conditioning."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.fc1 = nnx.Linear(dim, 2 * dim, rngs=rngs)
+        self.cond = nnx.Linear(dim, 2 * dim, rngs=rngs)
+        self.fc2 = nnx.Linear(2 * dim, dim, rngs=rngs)
+
+    def __call__(self, h: jax.Array, c: jax.Array) -> jax.Array:
+        z = self.fc1(self.norm(h)) + self.cond(c)
+        return h + self.fc2(nnx.silu(z))
+
+
+class FlowModel(nnx.Module):
+    """Class-conditioned velocity field ``v_theta(x, t, y)`` for rectified flow on tiny images.
+
+    Example::
+
+        model = FlowModel(FlowModelConfig(), rngs=nnx.Rngs(0))
+        v = model(x_t, t, labels)  # x_t (B, 64), t (B,), labels (B,) -> (B, 64)
+
+    Args:
+        config: The network's shape.
+        rngs: Initialization randomness.
+    """
+
+    def __init__(self, config: FlowModelConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, FlowModelConfig):
+            msg = f"config must be a FlowModelConfig, got {type(config).__name__}"
+            raise TypeError(msg)
+        self.config = config
+        d = config.hidden_dim
+        self.input = nnx.Linear(config.data_dim, d, rngs=rngs)
+        self.time = nnx.Linear(config.time_features, d, rngs=rngs)
+        self.label = nnx.Embed(config.num_classes, d, rngs=rngs)
+        self.blocks = nnx.List([_Block(d, rngs=rngs) for _ in range(config.num_blocks)])
+        self.out_norm = nnx.LayerNorm(d, rngs=rngs)
+        self.output = nnx.Linear(
+            d, config.data_dim, kernel_init=nnx.initializers.zeros_init(), rngs=rngs
+        )
+
+    def __call__(self, x: jax.Array, t: jax.Array, labels: jax.Array) -> jax.Array:
+        """Velocity at flattened images ``x`` ``(B, data_dim)``, times ``t`` ``(B,)``.
+
+        Args:
+            x: ``(B, data_dim)`` noisy images (flattened).
+            t: ``(B,)`` times in ``[0, 1]`` (1 = pure noise).
+            labels: ``(B,)`` int class prompts.
+
+        Returns:
+            ``(B, data_dim)`` float32 velocities ``dx/dt``.
+        """
+        c = nnx.silu(
+            self.time(timestep_features(t, self.config.time_features))
+            + self.label(jnp.asarray(labels, jnp.int32))
+        )
+        h = self.input(jnp.asarray(x, jnp.float32))
+        for block in self.blocks:
+            h = block(h, c)
+        return self.output(nnx.silu(self.out_norm(h)))
