@@ -328,8 +328,10 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
     before_sampled = sampled(model)
     say(
         f"after warm-up on {cfg.warmup_examples} examples ({len(losses)} steps, loss "
-        f"{losses[0]:.2f} -> {losses[-1]:.2f}, {t_warmup:.0f} s): held-out accuracy "
-        f"{before['eval/pass@1']:.3f}, tool-call rate {before['eval/tool_call_rate']:.3f}"
+        f"{losses[0]:.2f} -> {losses[-1]:.2f}, {t_warmup:.0f} s): held-out greedy accuracy "
+        f"{before['eval/pass@1']:.3f}, tool-call rate {before['eval/tool_call_rate']:.3f}; "
+        f"sampled accuracy {before_sampled['accuracy']:.3f}, tool-call rate "
+        f"{before_sampled['tool_call_rate']:.3f}"
     )
 
     optimizer = nnx.Optimizer(
