@@ -135,13 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_after_first_step_bytes": rss_step,
     }
     gb = 1e9
+    u = {key: v / gb for key, v in update.items() if key.endswith("bytes")}
     print(
-        f"{w['name']} ({args.dtype}, {result['device']}): params {sizes['params_bytes'] / gb:.2f} GB,"
-        f" AdamW {sizes['optimizer_bytes'] / gb:.2f} GB, reference "
-        f"{sizes['reference_bytes'] / gb:.2f} GB; update: {update['flops'] / 1e9:.1f} GFLOP, "
-        f"{update['bytes_accessed'] / gb:.2f} GB accessed, args {update['argument_bytes'] / gb:.2f}"
-        f" GB, outputs {update['output_bytes'] / gb:.2f} GB (aliased {update['alias_bytes'] / gb:.2f}"
-        f" GB), temporaries {update['temp_bytes'] / gb:.2f} GB; peak RSS after load "
+        f"{w['name']} ({args.dtype}, {result['device']}): "
+        f"params {sizes['params_bytes'] / gb:.2f} GB, AdamW {sizes['optimizer_bytes'] / gb:.2f} GB,"
+        f" reference {sizes['reference_bytes'] / gb:.2f} GB; update: "
+        f"{update['flops'] / 1e9:.1f} GFLOP, {update['bytes_accessed'] / gb:.2f} GB accessed, "
+        f"args {u['argument_bytes']:.2f} GB, outputs {u['output_bytes']:.2f} GB (aliased "
+        f"{u['alias_bytes']:.2f} GB), temporaries {u['temp_bytes']:.2f} GB; peak RSS after load "
         f"{rss_loaded / gb:.2f} GB, after the first step {rss_step / gb:.2f} GB",
         flush=True,
     )
