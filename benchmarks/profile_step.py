@@ -4,10 +4,10 @@
 
 ``DIR`` is a workload directory (``benchmarks/hfdir.py``). Builds the trainer as
 ``benchmarks/ours_worker.py`` does, runs one step, then prints, for the compiled update
-(``GRPOTrainer._step_fn``: reference forward, policy forward + backward, AdamW) and the compiled
-sampler (``generate``'s one program: prefill + decode loop), XLA's FLOPs and bytes accessed and
-the buffer sizes (arguments, outputs, temporaries, aliased = donated), next to the bytes of the
-parameters, the AdamW moments and the reference, and the process's peak resident memory. With
+(``GRPOTrainer._step_fn``: reference forward, policy forward + backward, AdamW), XLA's FLOPs and
+bytes accessed and the buffer sizes (arguments, outputs, temporaries, aliased = donated), next
+to the bytes of the parameters, the AdamW moments and the reference, and the process's peak
+resident memory. With
 ``--trace`` a ``jax.profiler`` trace of two more steps is written for TensorBoard / Perfetto.
 """
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     import optax
     from flax import nnx
 
-    from artifex.generative_models.inference import generate, sampling
+    from artifex.generative_models.inference import generate
     from artifex.generative_models.models.causal_lm import CausalLM
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
     from artifex.generative_models.training.rl import GRPOBatch
@@ -115,11 +115,6 @@ def main(argv: list[str] | None = None) -> int:
             1,
         ).compile()
     )
-    # The sampler's program, lowered with the arguments generate() passes (its own helper).
-    sampler = None
-    lower = getattr(sampling, "_lower_for_analysis", None)
-    if lower is not None:
-        sampler = _analysis(lower(trainer.model, ids, mask, k, n))
     if args.trace:
         with jax.profiler.trace(args.trace):
             step()
@@ -130,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
         "device": jax.devices()[0].device_kind,
         **sizes,
         "update": update,
-        "sampler": sampler,
         "peak_rss_after_load_bytes": rss_loaded,
         "peak_rss_after_first_step_bytes": rss_step,
     }
