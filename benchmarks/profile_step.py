@@ -4,10 +4,10 @@
 
 ``DIR`` is a workload directory (``benchmarks/hfdir.py``). Builds the trainer as
 ``benchmarks/ours_worker.py`` does, runs one step, then prints, for the compiled update
-(``GRPOTrainer._step_fn``: reference forward, policy forward + backward, AdamW) and the compiled
-sampler (``generate``'s one program: prefill + decode loop), XLA's FLOPs and bytes accessed and
-the buffer sizes (arguments, outputs, temporaries, aliased = donated), next to the bytes of the
-parameters, the AdamW moments and the reference, and the process's peak resident memory. With
+(``GRPOTrainer._step_fn``: reference forward, policy forward + backward, AdamW), XLA's FLOPs and
+bytes accessed and the buffer sizes (arguments, outputs, temporaries, aliased = donated), next
+to the bytes of the parameters, the AdamW moments and the reference, and the process's peak
+resident memory. With
 ``--trace`` a ``jax.profiler`` trace of two more steps is written for TensorBoard / Perfetto.
 """
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     import optax
     from flax import nnx
 
-    from artifex.generative_models.inference import generate, sampling
+    from artifex.generative_models.inference import generate
     from artifex.generative_models.models.causal_lm import CausalLM
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
     from artifex.generative_models.training.rl import GRPOBatch
@@ -115,11 +115,6 @@ def main(argv: list[str] | None = None) -> int:
             1,
         ).compile()
     )
-    # The sampler's program, lowered with the arguments generate() passes (its own helper).
-    sampler = None
-    lower = getattr(sampling, "_lower_for_analysis", None)
-    if lower is not None:
-        sampler = _analysis(lower(trainer.model, ids, mask, k, n))
     if args.trace:
         with jax.profiler.trace(args.trace):
             step()
@@ -130,18 +125,18 @@ def main(argv: list[str] | None = None) -> int:
         "device": jax.devices()[0].device_kind,
         **sizes,
         "update": update,
-        "sampler": sampler,
         "peak_rss_after_load_bytes": rss_loaded,
         "peak_rss_after_first_step_bytes": rss_step,
     }
     gb = 1e9
+    u = {key: v / gb for key, v in update.items() if key.endswith("bytes")}
     print(
-        f"{w['name']} ({args.dtype}, {result['device']}): params {sizes['params_bytes'] / gb:.2f} GB,"
-        f" AdamW {sizes['optimizer_bytes'] / gb:.2f} GB, reference "
-        f"{sizes['reference_bytes'] / gb:.2f} GB; update: {update['flops'] / 1e9:.1f} GFLOP, "
-        f"{update['bytes_accessed'] / gb:.2f} GB accessed, args {update['argument_bytes'] / gb:.2f}"
-        f" GB, outputs {update['output_bytes'] / gb:.2f} GB (aliased {update['alias_bytes'] / gb:.2f}"
-        f" GB), temporaries {update['temp_bytes'] / gb:.2f} GB; peak RSS after load "
+        f"{w['name']} ({args.dtype}, {result['device']}): "
+        f"params {sizes['params_bytes'] / gb:.2f} GB, AdamW {sizes['optimizer_bytes'] / gb:.2f} GB,"
+        f" reference {sizes['reference_bytes'] / gb:.2f} GB; update: "
+        f"{update['flops'] / 1e9:.1f} GFLOP, {update['bytes_accessed'] / gb:.2f} GB accessed, "
+        f"args {u['argument_bytes']:.2f} GB, outputs {u['output_bytes']:.2f} GB (aliased "
+        f"{u['alias_bytes']:.2f} GB), temporaries {u['temp_bytes']:.2f} GB; peak RSS after load "
         f"{rss_loaded / gb:.2f} GB, after the first step {rss_step / gb:.2f} GB",
         flush=True,
     )
