@@ -548,6 +548,8 @@ def _error_line(err: BaseException) -> str:
     if hint is not None and hint not in text:
         text = f"{text} ({hint})"
     return f"artifex-grpo: error: {text} [--debug shows the traceback]"
+
+
 def import_object(path: str) -> Any:
     """Imports ``"package.module:attribute"`` (the current directory is importable).
 

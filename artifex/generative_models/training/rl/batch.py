@@ -267,6 +267,9 @@ class GRPOBatch:
                 msg = f"GRPOBatch.{name} must hold only 0 and 1, got values {np.unique(host)[:8]}"
                 raise ValueError(msg)
         mask = _host_values(self.completion_mask)
+        # Log-probs of discrete tokens are <= 0; densities of continuous actions (float states
+        # in ``prompt_ids``, e.g. Flow-GRPO's Gaussian transitions) may be positive.
+        discrete = np.issubdtype(np.dtype(self.prompt_ids.dtype), np.integer)
         for name in ("old_log_probs", "ref_log_probs", "advantages"):
             value = getattr(self, name)
             host = None if value is None else _host_values(value)
@@ -278,7 +281,7 @@ class GRPOBatch:
                 row = int(np.argwhere(bad)[0][0])
                 msg = f"GRPOBatch.{name} must be finite on valid tokens; row {row} is not"
                 raise ValueError(msg)
-            if name != "advantages":
+            if name != "advantages" and discrete:
                 positive = (host > _LOG_PROB_TOLERANCE) & valid
                 if positive.any():
                     where = tuple(int(i) for i in np.argwhere(positive)[0])
@@ -293,7 +296,7 @@ class GRPOBatch:
             if host is not None and mask is not None and np.isinf(host[mask.astype(bool)]).any():
                 msg = "GRPOBatch.sampler_log_probs must be finite or NaN on valid tokens"
                 raise ValueError(msg)
-            if host is not None and mask is not None:
+            if host is not None and mask is not None and discrete:
                 positive = (host > _LOG_PROB_TOLERANCE) & mask.astype(bool)
                 if positive.any():
                     where = tuple(int(i) for i in np.argwhere(positive)[0])

@@ -44,7 +44,7 @@ from artifex.generative_models.training.checkpointing import (
     CheckpointManager,
     training_fingerprint,
 )
-from artifex.generative_models.training.logging import MetricLogger
+from artifex.generative_models.training.logging import MetricLogger, is_primary_process
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.grpo import NonFiniteUpdateError, compute_advantages
 from artifex.generative_models.training.rl.rewards import RewardCombiner
@@ -509,6 +509,8 @@ class _StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
 def _evaluate_across_processes(
     model: Any,
     tokenizer: Any,
@@ -738,7 +740,8 @@ def train(
     data = DataIterator(dataset, seed=config.seed, shuffle=config.shuffle)
     base_key = jax.random.key(config.seed)
     # Pre-flight: every output location is checked before the first (expensive) step.
-    for name in ("log_dir", "checkpoint_dir"):
+    # Only process 0 writes logs; every process writes its checkpoint shards.
+    for name in ("log_dir", "checkpoint_dir") if is_primary_process() else ("checkpoint_dir",):
         if getattr(config, name) is not None:
             check_writable_dir(getattr(config, name), f"TrainConfig.{name}")
     fingerprint = training_fingerprint(

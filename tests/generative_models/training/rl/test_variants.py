@@ -581,7 +581,9 @@ def test_bf16_model_with_every_variant_trains_finitely_and_split_invariantly():
         trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param), cfg)
         metrics = trainer.train_step(trainer_batch(ragged=True), num_microbatches=micro)
         assert all(np.isfinite(v) for v in metrics.values())
-        assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.bfloat16}
+        assert {jnp.dtype(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {
+            jnp.dtype(jnp.bfloat16)
+        }
         out.append(
             (metrics, [np.asarray(x, np.float32) for x in jax.tree.leaves(nnx.state(model))])
         )
