@@ -381,6 +381,41 @@ def _flow_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_rewards(args: argparse.Namespace, num_generations: int, max_new_tokens: int) -> Any:
+    """The ``train`` command's reward functions, combined as ``--reward-mode`` says.
+
+    The group size comes from the one setting that defines it (``--num-generations``), so
+    ``--reward-mode normalized`` standardizes each reward within each prompt's group of
+    generations (GDPO), never over the whole batch.
+
+    Args:
+        args: The parsed ``train`` arguments (``reward``, ``reward_weights``, ``reward_mode``,
+            ``answer_column``, ``format_pattern``, ``overlong_cache``).
+        num_generations: Completions per prompt (``GRPOConfig.num_generations``).
+        max_new_tokens: The completion length (``RolloutConfig.max_new_tokens``).
+
+    Returns:
+        A :class:`~artifex.generative_models.training.rl.rewards.RewardCombiner`.
+    """
+    from artifex.generative_models.training.rl import rewards as rw
+
+    funcs = []
+    for name in args.reward:
+        if name == "math":
+            funcs.append(rw.math_answer_reward(answer_column=args.answer_column))
+        elif name == "format":
+            funcs.append(rw.format_reward(args.format_pattern))
+        else:
+            cache = args.overlong_cache or max(max_new_tokens // 4, 1)
+            funcs.append(rw.soft_overlong_penalty(max_new_tokens, cache))
+    return rw.RewardCombiner(
+        funcs,
+        weights=args.reward_weights,
+        mode=args.reward_mode,
+        group_size=num_generations if args.reward_mode == "normalized" else None,
+    )
+
+
 def _train(args: argparse.Namespace) -> int:
     import optax
     from flax import nnx
@@ -392,7 +427,6 @@ def _train(args: argparse.Namespace) -> int:
         from_pretrained,
         merge_lora,
     )
-    from artifex.generative_models.training.rl import rewards as rw
     from artifex.generative_models.training.rl.configs import GRPOConfig
     from artifex.generative_models.training.rl.grpo import GRPOTrainer
     from artifex.generative_models.training.rl.loop import (
@@ -424,22 +458,7 @@ def _train(args: argparse.Namespace) -> int:
     model = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
     check_tokenizer_fits(tokenizer, model)
 
-    funcs = []
-    for name in args.reward:
-        if name == "math":
-            funcs.append(rw.math_answer_reward(answer_column=args.answer_column))
-        elif name == "format":
-            funcs.append(rw.format_reward(args.format_pattern))
-        else:
-            cache = args.overlong_cache or max(rollout_config.max_new_tokens // 4, 1)
-            funcs.append(rw.soft_overlong_penalty(rollout_config.max_new_tokens, cache))
-    # "normalized" standardizes each reward within each prompt's group of generations (GDPO).
-    rewards = rw.RewardCombiner(
-        funcs,
-        weights=args.reward_weights,
-        mode=args.reward_mode,
-        group_size=grpo.num_generations if args.reward_mode == "normalized" else None,
-    )
+    rewards = _build_rewards(args, grpo.num_generations, rollout_config.max_new_tokens)
 
     total = loop.num_steps * loop.num_iterations * loop.num_minibatches
     if args.lr_schedule == "cosine":

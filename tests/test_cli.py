@@ -186,3 +186,24 @@ def test_compilation_cache_flag_writes_and_reuses_compiled_programs(tmp_path):
         for n, v in before.items():
             jax.config.update(n, v)
         cc.reset_cache()
+
+
+def test_normalized_reward_mode_standardizes_within_each_prompts_group():
+    """--reward-mode normalized takes its group size from --num-generations (GDPO rule)."""
+    from artifex.cli import _build_rewards, build_parser
+
+    args = build_parser().parse_args(
+        ["train", "--model", "m", "--data", "d.jsonl", "--reward", "math", "--reward-mode",
+         "normalized", "--num-generations", "2"]
+    )  # fmt: skip
+    rewards = _build_rewards(args, 2, 16)
+    # Prompt 0's group is all correct-or-wrong pairs: (1, 0); prompt 1's group: (1, 1).
+    prompts = ["p0", "p0", "p1", "p1"]
+    completions = ["\\boxed{3}", "\\boxed{4}", "\\boxed{5}", "\\boxed{5}"]
+    out = rewards(prompts, completions, answer=["3", "3", "5", "5"])
+    total = np.asarray(out.total, np.float64)
+    # Within groups: (1, 0) standardizes to (+s, -s); the constant group (1, 1) gives zeros.
+    # Over the whole batch (the old behaviour) the constant group would get positive values.
+    assert total[0] > 0 > total[1]
+    np.testing.assert_allclose(total[0], -total[1], rtol=1e-5)
+    np.testing.assert_allclose(total[2:], 0.0, atol=1e-6)
