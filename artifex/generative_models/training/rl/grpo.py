@@ -399,8 +399,8 @@ class GRPOTrainer:
     Reference policy for the KL term (``beta > 0``), in order: the batch's ``ref_log_probs``;
     ``reference_model`` (run inside the same compiled step); for a LoRA policy trained with
     ``wrt=nnx.LoRAParam``, the same model with its adapters zeroed (the base weights exist
-    once). Without any of these the KL term is 0 and a warning says so (the artifex GRPO documentation describes
-    the KL penalty as enabled by providing ``ref_log_probs``).
+    once). Without any of these the KL term is 0 and a warning says so (the artifex GRPO
+    documentation describes the KL penalty as enabled by providing ``ref_log_probs``).
 
     The step donates the model's and optimizer's buffers (so parameters and optimizer state
     exist once in memory): arrays taken out of the model before a step are invalid after it;
