@@ -69,7 +69,7 @@ def site(tmp_path_factory) -> Path:
         return Path(prebuilt)
     out = tmp_path_factory.mktemp("site")
     cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)]
-    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT), "ARTIFEX_EXECUTE_NOTEBOOKS": "false"})
     return out
 
 
