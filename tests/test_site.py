@@ -69,7 +69,12 @@ def site(tmp_path_factory) -> Path:
         return Path(prebuilt)
     out = tmp_path_factory.mktemp("site")
     cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)]
-    subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT), "ARTIFEX_EXECUTE_NOTEBOOKS": "false"})
+    subprocess.run(
+        cmd,
+        cwd=ROOT,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "ARTIFEX_EXECUTE_NOTEBOOKS": "false"},
+    )
     return out
 
 
