@@ -146,6 +146,7 @@ class _IgnoreTags(yaml.SafeLoader):
 
 
 _IgnoreTags.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+_IgnoreTags.add_constructor("!ENV", lambda loader, node: None)
 
 
 # --------------------------------------------------------------------------- (b) docstrings

@@ -13,7 +13,8 @@ know. When the package has been loaded, this extension rewrites, in every docstr
 
 It also hides the undocumented special methods of classes (``__post_init__``, ``__repr__``...),
 which the reference would otherwise list because it shows members without docstrings;
-``__init__`` (merged into the class signature) and ``__call__`` stay.
+``__init__`` (merged into the class signature) and ``__call__`` stay. Undocumented attributes of
+classes are hidden too: the class's Attributes or Args section documents them.
 """
 
 from __future__ import annotations
@@ -156,4 +157,8 @@ class RestToMarkdown(griffe.Extension):
 
 def _hidden(name: str, member: griffe.Object | griffe.Alias) -> bool:
     special = name.startswith("__") and name.endswith("__")
-    return special and name not in ("__init__", "__call__") and member.docstring is None
+    if special:
+        return name not in ("__init__", "__call__") and member.docstring is None
+    # Undocumented attributes (``self.mesh = mesh``, dataclass fields) would render as
+    # ``mesh = mesh`` or twice; the class's Attributes/Args section documents them.
+    return not member.is_alias and member.is_attribute and member.docstring is None

@@ -5,7 +5,7 @@ tensors they load from (linear kernels are the transposed HF weights):
 
 - `embed.embedding` (V, D) <- `model.embed_tokens.weight`
 - `layers.i.attn_norm.scale` (D,) <- `model.layers.i.input_layernorm.weight`
-- `layers.i.attn.{q,k,v,o}_proj.kernel` (D, N*H) / (D, K*H) / (D, K*H) / (N*H, D)
+- `layers.i.attn.{q,k,v,o}_proj.kernel` `(D, N*H)` / `(D, K*H)` / `(D, K*H)` / `(N*H, D)`
   <- `model.layers.i.self_attn.{q,k,v,o}_proj.weight`.T
 - `layers.i.attn.{q,k,v,o}_proj.bias` <- `....bias` (q/k/v with `attention_bias`; o_proj for
   Llama/Qwen3 with `attention_bias`)

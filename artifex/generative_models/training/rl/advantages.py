@@ -295,6 +295,11 @@ def group_advantages(
     Raises:
         ValueError: If ``B`` is not a multiple of ``group_size``, or ``eps < 0``.
 
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> group_advantages(jnp.array([1.0, 0.0, 1.0, 1.0]), 2, scale="none")
+        Array([ 0.5, -0.5,  0. ,  0. ], dtype=float32)
+
     References:
         Shao et al., 2024, arXiv:2402.03300 (GRPO); Ahmadian et al., 2024, arXiv:2402.14740
         (RLOO); Liu et al., 2025, arXiv:2503.20783 (Dr. GRPO).

@@ -11,7 +11,7 @@ For a causal language model a row is a left-padded prompt followed by a right-pa
 
 The completion mask is 1 exactly on the completion tokens that count (EOS included; padding and
 anything after EOS excluded). For a non-sequence policy ``model(observations) -> logits`` (the
-seed's dict form), ``prompt_ids`` holds the observations and each action is a completion of
+dict batch form), ``prompt_ids`` holds the observations and each action is a completion of
 length 1 (see :meth:`GRPOBatch.from_dict`).
 """
 
@@ -319,7 +319,7 @@ class GRPOBatch:
     # ------------------------------------------------------------------ conversions
     @classmethod
     def from_dict(cls, batch: Mapping[str, Any], *, group_size: int) -> GRPOBatch:
-        """Converts the seed's generic dict form into a ``GRPOBatch``.
+        """Converts the generic dict batch form into a ``GRPOBatch``.
 
         Keys: ``observations`` ``(B, ...)``, ``actions`` ``(B,)`` or ``(B, L)`` ints,
         ``rewards`` ``(B,)``, optional ``log_probs`` and ``ref_log_probs`` with the shape of

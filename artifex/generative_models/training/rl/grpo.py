@@ -77,7 +77,7 @@ class NonFiniteUpdateError(FloatingPointError):
 
 # ---------------------------------------------------------------------------------- batches
 def as_grpo_batch(batch: GRPOBatch | Mapping[str, Any], config: GRPOConfig) -> GRPOBatch:
-    """Converts a batch (``GRPOBatch`` or the seed dict form) to a ``GRPOBatch`` of arrays.
+    """Converts a batch (``GRPOBatch`` or the dict batch form) to a ``GRPOBatch`` of arrays.
 
     Args:
         batch: A :class:`GRPOBatch`, or a dict with ``observations``, ``actions``,
@@ -499,7 +499,7 @@ def make_grpo_loss(
 
     The returned ``grpo_loss(params, batch, rest=None) -> (loss, metrics)`` is a pure function
     of the parameter state ``params = nnx.state(model, wrt)`` and a :class:`GRPOBatch` (or the
-    seed dict form), so ``jax.grad(grpo_loss, has_aux=True)(params, batch)`` works anywhere.
+    dict batch form), so ``jax.grad(grpo_loss, has_aux=True)(params, batch)`` works anywhere.
     Variables not selected by ``wrt`` (e.g. frozen base weights under LoRA) are read from
     ``model`` at each call, or taken from ``rest_state`` when given.
 
@@ -636,8 +636,8 @@ class GRPOTrainer:
     Reference policy for the KL term (``beta > 0``), in order: the batch's ``ref_log_probs``;
     ``reference_model`` (run inside the same compiled step); for a LoRA policy trained with
     ``wrt=nnx.LoRAParam``, the same model with its adapters zeroed (the base weights exist
-    once). Without any of these the KL term is 0 and a warning says so (the seed API documents
-    the KL penalty as enabled by providing ``ref_log_probs``).
+    once). Without any of these the KL term is 0 and a warning says so (the artifex GRPO
+    documentation describes the KL penalty as enabled by providing ``ref_log_probs``).
 
     The step donates the model's and optimizer's buffers (so parameters and optimizer state
     exist once in memory): arrays taken out of the model before a step are invalid after it;
@@ -908,7 +908,7 @@ class GRPOTrainer:
         """Converts and validates a batch on the host (what ``train_step`` does first).
 
         Args:
-            batch: A :class:`GRPOBatch` or the seed dict form.
+            batch: A :class:`GRPOBatch` or the dict batch form.
 
         Returns:
             The validated ``GRPOBatch`` of JAX arrays (with a mesh: rows split over its data
@@ -961,7 +961,7 @@ class GRPOTrainer:
         """One GRPO update on ``batch``.
 
         Args:
-            batch: A :class:`GRPOBatch` (flat prompt-major rows) or the seed dict form
+            batch: A :class:`GRPOBatch` (flat prompt-major rows) or the dict batch form
                 (``observations``, ``actions``, ``rewards``, optional ``log_probs``,
                 ``ref_log_probs``, ``group_size``).
             num_microbatches: Accumulate gradients over this many equal row slices of the batch

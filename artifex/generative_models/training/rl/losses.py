@@ -61,6 +61,11 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
 
     Returns:
         Scalar float32 mean.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> masked_mean(jnp.array([1.0, 3.0, 100.0]), jnp.array([1, 1, 0]))
+        Array(2., dtype=float32)
     """
     m = _mask(mask)
     return jnp.sum(jnp.where(m > 0, x, 0.0) * m) / jnp.maximum(jnp.sum(m), 1.0)
@@ -244,6 +249,11 @@ def entropy_from_logits(logits: jax.Array) -> jax.Array:
 
     Returns:
         ``(...)`` float32 entropies.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> entropy_from_logits(jnp.zeros((1, 2)))  # uniform over 2 tokens: log 2
+        Array([0.6931472], dtype=float32)
     """
     z = jnp.asarray(logits, jnp.float32)
     lse = jax.nn.logsumexp(z, axis=-1)

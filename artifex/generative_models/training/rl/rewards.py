@@ -528,7 +528,10 @@ class RewardCombiner:
 
     Example:
         >>> combiner = RewardCombiner([math_answer_reward(), format_reward()], weights=[1, 0.2])
-        >>> total, per_function = combiner(prompts, completions, answer=answers)
+        >>> completions = ["<think>1 + 1</think><answer>2</answer>"]
+        >>> total, per_function = combiner(["1 + 1?"], completions, answer=["2"])
+        >>> total, per_function.shape
+        (array([1.2], dtype=float32), (1, 2))
 
     Args:
         funcs: the reward functions, at least one.
