@@ -1,6 +1,6 @@
 """Notebooks are stored clean: valid, without outputs, with code that compiles.
 
-CI executes them separately with ``python -m pytest --nbmake notebooks/``.
+CI executes them once, in the docs build (mkdocs-jupyter, errors fail the build).
 """
 
 from __future__ import annotations
