@@ -104,12 +104,13 @@ def demo_tokenizer() -> Tokenizer:
     return Tokenizer.for_characters("0123456789+=")
 
 
-def demo_model(tokenizer: Tokenizer, seed: int = 0) -> CausalLM:
+def demo_model(tokenizer: Tokenizer, seed: int = 0, *, max_positions: int = 32) -> CausalLM:
     """A tiny Llama-style model sized for the tokenizer (about 0.2M parameters).
 
     Args:
         tokenizer: The demo tokenizer.
         seed: Initialization seed.
+        max_positions: Longest sequence (prompt and completion) the model handles.
 
     Returns:
         The model.
@@ -122,7 +123,7 @@ def demo_model(tokenizer: Tokenizer, seed: int = 0) -> CausalLM:
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
-        max_position_embeddings=32,
+        max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_id,
         eos_token_id=tokenizer.eos_ids,
         pad_token_id=tokenizer.pad_id,

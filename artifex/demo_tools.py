@@ -31,7 +31,8 @@ import optax
 from flax import nnx
 from tokenizers import AddedToken
 
-from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig, Tokenizer
+from artifex.demo import demo_model
+from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.grpo import GRPOTrainer
 from artifex.generative_models.training.rl.loop import TrainConfig, train
@@ -132,23 +133,6 @@ def tool_demo_tokenizer() -> Tokenizer:
     )
     tok.backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in _ADDED])
     return tok
-
-
-def _model(tokenizer: Tokenizer, seed: int) -> CausalLM:
-    config = CausalLMConfig.tiny(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        intermediate_size=192,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=160,
-        bos_token_id=tokenizer.bos_id,
-        eos_token_id=tokenizer.eos_ids,
-        pad_token_id=tokenizer.pad_id,
-    )
-    return CausalLM(config, rngs=nnx.Rngs(seed))
 
 
 def multiplication_dataset(seed: int = 0, num_eval: int = 100, size: int = 3000):
@@ -294,7 +278,7 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
     t_start = time.perf_counter()
     train_rows, eval_rows = multiplication_dataset(cfg.seed, cfg.num_eval)
     tokenizer = tool_demo_tokenizer()
-    model = _model(tokenizer, cfg.seed)
+    model = demo_model(tokenizer, cfg.seed, max_positions=160)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     say(f"model: {n_params:,} parameters; tool: multiply(a, b); task: 4-digit a * 2-digit b")
 
