@@ -8,13 +8,14 @@ import os
 import pytest
 
 from artifex.cli import import_object, main
-from artifex.demo_tools import _model, multiplication_dataset, multiply, tool_demo_tokenizer
+from artifex.demo import demo_model
+from artifex.demo_tools import multiplication_dataset, multiply, tool_demo_tokenizer
 
 
 @pytest.fixture()
 def setup(tmp_path):
     tok = tool_demo_tokenizer()
-    model = _model(tok, 0)
+    model = demo_model(tok, 0, max_positions=160)
     path = tmp_path / "model"
     model.save_pretrained(str(path))
     tok.save_pretrained(str(path))
