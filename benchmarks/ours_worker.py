@@ -117,14 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     peak_rss = cleanwin.peak_rss_bytes()  # before the cost analysis below compiles again
     flops = None
     if args.flops:
-        args_ = (
-            nnx.state(trainer.model),
-            nnx.state(trainer.optimizer),
-            nnx.state(trainer.reference_model),
-            last["batch"],
-            1,
-        )
-        cost = trainer._step_fn.lower(*args_).compile().cost_analysis()
+        cost = trainer.compiled_step().lower(trainer.state, last["batch"]).compile()
+        cost = cost.cost_analysis()
         if isinstance(cost, list | tuple):
             cost = cost[0]
         flops = float(cost.get("flops", float("nan")))

@@ -4,7 +4,7 @@
 
 ``DIR`` is a workload directory (``benchmarks/hfdir.py``). Builds the trainer as
 ``benchmarks/ours_worker.py`` does, runs one step, then prints, for the compiled update
-(``GRPOTrainer._step_fn``: reference forward, policy forward + backward, AdamW), XLA's FLOPs and
+(``GRPOTrainer.compiled_step()``: reference forward, policy forward + backward, AdamW), XLA's FLOPs and
 bytes accessed and the buffer sizes (arguments, outputs, temporaries, aliased = donated), next
 to the bytes of the parameters, the AdamW moments and the reference, and the process's peak
 resident memory. With
@@ -107,13 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     batch = step()
     rss_step = cleanwin.peak_rss_bytes()
     update = _analysis(
-        trainer._step_fn.lower(
-            nnx.state(trainer.model),
-            nnx.state(trainer.optimizer),
-            nnx.state(trainer.reference_model),
+        trainer.compiled_step()
+        .lower(
+            trainer.state,
             batch,
-            1,
-        ).compile()
+        )
+        .compile()
     )
     if args.trace:
         with jax.profiler.trace(args.trace):

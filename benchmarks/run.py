@@ -66,13 +66,7 @@ def bench_peak(ctx: dict) -> list[Row]:
 def bench_train_step(ctx: dict) -> list[Row]:
     trainer = build_trainer(W1)
     batch = trainer.prepare_batch(random_batch(W1))
-    args = (
-        nnx.state(trainer.model),
-        nnx.state(trainer.optimizer),
-        nnx.state(trainer.reference_model),
-        batch,
-    )
-    flops = common.compiled_flops(trainer._step_fn, *args, 1)
+    flops = common.compiled_flops(trainer.compiled_step(), trainer.state, batch)
     t = common.time_fn(lambda: trainer.train_step(batch), warmup=2, repeats=5)
     tokens = W1.batch_size * (W1.prompt_length + W1.completion_length)
     achieved = flops / t["median_s"]
@@ -145,14 +139,7 @@ def bench_train_26m(ctx: dict) -> list[Row]:
     w = Q26M
     trainer = build_trainer(w)
     batch = trainer.prepare_batch(random_batch(w))
-    args = (
-        nnx.state(trainer.model),
-        nnx.state(trainer.optimizer),
-        nnx.state(trainer.reference_model),
-        batch,
-        1,
-    )
-    flops = common.compiled_flops(trainer._step_fn, *args)
+    flops = common.compiled_flops(trainer.compiled_step(), trainer.state, batch)
     t = common.time_fn(lambda: trainer.train_step(batch), warmup=2, repeats=3)["median_s"]
     tokens = w.batch_size * (w.prompt_length + w.completion_length)
     params = sum(x.size for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))

@@ -68,9 +68,9 @@ def fsdp_memory(n: int, w: Workload = S26M) -> dict[str, float]:
     config = GRPOConfig(num_generations=w.num_generations, beta=w.beta)
     trainer = GRPOTrainer(model, optimizer, config, mesh=mesh)
     batch = trainer.prepare_batch(random_batch(w))
-    model_state, opt_state = nnx.state(trainer.model), nnx.state(trainer.optimizer)
-    mem = common.compiled_memory(trainer._step_fn, model_state, opt_state, None, batch, 1)
-    mem["state_bytes"] = float(_device_bytes((model_state, opt_state), devices[0]))
+    state = trainer.state
+    mem = common.compiled_memory(trainer.compiled_step(), state, batch)
+    mem["state_bytes"] = float(_device_bytes(state, devices[0]))
     mem["batch_bytes"] = float(_device_bytes(batch, devices[0]))
     return mem
 

@@ -32,7 +32,7 @@ from artifex.generative_models.inference.flow_sampling import (
 from artifex.generative_models.training.rl import losses
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.grpo import grpo_objective
+from artifex.generative_models.training.rl.objective import grpo_objective
 
 __all__ = ["flow_grpo_objective"]
 

@@ -46,7 +46,7 @@ from artifex.generative_models.training.checkpointing import (
 )
 from artifex.generative_models.training.logging import MetricLogger, is_primary_process
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.grpo import NonFiniteUpdateError, compute_advantages
+from artifex.generative_models.training.rl.objective import compute_advantages
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollout import (
     Rollout,
@@ -55,6 +55,7 @@ from artifex.generative_models.training.rl.rollout import (
     sample_completions,
     spans_processes,
 )
+from artifex.generative_models.training.rl.state import NonFiniteUpdateError
 from artifex.generative_models.training.sharding import host_array, process_row_range
 
 _log = logging.getLogger(__name__)

@@ -117,7 +117,7 @@ def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_b
     comp = _step(trainer, ids, mask, next(keys), k, n)  # first step: compiles
     assert comp.shape == (num_prompts * k, n)
     assert sampling._generate._cache_size() == gen_before + 1
-    assert trainer._step_fn._cache_size() == 1
+    assert trainer.compiled_step()._cache_size() == 1
 
     counter.count, counter.active = 0, True
     try:
@@ -135,7 +135,7 @@ def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_b
                 ids, mask = _prompts(rng, num_prompts, width, min(width, p) // 2, cfg.vocab_size)
                 _step(trainer, ids, mask, next(keys), k, n)
         assert sampling._generate._cache_size() == gen_before + 1
-        assert trainer._step_fn._cache_size() == 1
+        assert trainer.compiled_step()._cache_size() == 1
         assert counter.count <= 2 * len(same_bucket), f"{counter.count} compilations"
 
         # The next bucket: the sampler and the update compile once more, and only once.
@@ -143,6 +143,6 @@ def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_b
             ids, mask = _prompts(rng, num_prompts, next_bucket, next_bucket, cfg.vocab_size)
             _step(trainer, ids, mask, next(keys), k, n)
         assert sampling._generate._cache_size() == gen_before + 2
-        assert trainer._step_fn._cache_size() == 2
+        assert trainer.compiled_step()._cache_size() == 2
     finally:
         counter.active = False

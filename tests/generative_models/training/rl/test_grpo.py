@@ -232,7 +232,7 @@ def test_twenty_same_shaped_steps_compile_once():
     for i in range(20):
         trainer.train_step(seed_batch(seed=i))
     assert trainer.num_compilations == 1
-    assert trainer._step_fn._cache_size() == 1
+    assert trainer.compiled_step()._cache_size() == 1
     trainer.train_step(seed_batch(batch_size=12, seed=0))  # a new shape compiles once more
     assert trainer.num_compilations == 2
 

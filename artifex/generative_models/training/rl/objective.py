@@ -1,0 +1,504 @@
+r"""The GRPO objective as pure functions of arrays, and the pure ``grpo_loss`` built from it.
+
+:func:`grpo_objective` turns per-token log-probs into the loss and its metrics (a pure
+function of arrays). :func:`make_grpo_loss` binds a model's graph and a config into the pure
+``grpo_loss(params, batch) -> (loss, metrics)`` that ``jax.grad`` differentiates.
+
+Per token ``t`` of completion ``i`` (DeepSeekMath eq. 3, with the options of
+:class:`~artifex.generative_models.training.rl.configs.GRPOConfig`):
+
+.. math::
+
+    \ell_{i,t} = -\min\big(\rho_{i,t}\hat A_{i,t},\
+    \operatorname{clip}(\rho_{i,t}, 1-\varepsilon_{low}, 1+\varepsilon_{high})\hat A_{i,t}\big)
+    + \beta\,\mathrm{KL}_{i,t} - c_H H_{i,t},
+
+aggregated over tokens and completions; ``policy_loss + kl_penalty - entropy_coeff * entropy``
+equals ``total_loss`` because all three use the same aggregation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from artifex.generative_models.training.rl import advantages as adv_lib
+from artifex.generative_models.training.rl import losses
+from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.logprobs import LogProbFn, default_log_prob_fn
+
+__all__ = [
+    "as_grpo_batch",
+    "compute_advantages",
+    "grpo_objective",
+    "make_grpo_loss",
+    "split_microbatches",
+]
+
+
+# ---------------------------------------------------------------------------------- batches
+def as_grpo_batch(batch: GRPOBatch | Mapping[str, Any], config: GRPOConfig) -> GRPOBatch:
+    """Converts a batch (``GRPOBatch`` or the dict batch form) to a ``GRPOBatch`` of arrays.
+
+    Args:
+        batch: A :class:`GRPOBatch`, or a dict with ``observations``, ``actions``,
+            ``rewards`` and optionally ``log_probs``, ``ref_log_probs``, ``advantages``,
+            ``group_size``.
+        config: Supplies the default group size (``num_generations``).
+
+    Returns:
+        A ``GRPOBatch`` whose leaves are JAX arrays.
+
+    Raises:
+        TypeError: For any other batch type.
+    """
+    if isinstance(batch, Mapping):
+        batch = GRPOBatch.from_dict(batch, group_size=config.num_generations)
+    elif not isinstance(batch, GRPOBatch):
+        msg = f"batch must be a GRPOBatch or a dict, got {type(batch).__name__}"
+        raise TypeError(msg)
+    else:
+        # Python lists would be pytree nodes (one leaf per element): make them arrays first.
+        lists = {
+            f.name: getattr(batch, f.name)
+            for f in dataclasses.fields(batch)
+            if isinstance(getattr(batch, f.name), list | tuple)
+        }
+        if lists:
+            try:
+                batch = batch.replace(**{k: np.asarray(v) for k, v in lists.items()})
+            except ValueError as err:
+                msg = f"GRPOBatch fields {sorted(lists)} are ragged lists: {err}"
+                raise ValueError(msg) from err
+    return jax.tree.map(jnp.asarray, batch)
+
+
+def compute_advantages(batch: GRPOBatch, config: GRPOConfig) -> jax.Array:
+    """The advantages the loss uses for ``batch``: ``(B,)`` or ``(B, T)`` float32.
+
+    Precedence: the batch's precomputed ``advantages``; else process-supervision token
+    advantages from ``step_rewards``; else outcome advantages from ``rewards`` (the segment
+    kernel when the batch has ``group_ids``, the fixed-group kernel otherwise).
+
+    Args:
+        batch: The batch.
+        config: Advantage options.
+
+    Returns:
+        The advantages.
+    """
+    if batch.advantages is not None:
+        return jnp.asarray(batch.advantages, jnp.float32)
+    if batch.step_rewards is not None:
+        return adv_lib.process_advantages(
+            batch.step_rewards,
+            batch.group_size,
+            gamma=config.gamma,
+            scale=config.scale_rewards,
+            ddof=config.std_ddof,
+            eps=config.advantage_eps,
+        )
+    return adv_lib.advantages_from_config(
+        batch.rewards, config, group_size=batch.group_size, group_ids=batch.group_ids
+    )
+
+
+# ---------------------------------------------------------------------------------- the loss
+def _reward_metrics(batch: GRPOBatch, advantages: jax.Array) -> dict[str, jax.Array]:
+    rewards = jnp.asarray(batch.rewards, jnp.float32)
+    valid = (~jnp.isnan(rewards)).astype(jnp.float32)
+    mean = losses.masked_mean(rewards, valid)
+    std = jnp.sqrt(losses.masked_mean((rewards - mean) ** 2, valid))
+    if batch.group_ids is not None:
+        stats = adv_lib.segment_stats(rewards, batch.group_ids, ddof=0)
+        present = jax.ops.segment_sum(valid, batch.group_ids, num_segments=rewards.shape[0]) > 0
+        zero = jax.ops.segment_max(
+            ((stats.std == 0) & (valid > 0)).astype(jnp.float32),
+            batch.group_ids,
+            num_segments=rewards.shape[0],
+        )
+        frac_zero = jnp.sum(jnp.where(present, zero, 0.0)) / jnp.maximum(jnp.sum(present), 1)
+    else:
+        stats = adv_lib.group_stats(rewards, batch.group_size, ddof=0)
+        g = batch.group_size
+        group_std = stats.std[::g]
+        present = stats.count[::g] > 0
+        frac_zero = jnp.sum((group_std == 0) & present) / jnp.maximum(jnp.sum(present), 1)
+    if advantages.ndim == 2:
+        adv_mask = jnp.asarray(batch.completion_mask, jnp.float32)
+    else:
+        adv_mask = valid if batch.advantages is None else jnp.ones_like(valid)
+    adv_mean = losses.masked_mean(advantages, adv_mask)
+    adv_std = jnp.sqrt(losses.masked_mean((advantages - adv_mean) ** 2, adv_mask))
+    # No valid reward at all: the statistics are undefined (NaN), not 0.
+    any_valid = jnp.any(valid > 0)
+    nan = jnp.asarray(jnp.nan, jnp.float32)
+    return {
+        "reward_mean": jnp.where(any_valid, mean, nan),
+        "reward_std": jnp.where(any_valid, std, nan),
+        "frac_reward_zero_std": frac_zero.astype(jnp.float32),
+        "advantage_mean": adv_mean,
+        "advantage_std": adv_std,
+    }
+
+
+def _policy_term(
+    log_probs: jax.Array,
+    entropy: jax.Array | None,
+    batch: GRPOBatch,
+    config: GRPOConfig,
+    advantages: jax.Array,
+    mask: jax.Array,
+    entropy_threshold: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Per-token policy loss with every correction applied, its log ratio, and metrics."""
+    log_ratio = losses.log_importance_ratio(
+        log_probs, batch.old_log_probs, mask, level=config.importance_sampling_level
+    )
+    zeros = jnp.zeros_like(mask)
+    metrics: dict[str, jax.Array] = {}
+    # The trainer's log-probs of the behavior policy: the old policy, or (on-policy) the current
+    # one without gradient, as TRL does.
+    train_lp = jax.lax.stop_gradient(
+        log_probs if batch.old_log_probs is None else jnp.asarray(batch.old_log_probs, jnp.float32)
+    )
+    sampler_lp = batch.sampler_log_probs
+    is_weights = None
+    if config.sampler_correction != "none" and sampler_lp is not None:
+        is_weights, _, outside = losses.sampler_importance_weights(
+            train_lp,
+            sampler_lp,
+            mask,
+            mode=config.sampler_correction,
+            level=config.sampler_correction_level,
+            ratio_min=config.sampler_ratio_min,
+            ratio_max=config.sampler_ratio_max,
+        )
+        metrics.update(_sampler_metrics(train_lp, sampler_lp, is_weights, outside, mask, config))
+
+    if config.policy_loss == "clip":
+        pg, low, high = losses.clipped_surrogate(
+            log_ratio,
+            advantages,
+            mask,
+            epsilon_low=config.epsilon_low,
+            epsilon_high=config.epsilon_high,
+            dual_clip=config.dual_clip,
+        )
+    elif config.policy_loss == "cispo":
+        pg, high = losses.cispo_surrogate(
+            log_ratio, log_probs, advantages, mask, max_weight=config.cispo_max_weight
+        )
+        low = zeros
+    elif config.policy_loss == "sapo":
+        pg = losses.sapo_surrogate(
+            log_ratio,
+            advantages,
+            mask,
+            temperature_pos=config.sapo_temperature_pos,
+            temperature_neg=config.sapo_temperature_neg,
+        )
+        low = high = zeros
+    else:  # "vespo": the sampler correction enters the sequence weight, not the loss
+        token_log_ratio = losses.log_importance_ratio(
+            log_probs, batch.old_log_probs, mask, level="token"
+        )
+        phi = losses.vespo_weights(
+            token_log_ratio,
+            advantages,
+            mask,
+            sampler_log_weights=None if is_weights is None else jnp.log(is_weights),
+            k_pos=config.vespo_k_pos,
+            lambda_pos=config.vespo_lambda_pos,
+            k_neg=config.vespo_k_neg,
+            lambda_neg=config.vespo_lambda_neg,
+        )
+        adv = jnp.broadcast_to(
+            advantages if advantages.ndim == 2 else advantages[:, None], mask.shape
+        )
+        pg = jnp.where(mask > 0, -phi * adv * log_probs, 0.0)
+        low = high = zeros
+        metrics["vespo_weight_mean"] = losses.masked_mean(phi, mask)
+        is_weights = None
+
+    if config.off_policy_mask_threshold is not None:
+        behavior = train_lp if sampler_lp is None else jnp.asarray(sampler_lp, jnp.float32)
+        keep = losses.off_policy_sequence_mask(
+            advantages, log_probs, behavior, mask, threshold=config.off_policy_mask_threshold
+        )
+        pg = pg * keep
+        dropped = (jnp.min(jnp.where(mask > 0, keep, 1.0), axis=-1) < 1).astype(jnp.float32)
+        metrics["off_policy_masked_fraction"] = jnp.mean(dropped)  # of all rows
+    if config.top_entropy_quantile < 1.0:
+        if entropy is None:
+            msg = "entropy is required when GRPOConfig.top_entropy_quantile < 1"
+            raise ValueError(msg)
+        keep = losses.high_entropy_mask(
+            entropy, mask, config.top_entropy_quantile, threshold=entropy_threshold
+        )
+        pg = pg * keep
+        metrics["high_entropy_fraction"] = losses.masked_mean(keep, mask)
+    if is_weights is not None:
+        pg = pg * is_weights
+    metrics["clip_fraction_low"] = losses.masked_mean(low, mask)
+    metrics["clip_fraction_high"] = losses.masked_mean(high, mask)
+    metrics["clip_fraction"] = losses.masked_mean(low + high, mask)
+    return pg, log_ratio, metrics
+
+
+def _sampler_metrics(
+    train_lp: jax.Array,
+    sampler_lp: jax.Array,
+    weights: jax.Array,
+    outside: jax.Array,
+    mask: jax.Array,
+    config: GRPOConfig,
+) -> dict[str, jax.Array]:
+    """Mismatch metrics between the sampler and the trainer (as TRL reports them)."""
+    diff = jnp.asarray(train_lp, jnp.float32) - jnp.asarray(sampler_lp, jnp.float32)
+    scored = mask * (~jnp.isnan(diff)).astype(jnp.float32)
+    diff = jnp.where(scored > 0, diff, 0.0)
+    # k3 estimate of KL[pi_sampler || pi_train] from the sampler's tokens.
+    kl = jnp.expm1(diff) - diff
+    if config.sampler_correction_level == "token":
+        unit = mask
+    else:  # one value per completion: take the first token of each row
+        unit = (jnp.cumsum(mask, axis=-1) == 1).astype(jnp.float32) * mask
+    big = jnp.float32(jnp.inf)
+    return {
+        "sampler_logp_diff_mean": losses.masked_mean(jnp.abs(diff), scored),
+        "sampler_logp_diff_max": jnp.max(jnp.where(scored > 0, jnp.abs(diff), 0.0)),
+        "sampler_kl": losses.masked_mean(kl, scored),
+        "sampler_ratio_mean": losses.masked_mean(weights, unit),
+        "sampler_ratio_min": jnp.min(jnp.where(unit > 0, weights, big)),
+        "sampler_ratio_max": jnp.max(jnp.where(unit > 0, weights, -big)),
+        "sampler_corrected_fraction": losses.masked_mean(outside, unit),
+    }
+
+
+def grpo_objective(
+    log_probs: jax.Array,
+    entropy: jax.Array | None,
+    batch: GRPOBatch,
+    config: GRPOConfig,
+    *,
+    normalizer: jax.Array | float | None = None,
+    advantages: jax.Array | None = None,
+    reward_metrics: bool = True,
+    entropy_threshold: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""The GRPO loss and its metrics from the current policy's per-token log-probs.
+
+    ``loss = agg(w * m * l) + beta * agg(c * KL) - entropy_coeff * agg(H)`` where ``agg`` is
+    the configured aggregation (see
+    :func:`~artifex.generative_models.training.rl.losses.aggregate_loss`), ``l`` the per-token
+    policy term (``policy_loss``: the clipped surrogate ``-min(rho A, clip(rho) A)`` with the
+    token, sequence or GSPO-token ratio ``rho``; CISPO; SAPO; VESPO), ``m`` the off-policy
+    sequence mask and the high-entropy token mask (1 when disabled), ``w`` the sampler/trainer
+    correction weights (1 when disabled), ``c`` the importance ratio when
+    ``kl_importance_weighted`` (else 1), and ``A`` the advantages from
+    :func:`compute_advantages`. This is TRL 1.16's ``_compute_loss`` term by term (its
+    ``loss_type`` is ``policy_loss`` plus ``loss_aggregation`` here).
+
+    Args:
+        log_probs: ``(B, T)`` log-probs of the completion tokens under the current policy
+            (differentiable).
+        entropy: ``(B, T)`` entropies of the current policy, or ``None`` (counts as 0; only
+            allowed with ``entropy_coeff == 0`` and ``top_entropy_quantile == 1``).
+        batch: The batch (masks, rewards, old, reference and sampler log-probs).
+        config: The objective's options.
+        normalizer: Overrides the aggregation denominator (for microbatches of a larger
+            batch, see :func:`~artifex.generative_models.training.rl.losses.loss_normalizer`).
+        advantages: Overrides :func:`compute_advantages` (e.g. advantages computed on the whole
+            batch when this is one of its microbatches).
+        reward_metrics: Whether to add the reward and advantage statistics to the metrics.
+        entropy_threshold: Overrides the entropy quantile of ``top_entropy_quantile`` (the
+            whole batch's, when this is one of its microbatches).
+
+    Returns:
+        ``(total_loss, metrics)``; metrics are float32 device scalars: ``policy_loss``,
+        ``kl``, ``kl_penalty`` (``beta * kl``), ``approx_kl`` (vs. the sampling policy),
+        ``entropy``, ``clip_fraction_low``, ``clip_fraction_high``, ``clip_fraction``,
+        ``reward_mean``, ``reward_std``, ``advantage_mean``, ``advantage_std``,
+        ``frac_reward_zero_std``, ``completion_length``, ``num_tokens``, ``total_loss``; with
+        the sampler correction also ``sampler_ratio_mean/min/max`` (the correction weights),
+        ``sampler_logp_diff_mean/max``, ``sampler_kl`` and ``sampler_corrected_fraction``
+        (truncated or masked); ``off_policy_masked_fraction``, ``high_entropy_fraction`` and
+        ``vespo_weight_mean`` when those are on.
+
+    Raises:
+        ValueError: ``entropy`` is ``None`` while ``entropy_coeff > 0`` or
+            ``top_entropy_quantile < 1``.
+    """
+    mask = jnp.asarray(batch.completion_mask, jnp.float32)
+    log_probs = jnp.asarray(log_probs, jnp.float32)
+    agg_kwargs = dict(
+        mode=config.loss_aggregation,
+        max_length=config.max_completion_length,
+        normalizer=normalizer,
+    )
+    if advantages is None:
+        advantages = compute_advantages(batch, config)
+    advantages = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
+
+    pg, log_ratio, extra = _policy_term(
+        log_probs, entropy, batch, config, advantages, mask, entropy_threshold
+    )
+    policy_loss = losses.aggregate_loss(pg, mask, **agg_kwargs)
+    total = policy_loss
+
+    if config.beta > 0.0 and batch.ref_log_probs is not None:
+        kl_tok = losses.kl_divergence(
+            log_probs, batch.ref_log_probs, mask, estimator=config.kl_estimator
+        )
+        if config.kl_importance_weighted:
+            kl_tok = kl_tok * jnp.exp(log_ratio)
+        kl = losses.aggregate_loss(kl_tok, mask, **agg_kwargs)
+        total = total + config.beta * kl
+    else:
+        kl = jnp.zeros((), jnp.float32)
+
+    if entropy is None:
+        if config.entropy_coeff > 0.0:
+            msg = "entropy is required when GRPOConfig.entropy_coeff > 0"
+            raise ValueError(msg)
+        ent = jnp.zeros((), jnp.float32)
+    else:
+        ent = losses.aggregate_loss(entropy, mask, **agg_kwargs)
+        if config.entropy_coeff > 0.0:
+            total = total - config.entropy_coeff * ent
+
+    metrics = {
+        "policy_loss": policy_loss,
+        "kl": kl,
+        "kl_penalty": config.beta * kl,
+        "approx_kl": losses.masked_mean(losses.approx_kl_old(log_ratio, mask), mask),
+        "entropy": ent,
+        "completion_length": jnp.mean(jnp.sum(mask, axis=-1)),
+        "num_tokens": jnp.sum(mask),
+        "total_loss": total,
+        **extra,
+    }
+    if reward_metrics:
+        metrics.update(_reward_metrics(batch, advantages))
+    metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
+    return total, metrics
+
+
+_SUMMED = ("policy_loss", "kl", "kl_penalty", "entropy", "total_loss", "num_tokens")
+_TOKEN_WEIGHTED = (
+    "approx_kl",
+    "clip_fraction_low",
+    "clip_fraction_high",
+    "clip_fraction",
+    "high_entropy_fraction",
+    "vespo_weight_mean",
+    "sampler_kl",
+    "sampler_logp_diff_mean",
+)
+_MAXED = ("sampler_ratio_max", "sampler_logp_diff_max")
+_MINNED = ("sampler_ratio_min",)
+
+
+def split_microbatches(batch: GRPOBatch, num_microbatches: int) -> GRPOBatch:
+    """Reshapes every per-row field ``(B, ...)`` to ``(A, B / A, ...)`` for ``lax.scan``.
+
+    Args:
+        batch: The batch.
+        num_microbatches: ``A``; must divide ``B``.
+
+    Returns:
+        The same pytree with a leading microbatch axis.
+
+    Raises:
+        ValueError: If ``A`` does not divide the number of rows.
+    """
+    b = batch.batch_size
+    if num_microbatches < 1 or b % num_microbatches:
+        msg = f"num_microbatches={num_microbatches} must be >= 1 and divide the {b} batch rows"
+        raise ValueError(msg)
+    a = num_microbatches
+    return jax.tree.map(lambda x: x.reshape(a, b // a, *x.shape[1:]), batch)
+
+
+def _combine_micro_metrics(
+    stacked: dict[str, jax.Array], config: GRPOConfig | None = None
+) -> dict[str, jax.Array]:
+    """Metrics of the whole batch from per-microbatch metrics stacked on axis 0."""
+    out = {}
+    tokens = stacked["num_tokens"]
+    token_weighted = _TOKEN_WEIGHTED
+    if config is not None and config.sampler_correction_level == "token":
+        token_weighted = (*token_weighted, "sampler_ratio_mean", "sampler_corrected_fraction")
+    for name, values in stacked.items():
+        if name in _SUMMED:
+            out[name] = jnp.sum(values)
+        elif name in token_weighted:
+            out[name] = jnp.sum(values * tokens) / jnp.maximum(jnp.sum(tokens), 1.0)
+        elif name in _MAXED:
+            out[name] = jnp.max(values)
+        elif name in _MINNED:
+            out[name] = jnp.min(values)
+        else:
+            out[name] = jnp.mean(values)
+    return out
+
+
+def _check_traceable_batch(batch: GRPOBatch) -> None:
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(batch))
+    batch.validate(check_values=concrete)
+
+
+def make_grpo_loss(
+    model: nnx.Module,
+    config: GRPOConfig,
+    *,
+    wrt: Any = nnx.Param,
+    log_prob_fn: LogProbFn | None = None,
+) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
+    """Binds ``model``'s graph and ``config`` into a pure, jit-compiled ``grpo_loss``.
+
+    The returned ``grpo_loss(params, batch, rest=None) -> (loss, metrics)`` is a pure function
+    of the parameter state ``params = nnx.state(model, wrt)`` and a :class:`GRPOBatch` (or the
+    dict batch form), so ``jax.grad(grpo_loss, has_aux=True)(params, batch)`` works anywhere.
+    Variables not selected by ``wrt`` (e.g. frozen base weights under LoRA) are read from
+    ``model`` at each call, or taken from ``rest_state`` when given.
+
+    Args:
+        model: The policy (an NNX module).
+        config: The GRPO options.
+        wrt: Filter selecting the differentiable variables (``nnx.Param`` by default).
+        log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)``; defaults to
+            :func:`~artifex.generative_models.training.rl.logprobs.default_log_prob_fn`.
+
+    Returns:
+        ``grpo_loss``.
+    """
+    graphdef = nnx.graphdef(model)
+    if log_prob_fn is None:
+        log_prob_fn = default_log_prob_fn(model, temperature=config.temperature)
+
+    @jax.jit
+    def _loss(params: nnx.State, rest: nnx.State, batch: GRPOBatch):
+        policy = nnx.merge(graphdef, params, rest)
+        log_probs, entropy = log_prob_fn(policy, batch)
+        return grpo_objective(log_probs, entropy, batch, config)
+
+    def grpo_loss(
+        params: nnx.State, batch: GRPOBatch | Mapping[str, Any], rest_state: Any = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """GRPO loss of ``params`` on ``batch``: ``(loss, metrics)`` (pure, jit-compiled)."""
+        batch = as_grpo_batch(batch, config) if isinstance(batch, Mapping) else batch
+        _check_traceable_batch(batch)
+        if rest_state is None:  # read now: a trainer's step replaces (donates) these buffers
+            rest_state = nnx.state(model, nnx.Not(wrt))
+        return _loss(params, rest_state, batch)
+
+    return grpo_loss

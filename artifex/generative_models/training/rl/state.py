@@ -1,0 +1,480 @@
+r"""The train state and the pure GRPO update: ``state, metrics = grpo_train_step(state, batch)``.
+
+:class:`GRPOTrainState` is a pytree of arrays: the policy's trainable parameters, its other
+(frozen) variables, the optax optimizer state, the step count, the run's PRNG key and, beside
+them, the frozen reference policy. :func:`make_grpo_train_step` binds the model's graph, the
+optimizer's gradient transformation and a :class:`GRPOConfig` into a pure function of that
+state and a :class:`GRPOBatch`, so a user can ``jax.jit`` it, call it inside ``jax.lax.scan``,
+shard it, or checkpoint the state directly. :class:`GRPOTrainer` (the seed's ``nnx.Optimizer``
+API) is a thin shell over it.
+
+One update (DeepSeekMath, Algorithm 1, inner loop):
+
+1. advantages from the batch (precomputed by the rollout, else from its rewards), and the
+   loss normalizer, over the whole batch;
+2. ``value_and_grad`` of :func:`grpo_objective`, accumulated over ``num_microbatches`` slices
+   inside a ``lax.scan`` (the update does not depend on the split);
+3. global-norm clipping, ``tx.update`` and ``optax.apply_updates``;
+4. the guard: if the loss, the gradient norm, the new parameters or the new optimizer state is
+   not finite, or the batch carries no reward signal at all, the state is returned unchanged
+   (``metrics["update_applied"] == 0``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from artifex.generative_models.training.rl import losses
+from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.logprobs import LogProbFn, default_log_prob_fn
+from artifex.generative_models.training.rl.objective import (
+    _combine_micro_metrics,
+    _reward_metrics,
+    compute_advantages,
+    grpo_objective,
+    split_microbatches,
+)
+
+__all__ = [
+    "GRPOTrainState",
+    "NonFiniteUpdateError",
+    "init_train_state",
+    "make_grpo_log_probs",
+    "make_grpo_train_step",
+    "write_train_state",
+]
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """A step produced a non-finite loss, gradient or update; the update was not applied.
+
+    Args:
+        message: The error message.
+        metrics: The step's metrics.
+
+    Attributes:
+        metrics: The step's metrics (as floats), to see what went wrong.
+    """
+
+    def __init__(self, message: str, metrics: dict[str, float]):
+        super().__init__(message)
+        self.metrics = metrics
+
+
+# ---------------------------------------------------------------------------------- the state
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GRPOTrainState:
+    """Everything one GRPO update reads and writes, as a pytree of arrays.
+
+    Build it from an NNX model and optimizer with :func:`init_train_state`; write it back with
+    :func:`write_train_state`. Every field is a pytree of ``jax.Array`` (``nnx.State`` of plain
+    arrays for the model parts), so the state can be donated, sharded, scanned over or saved
+    with Orbax as it is.
+
+    Attributes:
+        params: The trainable variables, ``nnx.state(model, wrt)`` as plain arrays.
+        frozen: The policy's other variables (LoRA base weights, buffers), passed through.
+        opt_state: The optax state of the optimizer's gradient transformation.
+        step: The number of updates applied (``int32`` scalar).
+        rng: The run's PRNG key. The update is deterministic and passes it through; loops
+            draw their sampling keys from it (``jax.random.fold_in(state.rng, step)``).
+        reference: The frozen reference policy's variables (``None``: no reference model).
+
+    Example:
+        >>> import jax, optax
+        >>> from flax import nnx
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        >>> state = init_train_state(model, optimizer, rng=jax.random.key(0))
+        >>> int(state.step), sorted(state.params)
+        (0, ['bias', 'kernel'])
+    """
+
+    params: Any
+    frozen: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+    reference: Any = None
+
+    def replace(self, **changes: Any) -> GRPOTrainState:
+        """A copy with ``changes`` applied (``dataclasses.replace``).
+
+        Args:
+            **changes: New field values.
+
+        Returns:
+            The new state.
+        """
+        return dataclasses.replace(self, **changes)
+
+
+def init_train_state(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    *,
+    reference_model: nnx.Module | None = None,
+    rng: jax.Array | None = None,
+) -> GRPOTrainState:
+    """The :class:`GRPOTrainState` of an NNX policy, its optimizer and reference.
+
+    The arrays are the model's and optimizer's own (not copies): a step that donates the state
+    invalidates them, and :func:`write_train_state` puts the new ones back.
+
+    Args:
+        model: The policy.
+        optimizer: ``nnx.Optimizer(model, tx, wrt=...)``.
+        reference_model: Optional frozen reference policy.
+        rng: The run's PRNG key (default ``jax.random.key(0)``).
+
+    Returns:
+        The state.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+    """
+    if not isinstance(model, nnx.Module):
+        msg = f"model must be an nnx.Module, got {type(model).__name__}"
+        raise TypeError(msg)
+    if not isinstance(optimizer, nnx.Optimizer):
+        msg = f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}"
+        raise TypeError(msg)
+    _, params, frozen = nnx.split(model, optimizer.wrt, ...)
+    return GRPOTrainState(
+        params=nnx.as_pure(params),
+        frozen=nnx.as_pure(frozen),
+        opt_state=nnx.as_pure(optimizer.opt_state),
+        step=jnp.asarray(optimizer.step[...], jnp.int32),
+        rng=jax.random.key(0) if rng is None else rng,
+        reference=None if reference_model is None else nnx.as_pure(nnx.state(reference_model)),
+    )
+
+
+def write_train_state(
+    state: GRPOTrainState,
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    reference_model: nnx.Module | None = None,
+) -> None:
+    """Writes ``state`` back into the NNX model, optimizer and reference (in place).
+
+    Args:
+        state: The state (e.g. returned by ``grpo_train_step``).
+        model: The policy it was built from.
+        optimizer: Its optimizer.
+        reference_model: The reference model, when the state has one.
+    """
+    nnx.update(model, state.params, state.frozen)
+    nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
+    optimizer.step[...] = state.step.astype(optimizer.step[...].dtype)
+    if reference_model is not None and state.reference is not None:
+        nnx.update(reference_model, state.reference)
+
+
+# ---------------------------------------------------------------------------------- the step
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What the pure functions close over: graphs, config and the log-prob function."""
+
+    graphdef: Any
+    ref_graphdef: Any
+    config: GRPOConfig
+    log_prob_fn: LogProbFn
+    lora_reference: bool
+
+    def policy(self, params: Any, frozen: Any) -> nnx.Module:
+        return nnx.merge(self.graphdef, params, frozen)
+
+    def reference(self, state: GRPOTrainState, params: Any) -> nnx.Module | None:
+        if state.reference is not None and self.ref_graphdef is not None:
+            return nnx.merge(self.ref_graphdef, state.reference)
+        if self.lora_reference:  # the same graph with the adapters zeroed is the base model
+            return self.policy(jax.tree.map(jnp.zeros_like, params), state.frozen)
+        return None
+
+    def needs_reference(self, state: GRPOTrainState, batch: GRPOBatch) -> bool:
+        has_ref = (state.reference is not None and self.ref_graphdef is not None) or (
+            self.lora_reference
+        )
+        return self.config.beta > 0.0 and batch.ref_log_probs is None and has_ref
+
+
+def _program(
+    model: nnx.Module,
+    config: GRPOConfig,
+    wrt: Any,
+    reference_model: nnx.Module | None,
+    log_prob_fn: LogProbFn | None,
+) -> _Program:
+    if not isinstance(config, GRPOConfig):
+        msg = f"config must be a GRPOConfig, got {type(config).__name__}"
+        raise TypeError(msg)
+    graphdef, _, _ = nnx.split(model, wrt, ...)
+    return _Program(
+        graphdef=graphdef,
+        ref_graphdef=None if reference_model is None else nnx.graphdef(reference_model),
+        config=config,
+        log_prob_fn=(
+            default_log_prob_fn(model, temperature=config.temperature)
+            if log_prob_fn is None
+            else log_prob_fn
+        ),
+        lora_reference=reference_model is None and _is_lora_only(model, wrt),
+    )
+
+
+def make_grpo_train_step(
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    config: GRPOConfig,
+    *,
+    wrt: Any = nnx.Param,
+    reference_model: nnx.Module | None = None,
+    log_prob_fn: LogProbFn | None = None,
+    num_microbatches: int = 1,
+) -> Callable[[GRPOTrainState, GRPOBatch], tuple[GRPOTrainState, dict[str, jax.Array]]]:
+    """Binds a policy's graph, ``tx`` and ``config`` into the pure ``grpo_train_step``.
+
+    ``grpo_train_step(state, batch) -> (state, metrics)`` is one GRPO update (see the module
+    docstring) as a pure function of a :class:`GRPOTrainState` and a :class:`GRPOBatch`: no
+    host work, no validation (check user batches first, e.g. with ``GRPOBatch.validate``), no
+    side effects. It is not jitted: ``jax.jit`` it (donating the state), call it inside
+    ``jax.lax.scan`` over stacked batches, or inside your own jitted loop. The optimizer update
+    is ``tx.update`` followed by ``optax.apply_updates``, exactly ``nnx.Optimizer.update``.
+
+    Args:
+        model: The policy (only its graph is bound; its values come from the state).
+        tx: The optax gradient transformation (``optimizer.tx``).
+        config: The GRPO options.
+        wrt: The filter of trainable variables (``optimizer.wrt``).
+        reference_model: The reference policy's module (its values come from
+            ``state.reference``). A LoRA policy (``wrt=nnx.LoRAParam``) without one uses
+            itself with zeroed adapters.
+        log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
+        num_microbatches: Accumulate gradients over this many equal row slices.
+
+    Returns:
+        ``grpo_train_step``. Its metrics are float32 scalars: those of
+        :func:`~artifex.generative_models.training.rl.objective.grpo_objective`, ``grad_norm``
+        (before clipping), ``update_applied`` (1 when the state moved), ``finite_update``,
+        ``finite_params``, ``finite_optimizer_state`` and ``reward_signal``.
+
+    Raises:
+        TypeError: ``config`` is not a ``GRPOConfig``.
+        ValueError: ``num_microbatches`` is not an int >= 1.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))  # a 3-action policy
+        >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        >>> step = jax.jit(make_grpo_train_step(model, optimizer.tx, GRPOConfig()))
+        >>> batch = GRPOBatch.from_dict(
+        ...     {"observations": jnp.ones((4, 4)), "actions": jnp.array([0, 1, 2, 0]),
+        ...      "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])}, group_size=4)
+        >>> state, metrics = step(init_train_state(model, optimizer), batch)
+        >>> int(state.step), float(metrics["update_applied"])
+        (1, 1.0)
+    """
+    if (
+        isinstance(num_microbatches, bool)
+        or not isinstance(num_microbatches, int)
+        or num_microbatches < 1
+    ):
+        msg = f"num_microbatches must be an int >= 1, got {num_microbatches!r}"
+        raise ValueError(msg)
+    program = _program(model, config, wrt, reference_model, log_prob_fn)
+    log_prob = program.log_prob_fn
+
+    def grpo_train_step(
+        state: GRPOTrainState, batch: GRPOBatch
+    ) -> tuple[GRPOTrainState, dict[str, jax.Array]]:
+        """One GRPO update of ``state`` on ``batch``: ``(new_state, metrics)`` (pure)."""
+        needs_ref = program.needs_reference(state, batch)
+        frozen = state.frozen
+        # Advantages and the loss normalizer come from the whole batch, so splitting it into
+        # microbatches changes nothing but peak memory.
+        precomputed = batch.advantages is not None
+        advantages = jax.lax.stop_gradient(compute_advantages(batch, config))
+        normalizer = losses.loss_normalizer(
+            batch.completion_mask, config.loss_aggregation, max_length=config.max_completion_length
+        )
+        # Likewise the entropy quantile of top_entropy_quantile: over the whole batch, from a
+        # gradient-free forward of each microbatch (one microbatch computes it in the loss).
+        entropy_threshold = None
+        if config.top_entropy_quantile < 1.0 and num_microbatches > 1:
+
+            def micro_entropy(mb: GRPOBatch) -> jax.Array:
+                _, ent = log_prob(program.policy(state.params, frozen), mb)
+                return jax.lax.stop_gradient(ent)
+
+            ents = jax.lax.map(micro_entropy, _micro(batch, num_microbatches))
+            entropy_threshold = losses.entropy_quantile_threshold(
+                ents.reshape(batch.completion_mask.shape),
+                batch.completion_mask,
+                1.0 - config.top_entropy_quantile,
+            )
+
+        def loss_fn(
+            params: Any, mb: GRPOBatch, adv: jax.Array
+        ) -> tuple[jax.Array, dict[str, jax.Array]]:
+            if needs_ref:
+                ref = program.reference(state, params)
+                ref_lp, _ = log_prob(ref, mb)
+                mb = mb.replace(ref_log_probs=jax.lax.stop_gradient(ref_lp))
+            log_probs, entropy = log_prob(program.policy(params, frozen), mb)
+            return grpo_objective(
+                log_probs,
+                entropy,
+                mb,
+                config,
+                normalizer=normalizer,
+                advantages=adv,
+                reward_metrics=False,
+                entropy_threshold=entropy_threshold,
+            )
+
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if num_microbatches == 1:
+            (loss, metrics), grads = grad_fn(state.params, batch, advantages)
+        else:
+            micro = _micro(batch, num_microbatches)
+            micro_adv = advantages.reshape(num_microbatches, -1, *advantages.shape[1:])
+
+            def accumulate(acc: Any, xs: tuple[GRPOBatch, jax.Array]):
+                (loss_i, metrics_i), grads_i = grad_fn(state.params, *xs)
+                return jax.tree.map(jnp.add, acc, grads_i), (loss_i, metrics_i)
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            grads, (micro_loss, micro_metrics) = jax.lax.scan(accumulate, zeros, (micro, micro_adv))
+            loss = jnp.sum(micro_loss)
+            metrics = _combine_micro_metrics(micro_metrics, config)
+        if not precomputed:  # a loop that precomputes advantages reports these once per batch
+            metrics.update(_reward_metrics(batch, advantages))
+
+        grad_norm = optax.tree.norm(grads)
+        if config.max_grad_norm is not None:
+            scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
+            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        # The update itself can overflow (a huge learning rate, a schedule that overflows): the
+        # new parameters and optimizer state must be finite too (one fused all-finite reduction).
+        params_ok = _all_finite(new_params)
+        opt_ok = _all_finite(new_opt_state)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
+        # A batch without any reward signal (all rewards NaN) moves nothing: its only gradients
+        # would be the KL and entropy terms (and Adam's momentum, weight decay) acting blindly.
+        signal = _has_reward_signal(batch)
+        apply = ok & signal
+
+        def keep(new: Any, old: Any) -> Any:
+            return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+
+        new_state = state.replace(
+            params=keep(new_params, state.params),
+            opt_state=keep(new_opt_state, state.opt_state),
+            step=state.step + apply.astype(state.step.dtype),
+        )
+        f32 = jnp.float32
+        metrics = dict(metrics, grad_norm=grad_norm.astype(f32))
+        metrics["update_applied"] = apply.astype(f32)
+        metrics["finite_update"] = ok.astype(f32)
+        metrics["finite_params"] = params_ok.astype(f32)
+        metrics["finite_optimizer_state"] = opt_ok.astype(f32)
+        metrics["reward_signal"] = signal.astype(f32)
+        return new_state, metrics
+
+    return grpo_train_step
+
+
+def make_grpo_log_probs(
+    model: nnx.Module,
+    config: GRPOConfig,
+    *,
+    wrt: Any = nnx.Param,
+    reference_model: nnx.Module | None = None,
+    log_prob_fn: LogProbFn | None = None,
+) -> Callable[[GRPOTrainState, GRPOBatch], tuple[jax.Array, jax.Array | None]]:
+    """Binds a policy into the pure ``log_probs(state, batch) -> (log_probs, ref_log_probs)``.
+
+    The per-token log-probs of the batch's completions under the state's policy and (when
+    ``beta > 0``, the batch has no ``ref_log_probs`` and a reference exists) under the
+    reference, without gradient: what a loop stores as ``old_log_probs`` / ``ref_log_probs``
+    before ``mu > 1`` iterations on one generation batch.
+
+    Args:
+        model: The policy (its graph).
+        config: The GRPO options (``beta``, ``temperature``).
+        wrt: The filter of trainable variables.
+        reference_model: The reference policy's module, as for :func:`make_grpo_train_step`.
+        log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
+
+    Returns:
+        ``log_probs(state, batch)``; ``ref_log_probs`` is ``None`` when not computed.
+    """
+    program = _program(model, config, wrt, reference_model, log_prob_fn)
+
+    def log_probs(state: GRPOTrainState, batch: GRPOBatch) -> tuple[jax.Array, jax.Array | None]:
+        lp, _ = program.log_prob_fn(program.policy(state.params, state.frozen), batch)
+        ref_lp = None
+        if program.needs_reference(state, batch):
+            ref_lp, _ = program.log_prob_fn(program.reference(state, state.params), batch)
+        return jax.lax.stop_gradient(lp), (
+            None if ref_lp is None else jax.lax.stop_gradient(ref_lp)
+        )
+
+    return log_probs
+
+
+def _micro(batch: GRPOBatch, num_microbatches: int) -> GRPOBatch:
+    """The batch split into microbatches; prompt sharing off when slices cut through groups."""
+    micro = split_microbatches(batch, num_microbatches)
+    if (batch.batch_size // num_microbatches) % batch.group_size:
+        micro = micro.replace(shared_prompts=False)
+    return micro
+
+
+def _has_reward_signal(batch: GRPOBatch) -> jax.Array:
+    """Whether the batch carries any reward signal (a bool scalar, traceable)."""
+    signal = jnp.any(~jnp.isnan(jnp.asarray(batch.rewards, jnp.float32)))
+    if batch.step_rewards is not None:
+        signal |= jnp.any(~jnp.isnan(jnp.asarray(batch.step_rewards, jnp.float32)))
+    if batch.advantages is not None:  # given advantages are a signal unless all zero
+        signal |= jnp.any(jnp.asarray(batch.advantages, jnp.float32) != 0)
+    return signal
+
+
+def _all_finite(state: Any) -> jax.Array:
+    """Whether every inexact leaf of ``state`` is finite (one fused reduction, a bool scalar)."""
+    checks = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(state)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    if not checks:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack(checks))
+
+
+def _is_lora_only(model: nnx.Module, wrt: Any) -> bool:
+    """Whether ``wrt`` selects exactly the model's (non-empty set of) LoRA parameters."""
+    selected = jax.tree.leaves(nnx.state(model, wrt), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    lora = jax.tree.leaves(
+        nnx.state(model, nnx.LoRAParam), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return (
+        bool(lora)
+        and len(selected) == len(lora)
+        and all(isinstance(v, nnx.LoRAParam) for v in selected)
+    )
