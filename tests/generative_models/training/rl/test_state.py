@@ -1,0 +1,176 @@
+"""The functional train state and the pure grpo_train_step under GRPOTrainer."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl import GRPOBatch
+from artifex.generative_models.training.rl.state import (
+    GRPOTrainState,
+    init_train_state,
+    make_grpo_log_probs,
+    make_grpo_train_step,
+    write_train_state,
+)
+
+
+def tiny_lm(seed: int = 0) -> CausalLM:
+    cfg = CausalLMConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        max_position_embeddings=32,
+    )
+    return CausalLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def lm_batch(seed: int, prompts: int = 2, g: int = 4, p: int = 3, t: int = 5) -> GRPOBatch:
+    """A random causal-LM batch: shared prompts per group, ragged completions, old log-probs."""
+    rng = np.random.default_rng(seed)
+    b = prompts * g
+    prompt_ids = np.repeat(rng.integers(1, 32, (prompts, p)), g, axis=0)
+    lengths = rng.integers(1, t + 1, b)
+    completion_mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
+    return GRPOBatch(
+        prompt_ids=jnp.asarray(prompt_ids, jnp.int32),
+        prompt_mask=jnp.ones((b, p), jnp.float32),
+        completion_ids=jnp.asarray(rng.integers(1, 32, (b, t)), jnp.int32),
+        completion_mask=jnp.asarray(completion_mask),
+        rewards=jnp.asarray(rng.normal(size=b), jnp.float32),
+        old_log_probs=jnp.asarray(-3.5 + 0.1 * rng.normal(size=(b, t)), jnp.float32),
+        group_size=g,
+    )
+
+
+CONFIG = GRPOConfig(num_generations=4, beta=0.04, clip_param=0.2)
+
+
+def copies(seed: int = 0):
+    """Two identical (policy, reference) pairs with independent buffers."""
+    out = []
+    for _ in range(2):
+        policy, reference = tiny_lm(seed), tiny_lm(seed + 1)
+        out.append((policy, reference))
+    return out
+
+
+def test_scan_over_batches_equals_trainer_train_step_loop():
+    batches = [lm_batch(s) for s in range(3)]
+    (p1, r1), (p2, r2) = copies()
+    tx = optax.adamw(1e-2, weight_decay=0.01)
+
+    trainer = GRPOTrainer(p1, nnx.Optimizer(p1, tx, wrt=nnx.Param), CONFIG, reference_model=r1)
+    for b in batches:
+        trainer.train_step(b)
+
+    optimizer = nnx.Optimizer(p2, tx, wrt=nnx.Param)
+    step = make_grpo_train_step(p2, optimizer.tx, CONFIG, reference_model=r2)
+    state = init_train_state(p2, optimizer, reference_model=r2)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+
+    @jax.jit
+    def run(state: GRPOTrainState, stacked: GRPOBatch):
+        return jax.lax.scan(step, state, stacked)
+
+    final, metrics = run(state, stacked)
+    assert metrics["total_loss"].shape == (3,)
+    np.testing.assert_array_equal(np.asarray(metrics["update_applied"]), 1.0)
+    assert int(final.step) == 3 == int(trainer.optimizer.step[...])
+    chex.assert_trees_all_close(
+        final.params, nnx.as_pure(nnx.state(p1, nnx.Param)), rtol=1e-5, atol=1e-6
+    )
+    chex.assert_trees_all_close(
+        final.opt_state, nnx.as_pure(trainer.optimizer.opt_state), rtol=1e-5, atol=1e-7
+    )
+    # The parameters moved (the comparison above is not between two untouched models).
+    moved = jax.tree.map(
+        lambda a, b: float(jnp.max(jnp.abs(a - b))),
+        final.params,
+        nnx.as_pure(nnx.state(tiny_lm(0), nnx.Param)),
+    )
+    assert max(jax.tree.leaves(moved)) > 1e-3
+    # write_train_state puts the scanned state into the second model: both models now agree.
+    write_train_state(final, p2, optimizer, r2)
+    ids = jnp.asarray([[3, 4, 5, 6]])
+    np.testing.assert_allclose(np.asarray(p2(ids)), np.asarray(p1(ids)), rtol=1e-4, atol=1e-5)
+
+
+def test_pure_step_leaves_the_state_unchanged_on_a_non_finite_update():
+    policy = tiny_lm(0)
+    optimizer = nnx.Optimizer(policy, optax.adam(1e39), wrt=nnx.Param)  # the update overflows
+    step = jax.jit(make_grpo_train_step(policy, optimizer.tx, GRPOConfig(num_generations=4)))
+    state = init_train_state(policy, optimizer)
+    before = jax.tree.map(np.asarray, state.params)
+    new, metrics = step(state, lm_batch(0))
+    assert float(metrics["update_applied"]) == 0.0
+    assert float(metrics["finite_update"]) == 0.0
+    assert float(metrics["finite_params"]) == 0.0
+    assert int(new.step) == 0
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, new.params), before)
+
+
+def test_pure_step_skips_a_batch_without_reward_signal():
+    policy = tiny_lm(0)
+    optimizer = nnx.Optimizer(policy, optax.adam(1e-2), wrt=nnx.Param)
+    step = jax.jit(make_grpo_train_step(policy, optimizer.tx, GRPOConfig(num_generations=4)))
+    state = init_train_state(policy, optimizer)
+    batch = lm_batch(0)
+    batch = batch.replace(rewards=jnp.full_like(batch.rewards, jnp.nan))
+    new, metrics = step(state, batch)
+    assert float(metrics["reward_signal"]) == 0.0
+    assert float(metrics["update_applied"]) == 0.0
+    assert np.isnan(float(metrics["reward_mean"]))
+    assert int(new.step) == 0
+
+
+def test_microbatched_pure_step_equals_the_full_batch_step():
+    policy = tiny_lm(0)
+    optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
+    state = init_train_state(policy, optimizer)
+    batch = lm_batch(3)
+    full = jax.jit(make_grpo_train_step(policy, optimizer.tx, CONFIG))
+    micro = jax.jit(make_grpo_train_step(policy, optimizer.tx, CONFIG, num_microbatches=2))
+    a, ma = full(state, batch)
+    b, mb = micro(state, batch)
+    chex.assert_trees_all_close(a.params, b.params, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(ma["total_loss"]), float(mb["total_loss"]), rtol=1e-5)
+
+
+def test_log_probs_of_the_state_match_the_trainer():
+    (p1, r1), _ = copies()
+    trainer = GRPOTrainer(
+        p1, nnx.Optimizer(p1, optax.adam(1e-3), wrt=nnx.Param), CONFIG, reference_model=r1
+    )
+    batch = lm_batch(1).replace(old_log_probs=None)
+    filled = trainer.compute_log_probs(batch)
+    log_probs = jax.jit(make_grpo_log_probs(p1, CONFIG, reference_model=r1))
+    lp, ref_lp = log_probs(trainer.state, filled.replace(old_log_probs=None, ref_log_probs=None))
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(filled.old_log_probs), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ref_lp), np.asarray(filled.ref_log_probs), rtol=1e-6)
+    assert not np.allclose(np.asarray(lp), np.asarray(ref_lp))  # two different policies
+
+
+def test_train_state_is_a_pytree_of_arrays_and_bad_arguments_are_named():
+    policy = tiny_lm(0)
+    optimizer = nnx.Optimizer(policy, optax.adam(1e-3), wrt=nnx.Param)
+    state = init_train_state(policy, optimizer, rng=jax.random.key(7))
+    for leaf in jax.tree.leaves(state):
+        assert isinstance(leaf, jax.Array)
+    assert state.reference is None
+    with pytest.raises(TypeError, match="optimizer must be an nnx.Optimizer"):
+        init_train_state(policy, optax.adam(1e-3))
+    with pytest.raises(ValueError, match="num_microbatches"):
+        make_grpo_train_step(policy, optimizer.tx, CONFIG, num_microbatches=0)
+    with pytest.raises(TypeError, match="config must be a GRPOConfig"):
+        make_grpo_train_step(policy, optimizer.tx, {"beta": 0.0})
