@@ -4,7 +4,8 @@
 
 ``DIR`` is a workload directory (``benchmarks/hfdir.py``). Builds the trainer as
 ``benchmarks/ours_worker.py`` does, runs one step, then prints, for the compiled update
-(``GRPOTrainer.compiled_step()``: reference forward, policy forward + backward, AdamW), XLA's FLOPs and
+(``GRPOTrainer.compiled_step()``: reference forward, policy forward + backward, AdamW),
+XLA's FLOPs and
 bytes accessed and the buffer sizes (arguments, outputs, temporaries, aliased = donated), next
 to the bytes of the parameters, the AdamW moments and the reference, and the process's peak
 resident memory. With

@@ -1,10 +1,12 @@
-"""Orbax checkpoints of the whole GRPO training state.
+"""Orbax checkpoints of a training state: any pytree of arrays, with a verified JSON record.
 
-A checkpoint holds the trainable parameters (all parameters for full fine-tuning, the adapters
-only for LoRA: whatever the optimizer's ``wrt`` selects), the model's non-parameter variables,
-the optimizer state, and a JSON record with the step, the PRNG key, the data position, the
-configs and the parameter shapes. Frozen base weights and a frozen reference are not saved: a
-resumed run rebuilds them the way the original run did (load the same pretrained weights).
+The GRPO loop saves its
+:class:`~artifex.generative_models.training.rl.state.GRPOTrainState` without the reference
+(the trainable parameters, the policy's other variables, the optimizer state, the step count
+and the PRNG key), and a JSON record with the data position, the configs and the parameter
+shapes. A frozen reference is not saved: a resumed run rebuilds it the way the original run did
+(load the same pretrained weights). This module knows no RL types: it saves and restores
+pytrees (PRNG keys are stored as their key data and re-wrapped on restore).
 
 Writes are atomic (Orbax writes to a temporary directory and renames it when complete) and only
 the newest ``max_to_keep`` checkpoints are kept. Every process calls :meth:`save` in a multi-host
@@ -106,21 +108,44 @@ def _shapes(state: nnx.State) -> dict[str, list[int]]:
     return {".".join(str(p) for p in path): list(var.shape) for path, var in flat}
 
 
-def training_fingerprint(trainer: Any, **extra: Any) -> dict[str, Any]:
+def training_fingerprint(config: Any, params: Any, **extra: Any) -> dict[str, Any]:
     """What must match between a checkpoint and the run resuming from it.
 
     Args:
-        trainer: The :class:`~artifex.generative_models.training.rl.grpo.GRPOTrainer`.
+        config: The run's dataclass config (e.g. ``GRPOConfig``).
+        params: The trainable parameters (an ``nnx.State``; their shapes are recorded).
         **extra: More JSON-able settings that must match (e.g. the loop's batch shape).
 
     Returns:
-        A JSON-able dict: the GRPO config, the trainable parameter shapes and ``extra``.
+        A JSON-able dict: the config, the trainable parameter shapes and ``extra``.
     """
     return {
-        "grpo_config": dataclasses.asdict(trainer.config),
-        "trainable_shapes": _shapes(nnx.state(trainer.model, trainer.wrt)),
+        "grpo_config": dataclasses.asdict(config),
+        "trainable_shapes": _shapes(params),
         **extra,
     }
+
+
+def _saveable(tree: Any) -> dict[str, Any]:
+    """A flat ``{path: array}`` dict of a pytree (PRNG keys as key data), as Orbax saves it."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        out[jax.tree_util.keystr(path)] = leaf
+    return out
+
+
+def _from_saveable(flat: Mapping[str, Any], target: Any) -> Any:
+    """The inverse of :func:`_saveable`, in ``target``'s structure (keys re-wrapped)."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+    leaves = []
+    for path, like in paths:
+        value = flat[jax.tree_util.keystr(path)]
+        if isinstance(like, jax.Array) and jnp.issubdtype(like.dtype, jax.dtypes.prng_key):
+            value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
+        leaves.append(value)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
@@ -170,7 +195,7 @@ def _verify(restored: Any, integrity: Mapping[str, Any] | None, where: str) -> N
 
 
 class CheckpointManager:
-    """Saves and restores a :class:`GRPOTrainer`'s state with Orbax.
+    """Saves and restores a training state (a pytree of arrays) with Orbax.
 
     Args:
         directory: Checkpoint directory (created).
@@ -219,22 +244,14 @@ class CheckpointManager:
         return sorted(self._manager.all_steps())
 
     # ------------------------------------------------------------------ state
-    @staticmethod
-    def _state(trainer: Any) -> dict[str, Any]:
-        model = trainer.model
-        return {
-            "params": nnx.to_pure_dict(nnx.state(model, trainer.wrt)),
-            "variables": nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))),
-            "optimizer": nnx.to_pure_dict(nnx.state(trainer.optimizer)),
-        }
-
-    def save(self, step: int, trainer: Any, metadata: Mapping[str, Any]) -> None:
+    def save(self, step: int, state: Any, metadata: Mapping[str, Any]) -> None:
         """Writes a checkpoint for ``step`` (blocking, atomic, with a checksum record).
 
         Args:
             step: The training step (checkpoint name).
-            trainer: The trainer whose model and optimizer are saved.
-            metadata: JSON-able record (data position, PRNG key, fingerprint...).
+            state: The pytree of arrays to save (e.g. a ``GRPOTrainState`` without its
+                reference: ``trainer.state.replace(reference=None)``).
+            metadata: JSON-able record (data position, fingerprint...).
 
         Raises:
             FloatingPointError: The state holds a non-finite value (nothing is written).
@@ -250,7 +267,7 @@ class CheckpointManager:
                 f"{latest}; resume from it, delete it, or use another directory"
             )
             raise ValueError(msg)
-        state = self._state(trainer)
+        state = _saveable(state)
         digests = array_digests(state)
         bad = [name for name, d in digests.items() if not d["finite"]]
         if bad:
@@ -311,30 +328,30 @@ class CheckpointManager:
 
     def restore(
         self,
-        trainer: Any,
+        target: Any,
         step: int | None = None,
         *,
         fingerprint: Mapping[str, Any] | None = None,
         ignore: tuple[str, ...] = (),
-    ) -> dict[str, Any]:
-        """Loads a checkpoint into ``trainer``'s model and optimizer, verifying what it read.
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reads a checkpoint in ``target``'s structure, verifying what it read.
 
         The checkpoint's recorded fingerprint is compared with ``fingerprint`` first; the arrays
         read are then checked against the checksum record written with them and for NaN/Inf.
-        Nothing is loaded into the trainer unless every check passes. Without ``step``, the
-        newest checkpoint is tried first; a damaged one is skipped with a warning (naming what
-        was wrong) for the previous complete one.
+        Nothing is returned unless every check passes. Without ``step``, the newest checkpoint
+        is tried first; a damaged one is skipped with a warning (naming what was wrong) for the
+        previous complete one.
 
         Args:
-            trainer: The trainer to restore into (its arrays give the target shapes and
-                shardings).
+            target: A pytree like the saved state (its arrays give the shapes, dtypes and
+                shardings to restore into; they are not modified).
             step: Which checkpoint; the newest readable one by default.
             fingerprint: What the checkpoint's ``metadata["fingerprint"]`` must equal
                 (see :func:`training_fingerprint`); ``None`` skips the check.
             ignore: Top-level fingerprint keys not compared (e.g. ``("dataset",)``).
 
         Returns:
-            The checkpoint's JSON record.
+            ``(state, record)``: the restored pytree and the checkpoint's JSON record.
 
         Raises:
             FileNotFoundError: If there is no such checkpoint.
@@ -343,7 +360,7 @@ class CheckpointManager:
                 (without), is unreadable or fails verification.
         """
         if step is not None:
-            return self._restore_step(trainer, int(step), fingerprint, ignore)
+            return self._restore_step(target, int(step), fingerprint, ignore)
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
             msg = f"no checkpoint at all in {self.directory}"
@@ -351,7 +368,7 @@ class CheckpointManager:
         problems = []
         for candidate in steps:
             try:
-                return self._restore_step(trainer, candidate, fingerprint, ignore)
+                return self._restore_step(target, candidate, fingerprint, ignore)
             except IncompatibleCheckpointError:
                 raise
             except CorruptCheckpointError as err:
@@ -364,11 +381,11 @@ class CheckpointManager:
 
     def _restore_step(
         self,
-        trainer: Any,
+        target: Any,
         step: int,
         fingerprint: Mapping[str, Any] | None,
         ignore: tuple[str, ...],
-    ) -> dict[str, Any]:
+    ) -> tuple[Any, dict[str, Any]]:
         where = f"checkpoint {step} in {self.directory}"
         if step not in self._manager.all_steps():
             msg = f"no checkpoint for step {step} in {self.directory}"
@@ -385,8 +402,7 @@ class CheckpointManager:
             if diffs:
                 msg = f"{where} is incompatible with this run:\n  " + "\n  ".join(diffs)
                 raise IncompatibleCheckpointError(msg)
-        target = self._state(trainer)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saveable(target))
         try:
             restored = self._manager.restore(
                 step,
@@ -398,15 +414,7 @@ class CheckpointManager:
             msg = f"{where} is damaged: its arrays cannot be read ({_brief(err)})"
             raise CorruptCheckpointError(msg) from err
         _verify(restored, metadata.get("integrity"), where)
-        for name, obj, filt in (
-            ("params", trainer.model, trainer.wrt),
-            ("variables", trainer.model, nnx.Not(nnx.Param)),
-            ("optimizer", trainer.optimizer, ...),
-        ):
-            state = nnx.state(obj, filt)
-            nnx.replace_by_pure_dict(state, restored[name])
-            nnx.update(obj, state)
-        return metadata
+        return _from_saveable(restored, target), metadata
 
     def delete_all(self) -> None:
         """Deletes every checkpoint in the directory (for a run that starts over)."""

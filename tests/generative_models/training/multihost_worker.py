@@ -125,8 +125,8 @@ def run_loop(out: str, name: str, ckpt: str, mesh, kill_after: int | None = None
     if kill_after is not None:
         save = checkpointing.CheckpointManager.save
 
-        def save_then_die(self, step, trainer, metadata):
-            save(self, step, trainer, metadata)
+        def save_then_die(self, step, state, metadata):
+            save(self, step, state, metadata)
             if step == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, like a lost host
 

@@ -23,6 +23,7 @@ from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.checkpointing import (
     CheckpointManager,
     CorruptCheckpointError,
+    _saveable,
     array_digests,
 )
 
@@ -55,6 +56,13 @@ def bump(trainer, seed):
     nnx.update(trainer.model, noise)
 
 
+def restore(manager, trainer, **kwargs):
+    """Restores a checkpoint into ``trainer`` (what the loop does); returns the record."""
+    restored, meta = manager.restore(trainer.state, **kwargs)
+    trainer.load_state(restored)
+    return meta
+
+
 def largest_file(directory):
     files = [os.path.join(r, f) for r, _, fs in os.walk(directory) for f in fs]
     return max(files, key=os.path.getsize)
@@ -68,7 +76,7 @@ def saved(tmp_path):
     states = {}
     for step in (1, 2):
         bump(trainer, step)
-        manager.save(step, trainer, {"step": step})
+        manager.save(step, trainer.state, {"step": step})
         states[step] = state(trainer)
     yield manager, states
     manager.close()
@@ -79,7 +87,7 @@ def test_checksums_are_recorded_and_a_clean_restore_verifies(saved):
     meta = manager.read_metadata(2)
     assert meta["integrity"] and all(len(d["sha256"]) == 64 for d in meta["integrity"].values())
     fresh = make_trainer(seed=5)
-    assert manager.restore(fresh)["step"] == 2
+    assert restore(manager, fresh)["step"] == 2
     assert_state(fresh, states[2])
 
 
@@ -106,11 +114,11 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(saved, damage)
     fresh = make_trainer(seed=5)
     before = state(fresh)
     with pytest.warns(RuntimeWarning, match=r"checkpoint 2 in .* is damaged.*falling back"):
-        meta = manager.restore(fresh)
+        meta = restore(manager, fresh)
     assert meta["step"] == 1
     assert_state(fresh, states[1])
     with pytest.raises(CorruptCheckpointError, match="checkpoint 2"):
-        manager.restore(make_trainer(seed=5), step=2)
+        restore(manager, make_trainer(seed=5), step=2)
     del before
 
 
@@ -128,18 +136,18 @@ def test_checksum_mismatch_is_detected_even_when_the_arrays_read_fine(saved):
         json.dump(record, fh)
     fresh = make_trainer(seed=5)
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
-        manager.restore(fresh, step=2)
+        restore(manager, fresh, step=2)
     with pytest.warns(RuntimeWarning, match="checksum mismatch"):
-        assert manager.restore(fresh)["step"] == 1
+        assert restore(manager, fresh)["step"] == 1
 
 
 def test_a_checkpoint_holding_nan_is_never_restored(tmp_path):
     trainer = make_trainer()
     manager = CheckpointManager(tmp_path / "ckpt")
-    manager.save(1, trainer, {"step": 1})
+    manager.save(1, trainer.state, {"step": 1})
     good = state(trainer)
-    poisoned = CheckpointManager._state(trainer)
-    poisoned["params"] = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), poisoned["params"])
+    nan_params = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), trainer.state.params)
+    poisoned = _saveable(trainer.state.replace(params=nan_params))
     # Written behind the manager's back (as an older version or a bit flip could have).
     manager._manager.save(
         2,
@@ -150,7 +158,7 @@ def test_a_checkpoint_holding_nan_is_never_restored(tmp_path):
     manager._manager.wait_until_finished()
     fresh = make_trainer(seed=5)
     with pytest.warns(RuntimeWarning, match="holds NaN or Inf"):
-        assert manager.restore(fresh)["step"] == 1
+        assert restore(manager, fresh)["step"] == 1
     assert_state(fresh, good)
     manager.close()
 
@@ -161,7 +169,7 @@ def test_non_finite_state_is_never_saved(tmp_path):
     params = nnx.state(trainer.model, nnx.Param)
     nnx.update(trainer.model, jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), params))
     with pytest.raises(FloatingPointError, match="refusing to save checkpoint 1"):
-        manager.save(1, trainer, {"step": 1})
+        manager.save(1, trainer.state, {"step": 1})
     assert manager.all_steps() == [] and os.listdir(manager.directory) == []
     manager.close()
 
@@ -169,9 +177,9 @@ def test_non_finite_state_is_never_saved(tmp_path):
 def test_a_save_orbax_would_skip_is_an_error(saved):
     manager, _ = saved
     with pytest.raises(ValueError, match="already holds step 2"):
-        manager.save(2, make_trainer(), {"step": 2})
+        manager.save(2, make_trainer().state, {"step": 2})
     with pytest.raises(ValueError, match="already holds step 2"):
-        manager.save(1, make_trainer(), {"step": 1})
+        manager.save(1, make_trainer().state, {"step": 1})
 
 
 def test_digests_cover_every_array():
@@ -196,13 +204,13 @@ def test_simulated_full_disk_during_save_cleans_up_and_keeps_older_checkpoints(s
     monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
     trainer = make_trainer()
     with pytest.raises(OSError, match="No space"):
-        manager.save(3, trainer, {"step": 3})
+        manager.save(3, trainer.state, {"step": 3})
     monkeypatch.undo()
     assert sorted(os.listdir(manager.directory)) == ["1", "2"]
     fresh = make_trainer(seed=5)
-    assert manager.restore(fresh)["step"] == 2
+    assert restore(manager, fresh)["step"] == 2
     assert_state(fresh, states[2])
-    manager.save(3, trainer, {"step": 3})  # once there is room again, saving works
+    manager.save(3, trainer.state, {"step": 3})  # once there is room again, saving works
     assert manager.all_steps() == [1, 2, 3]
 
 
@@ -227,21 +235,21 @@ def small_tmpfs(path, size):
 def test_real_full_disk_during_save_cleans_up_and_keeps_older_checkpoints(tmp_path):
     trainer = make_trainer()
     probe = CheckpointManager(tmp_path / "probe")
-    probe.save(1, trainer, {"step": 1})
+    probe.save(1, trainer.state, {"step": 1})
     size = sum(
         os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(probe.directory) for f in fs
     )
     probe.close()
     with small_tmpfs(tmp_path / "disk", f"{int(size * 1.5) // 1024}k") as disk:
         manager = CheckpointManager(disk / "ckpt", max_to_keep=3)
-        manager.save(1, trainer, {"step": 1})
+        manager.save(1, trainer.state, {"step": 1})
         good = state(trainer)
         bump(trainer, 1)
         with pytest.raises(OSError):
-            manager.save(2, trainer, {"step": 2})
+            manager.save(2, trainer.state, {"step": 2})
         assert os.listdir(manager.directory) == ["1"]  # no stale temporary directory
         fresh = make_trainer(seed=5)
-        assert manager.restore(fresh)["step"] == 1
+        assert restore(manager, fresh)["step"] == 1
         assert_state(fresh, good)
         manager.close()
 
@@ -261,7 +269,7 @@ KILL_DURING_CHECKPOINT = textwrap.dedent(
     trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
                           GRPOConfig(num_generations=4))
     manager = CheckpointManager(directory)
-    manager.save(1, trainer, {"step": 1})
+    manager.save(1, trainer.state, {"step": 1})
 
     def killer():  # SIGKILL as soon as the step-2 temporary directory appears
         while True:
@@ -274,7 +282,7 @@ KILL_DURING_CHECKPOINT = textwrap.dedent(
     params = nnx.state(model, nnx.Param)
     nnx.update(model, __import__("jax").tree.map(lambda x: x + 1.0, params))
     for step in range(2, 1000):
-        manager.save(step, trainer, {"step": step})
+        manager.save(step, trainer.state, {"step": step})
     """
 )
 
@@ -296,6 +304,6 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_previous_one(tmp_path):
     assert manager.all_steps() == [1]
     assert not [n for n in os.listdir(directory) if "tmp" in n]
     fresh = make_trainer(seed=5)
-    assert manager.restore(fresh)["step"] == 1
+    assert restore(manager, fresh)["step"] == 1
     assert_state(fresh, state(make_trainer()))
     manager.close()

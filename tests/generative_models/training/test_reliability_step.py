@@ -158,12 +158,21 @@ def test_all_nan_rewards_give_nan_metrics_a_warning_and_no_update(caplog):
     assert_unchanged(before, trainer)
 
 
-def test_all_nan_rewards_skip_the_update_whatever_the_regularizers():
-    trainer = make_trainer(entropy_coeff=0.1, beta=0.1)
+def test_all_nan_rewards_skip_the_update_even_with_a_kl_penalty():
+    trainer = make_trainer(beta=0.1)
     before = leaves(trainer)
     m = trainer.train_step(lm_batch(rewards=jnp.full((8,), jnp.nan)))
     assert np.isnan(m["reward_mean"])
     assert_unchanged(before, trainer)
+
+
+def test_all_nan_rewards_still_apply_an_entropy_bonus_the_user_asked_for():
+    trainer = make_trainer(entropy_coeff=0.1, beta=0.1)
+    before = leaves(trainer)
+    m = trainer.train_step(lm_batch(rewards=jnp.full((8,), jnp.nan)))
+    assert np.isnan(m["reward_mean"])
+    assert m["entropy"] > 0
+    assert any(not np.array_equal(x, y) for x, y in zip(before, leaves(trainer), strict=True))
 
 
 def test_some_nan_rewards_still_train():

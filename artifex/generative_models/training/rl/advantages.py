@@ -51,9 +51,11 @@ __all__ = [
     "advantages_from_config",
     "group_advantages",
     "group_stats",
+    "nonconstant_groups",
     "pass_at_k_advantages",
     "process_advantages",
     "reinforce_pp_advantages",
+    "reward_statistics",
     "segment_advantages",
     "segment_stats",
 ]
@@ -569,3 +571,106 @@ def pass_at_k_advantages(
     adv = jnp.where(rewards > 0.5, a_pos, a_neg)
     ok = valid & (n >= k) & (sigma > 0)
     return jnp.where(ok, adv, 0.0)
+
+
+def nonconstant_groups(rewards: jax.Array, group_size: int) -> jax.Array:
+    """Per group: whether its valid rewards are not all equal (the group carries signal).
+
+    A group with fewer than two valid (non-NaN) rewards, or whose valid rewards are all equal,
+    has zero advantages under every estimator here: DAPO's dynamic sampling drops such groups.
+    Computed from :func:`group_stats` (the shifted statistics make equal rewards cancel
+    exactly, so a constant group has a standard deviation of exactly 0).
+
+    Args:
+        rewards: ``(B,)`` prompt-major rewards, NaN for a missing one.
+        group_size: ``G``.
+
+    Returns:
+        ``(B // G,)`` bool.
+
+    Raises:
+        ValueError: ``B`` is not a multiple of ``group_size``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> nonconstant_groups(jnp.array([1.0, 1.0, 0.0, 1.0, jnp.nan, 2.0]), 2).tolist()
+        [False, True, False]
+    """
+    stats = group_stats(jnp.asarray(rewards, jnp.float32), group_size, ddof=0)
+    return (stats.std[::group_size] > 0) & (stats.count[::group_size] >= 2)
+
+
+def reward_statistics(
+    rewards: jax.Array,
+    group_size: int,
+    *,
+    group_ids: jax.Array | None = None,
+    advantages: jax.Array | None = None,
+    advantage_mask: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """The reward and advantage metrics of one generation batch (float32 scalars).
+
+    ``reward_mean`` / ``reward_std`` (population std) over the valid (non-NaN) rewards, NaN
+    when there is none; ``frac_reward_zero_std``: the fraction of groups with at least one
+    valid reward whose rewards are all equal (their advantages are 0); ``advantage_mean`` /
+    ``advantage_std`` of ``advantages`` over ``advantage_mask`` (default: the rows with a
+    valid reward). The loop computes these once per generation batch; the trainer's step
+    computes them when it computes the advantages itself.
+
+    Args:
+        rewards: ``(B,)`` rewards, NaN for a missing one.
+        group_size: ``G`` (ignored when ``group_ids`` is given).
+        group_ids: Optional ``(B,)`` group index per row (groups of any size).
+        advantages: Optional ``(B,)`` or ``(B, T)`` advantages.
+        advantage_mask: Weights of ``advantages`` (same shape); default: valid rows.
+
+    Returns:
+        ``{"reward_mean", "reward_std", "frac_reward_zero_std"}`` plus ``advantage_mean``
+        and ``advantage_std`` when ``advantages`` is given.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> m = reward_statistics(jnp.array([1.0, 0.0, 1.0, 1.0]), 2)
+        >>> float(m["reward_mean"]), float(m["frac_reward_zero_std"])
+        (0.75, 0.5)
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    valid = (~jnp.isnan(rewards)).astype(jnp.float32)
+
+    def masked_mean(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(w > 0, x, 0.0) * w) / jnp.maximum(jnp.sum(w), 1e-8)
+
+    mean = masked_mean(rewards, valid)
+    std = jnp.sqrt(masked_mean((rewards - mean) ** 2, valid))
+    if group_ids is not None:
+        n = rewards.shape[0]
+        stats = segment_stats(rewards, group_ids, ddof=0)
+        present = jax.ops.segment_sum(valid, group_ids, num_segments=n) > 0
+        zero = jax.ops.segment_max(
+            ((stats.std == 0) & (valid > 0)).astype(jnp.float32), group_ids, num_segments=n
+        )
+        frac_zero = jnp.sum(jnp.where(present, zero, 0.0)) / jnp.maximum(jnp.sum(present), 1)
+    else:
+        stats = group_stats(rewards, group_size, ddof=0)
+        present = stats.count[::group_size] > 0
+        zero_std = stats.std[::group_size] == 0
+        frac_zero = jnp.sum(zero_std & present) / jnp.maximum(jnp.sum(present), 1)
+    # No valid reward at all: the statistics are undefined (NaN), not 0.
+    any_valid = jnp.any(valid > 0)
+    nan = jnp.asarray(jnp.nan, jnp.float32)
+    out = {
+        "reward_mean": jnp.where(any_valid, mean, nan),
+        "reward_std": jnp.where(any_valid, std, nan),
+        "frac_reward_zero_std": frac_zero.astype(jnp.float32),
+    }
+    if advantages is not None:
+        advantages = jnp.asarray(advantages, jnp.float32)
+        if advantage_mask is None:
+            advantage_mask = (
+                valid if advantages.ndim == 1 else valid[:, None] * jnp.ones_like(advantages)
+            )
+        w = jnp.asarray(advantage_mask, jnp.float32)
+        adv_mean = masked_mean(advantages, w)
+        out["advantage_mean"] = adv_mean
+        out["advantage_std"] = jnp.sqrt(masked_mean((advantages - adv_mean) ** 2, w))
+    return out

@@ -36,6 +36,7 @@ from artifex.generative_models.training.rl.objective import (
     make_grpo_loss,
     split_microbatches,
 )
+from artifex.generative_models.training.rl.rollout import Policy
 from artifex.generative_models.training.rl.state import (
     GRPOTrainState,
     NonFiniteUpdateError,
@@ -101,6 +102,17 @@ def _check_token_range(batch: GRPOBatch, vocab_size: int | None) -> None:
                 "the tokenizer matches the model"
             )
             raise ValueError(msg)
+
+
+def _uncommitted_key(key: jax.Array) -> jax.Array:
+    """A copy of a PRNG key that is not committed to any device (samplers use it anywhere).
+
+    Keys taken out of a train state live on the training mesh; the rollout may sample on
+    other devices (a placement of its own), so the trainer keeps its ``rng`` on the host side.
+    """
+    local = key.addressable_shards[0].data if isinstance(key, jax.Array) else key
+    data = np.asarray(jax.random.key_data(local))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(local))
 
 
 def _unshare_buffers(reference: nnx.Module, model: nnx.Module) -> None:
@@ -260,8 +272,11 @@ class GRPOTrainer:
         A :class:`~artifex.generative_models.training.rl.state.GRPOTrainState`, not a copy:
         the compiled step donates it.
         """
+        rng = self.rng
+        if self.mesh is not None:  # every leaf of the state on the mesh (one device set)
+            rng = jax.device_put(rng, NamedSharding(self.mesh, PartitionSpec()))
         return init_train_state(
-            self.model, self.optimizer, reference_model=self.reference_model, rng=self.rng
+            self.model, self.optimizer, reference_model=self.reference_model, rng=rng
         )
 
     def load_state(self, state: GRPOTrainState) -> None:
@@ -271,7 +286,38 @@ class GRPOTrainer:
             state: A state of this trainer's model (e.g. from the pure step in a user's loop).
         """
         write_train_state(state, self.model, self.optimizer, self.reference_model)
-        self.rng = state.rng
+        self.rng = _uncommitted_key(state.rng)
+
+    def policy(self) -> Policy:
+        """The rollout stage's view of this trainer: model, config, mesh and scorer.
+
+        Returns:
+            A :class:`~artifex.generative_models.training.rl.rollout.Policy` whose ``score``
+            fills old and reference log-probs of library-built batches (no host validation).
+        """
+        return Policy(model=self.model, config=self.config, mesh=self.mesh, score=self._score)
+
+    def place_batch(self, batch: GRPOBatch) -> GRPOBatch:
+        """A library-built batch placed on the trainer's mesh (no validation, no host copy).
+
+        Args:
+            batch: A :class:`GRPOBatch` of arrays.
+
+        Returns:
+            The batch with its rows split over the mesh's data axes (the batch itself without
+            a mesh).
+        """
+        return batch if self.mesh is None else shard_batch(batch, self.mesh)
+
+    def _score(self, batch: GRPOBatch) -> GRPOBatch:
+        """Old and reference log-probs of a library-built batch (see :meth:`compute_log_probs`)."""
+        batch = self.place_batch(batch)
+        log_probs, ref_log_probs = self._log_probs_fn(self.state, batch)
+        if batch.old_log_probs is None:
+            batch = batch.replace(old_log_probs=log_probs)
+        if batch.ref_log_probs is None and ref_log_probs is not None:
+            batch = batch.replace(ref_log_probs=ref_log_probs)
+        return batch
 
     def compiled_step(self, num_microbatches: int = 1) -> Any:
         """The jitted, state-donating ``grpo_train_step(state, batch) -> (state, metrics)``.
@@ -346,13 +392,7 @@ class GRPOTrainer:
         Returns:
             The batch with the log-prob fields set (no gradient, one compiled forward pass).
         """
-        batch = self.prepare_batch(batch)
-        log_probs, ref_log_probs = self._log_probs_fn(self.state, batch)
-        if batch.old_log_probs is None:
-            batch = batch.replace(old_log_probs=log_probs)
-        if batch.ref_log_probs is None and ref_log_probs is not None:
-            batch = batch.replace(ref_log_probs=ref_log_probs)
-        return batch
+        return self._score(self.prepare_batch(batch))
 
     def train_step(
         self, batch: GRPOBatch | Mapping[str, Any], *, num_microbatches: int = 1
@@ -426,12 +466,14 @@ class GRPOTrainer:
         ok = host.pop("finite_update") > 0
         finite_params = host.pop("finite_params") > 0
         finite_opt = host.pop("finite_optimizer_state") > 0
-        host.pop("update_applied")
+        applied = host.pop("update_applied") > 0
         if host.pop("reward_signal") == 0 and ok:
             logger.warning(
                 "every reward of this batch is NaN (no reward signal): the reward metrics are "
-                "NaN and the update was skipped (parameters unchanged); check the reward "
-                "functions"
+                "NaN and %s; check the reward functions",
+                "only the entropy bonus was applied"
+                if applied
+                else "the update was skipped (parameters unchanged)",
             )
         if not ok:
             bad = [

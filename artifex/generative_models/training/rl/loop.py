@@ -25,6 +25,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -34,7 +35,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -45,18 +46,25 @@ from artifex.generative_models.training.checkpointing import (
     training_fingerprint,
 )
 from artifex.generative_models.training.logging import MetricLogger, is_primary_process
+from artifex.generative_models.training.rl.advantages import nonconstant_groups
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.objective import compute_advantages
+from artifex.generative_models.training.rl.objective import _reward_metrics, compute_advantages
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollout import (
+    Policy,
     Rollout,
     RolloutConfig,
+    SupportsPolicy,
+    as_policy,
     rollout,
     sample_completions,
     spans_processes,
 )
 from artifex.generative_models.training.rl.state import NonFiniteUpdateError
 from artifex.generative_models.training.sharding import host_array, process_row_range
+
+if TYPE_CHECKING:  # annotations only: the trainer's module sits above the loop
+    from artifex.generative_models.training.rl.grpo import GRPOTrainer
 
 _log = logging.getLogger(__name__)
 
@@ -315,24 +323,14 @@ def concat_batches(batches: Sequence[GRPOBatch]) -> GRPOBatch:
 
 
 def _take_rows(batch: GRPOBatch, rows: np.ndarray) -> GRPOBatch:
-    """Rows ``rows`` of every per-row field (prompt sharing is re-detected by the trainer)."""
+    """Rows ``rows`` of every per-row field (shuffled rows: prompts are not shared)."""
     idx = jnp.asarray(rows)
     return jax.tree.map(lambda x: x[idx], batch).replace(shared_prompts=False)
 
 
-def _nonconstant_groups(rewards: np.ndarray, g: int) -> np.ndarray:
-    """Per group: True when its valid rewards are not all equal (the group has signal)."""
-    r = rewards.reshape(-1, g)
-    out = np.zeros(r.shape[0], bool)
-    for i, row in enumerate(r):
-        v = row[~np.isnan(row)]
-        out[i] = v.size >= 2 and v.max() > v.min()
-    return out
-
-
 # ------------------------------------------------------------------------------ evaluation
 def evaluate(
-    trainer: Any,
+    policy: Policy | SupportsPolicy,
     tokenizer: Any,
     rows: Sequence[Mapping[str, Any]],
     reward_fn: Callable[..., Sequence[float | None]],
@@ -348,7 +346,8 @@ def evaluate(
     scores at least ``pass_threshold`` (rows without a reward count as failures).
 
     Args:
-        trainer: The trainer (its model generates).
+        policy: The rollout :class:`~artifex.generative_models.training.rl.rollout.Policy`
+            (its model generates, on its mesh), or a ``GRPOTrainer``.
         tokenizer: The tokenizer.
         rows: Evaluation rows.
         reward_fn: Scores completions like a training reward function.
@@ -357,14 +356,15 @@ def evaluate(
         batch_size: Prompts per generation call.
         placement: Sample on this
             :class:`~artifex.generative_models.training.placement.RolloutPlacement`'s mesh
-            (``None``: on the trainer's).
+            (``None``: on the policy's).
 
     Returns:
         ``{"eval/pass@1": ..., "eval/reward_mean": ...}``.
     """
-    model, mesh = trainer.model, getattr(trainer, "mesh", None)
+    policy = as_policy(policy)
+    model, mesh = policy.model, policy.mesh
     if placement is not None:
-        model, mesh = placement.sampler_model(trainer.model), placement.mesh
+        model, mesh = placement.sampler_model(policy.model), placement.mesh
     if spans_processes(mesh):
         return _evaluate_across_processes(
             model, tokenizer, rows, reward_fn, rollout_config, pass_threshold, batch_size, mesh
@@ -558,10 +558,9 @@ def _evaluate_across_processes(
 
 
 # ------------------------------------------------------------------------------ the loop
-def _learning_rate(trainer: Any) -> float | None:
+def _learning_rate(opt_state: Any) -> float | None:
     """The current learning rate when the optimizer uses ``optax.inject_hyperparams``."""
-    state = trainer.optimizer.opt_state
-    for node in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "hyperparams")):
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
         hp = getattr(node, "hyperparams", None)
         if isinstance(hp, Mapping) and "learning_rate" in hp:
             return float(jnp.asarray(hp["learning_rate"]))
@@ -569,7 +568,7 @@ def _learning_rate(trainer: Any) -> float | None:
 
 
 def _rollout_step(
-    trainer: Any,
+    policy: Policy,
     tokenizer: Any,
     data: DataIterator,
     rewards: RewardCombiner,
@@ -580,12 +579,12 @@ def _rollout_step(
     rollout_fn: Callable[..., Rollout] = rollout,
 ) -> tuple[Rollout, GRPOBatch, dict[str, float]]:
     need_old = cfg.num_iterations > 1 or cfg.num_minibatches > 1
-    g = trainer.config.num_generations
+    g = policy.config.num_generations
     n = cfg.prompts_per_step
-    mesh = getattr(trainer, "mesh", None)
+    mesh = policy.mesh
     part = process_row_range(n, mesh) if spans_processes(mesh) else None
     first = rollout_fn(
-        trainer,
+        policy,
         tokenizer,
         data.take(n, part=part),
         rewards,
@@ -608,7 +607,7 @@ def _rollout_step(
                 break
             rollouts.append(
                 rollout_fn(
-                    trainer,
+                    policy,
                     tokenizer,
                     data.take(n),
                     rewards,
@@ -619,7 +618,7 @@ def _rollout_step(
                 )
             )
         ro = rollouts[-1]
-        good = _nonconstant_groups(host_array(ro.batch.rewards), g)
+        good = np.asarray(nonconstant_groups(jnp.asarray(host_array(ro.batch.rewards)), g))
         total_groups += good.size
         for i, ok in enumerate(good):
             rows = np.arange(i * g, (i + 1) * g)
@@ -636,31 +635,19 @@ def _rollout_step(
     return first, batch, info
 
 
-def _full_batch_reward_metrics(batch: GRPOBatch) -> dict[str, float]:
-    """Reward and advantage statistics of a whole generation batch (groups contiguous).
+@functools.partial(jax.jit, static_argnums=1)
+def _advantages(batch: GRPOBatch, config: Any) -> jax.Array:
+    return compute_advantages(batch, config)
 
-    Used when the batch is trained in shuffled minibatches: each update's own statistics then
-    see rows of different groups mixed together.
-    """
-    r = host_array(batch.rewards).astype(np.float64)
-    valid = ~np.isnan(r)
-    groups = r.reshape(-1, batch.group_size)
-    present = (~np.isnan(groups)).any(axis=1)
-    zero_std = present & ~_nonconstant_groups(r, batch.group_size)
-    adv = host_array(batch.advantages).astype(np.float64)
-    adv = adv if adv.ndim == 1 else adv.mean(axis=1)
-    nan = float("nan")
-    return {
-        "reward_mean": float(r[valid].mean()) if valid.any() else nan,
-        "reward_std": float(r[valid].std()) if valid.any() else nan,
-        "frac_reward_zero_std": float(zero_std.sum() / max(present.sum(), 1)),
-        "advantage_mean": float(adv[valid].mean()) if valid.any() else nan,
-        "advantage_std": float(adv[valid].std()) if valid.any() else nan,
-    }
+
+@jax.jit
+def _batch_metrics(batch: GRPOBatch) -> dict[str, jax.Array]:
+    """Reward and advantage metrics of a whole generation batch (groups contiguous)."""
+    return _reward_metrics(batch, batch.advantages)
 
 
 def train(
-    trainer: Any,
+    trainer: GRPOTrainer,
     tokenizer: Any,
     dataset: Sequence[Mapping[str, Any]],
     rewards: RewardCombiner | Callable[..., Any] | Sequence[Callable[..., Any]],
@@ -715,7 +702,8 @@ def train(
         rewards = RewardCombiner(funcs)
     if eval_reward is None:
         eval_reward = rewards.funcs[0]
-    rows_per_batch = config.prompts_per_step * trainer.config.num_generations
+    policy = trainer.policy()
+    rows_per_batch = config.prompts_per_step * policy.config.num_generations
     per_update = rows_per_batch // config.num_minibatches
     if rows_per_batch % config.num_minibatches or per_update % config.gradient_accumulation_steps:
         msg = (
@@ -731,22 +719,25 @@ def train(
             msg = f"dataset row {i} has no prompt column {prompt_column!r}"
             raise ValueError(msg)
 
-    check_tokenizer_fits(tokenizer, trainer.model)
-    if spans_processes(getattr(trainer, "mesh", None)) and config.dynamic_sampling:
+    check_tokenizer_fits(tokenizer, policy.model)
+    if spans_processes(policy.mesh) and config.dynamic_sampling:
         msg = (
             "TrainConfig.dynamic_sampling is not supported on a mesh spanning several processes "
             "yet (its group filtering is host-side); got dynamic_sampling=True"
         )
         raise ValueError(msg)
     data = DataIterator(dataset, seed=config.seed, shuffle=config.shuffle)
-    base_key = jax.random.key(config.seed)
+    # The run's PRNG key lives in the train state (and so in every checkpoint): each step's
+    # sampling key is ``fold_in(rng, step)``.
+    trainer.rng = jax.random.key(config.seed)
     # Pre-flight: every output location is checked before the first (expensive) step.
     # Only process 0 writes logs; every process writes its checkpoint shards.
     for name in ("log_dir", "checkpoint_dir") if is_primary_process() else ("checkpoint_dir",):
         if getattr(config, name) is not None:
             check_writable_dir(getattr(config, name), f"TrainConfig.{name}")
     fingerprint = training_fingerprint(
-        trainer,
+        trainer.config,
+        trainer.state.params,
         loop=config.fingerprint,
         max_new_tokens=rcfg.max_new_tokens,
         dataset=dataset_fingerprint(dataset),
@@ -768,14 +759,15 @@ def train(
             )
             raise FileExistsError(msg)
         elif existing:
-            meta = manager.restore(
-                trainer,
+            current = trainer.state
+            restored, meta = manager.restore(
+                current.replace(reference=None),
                 fingerprint=fingerprint,
                 ignore=("dataset",) if config.allow_dataset_change else (),
             )
+            trainer.load_state(restored.replace(reference=current.reference))
             start_step = int(meta["step"])
             data.restore(meta["data"])
-            base_key = jax.random.wrap_key_data(jnp.asarray(meta["key"], jnp.uint32))
 
     logger = MetricLogger(
         jsonl_path=None
@@ -793,7 +785,7 @@ def train(
         if eval_dataset is None:
             return
         metrics = (evaluate if evaluate_fn is None else evaluate_fn)(
-            trainer,
+            policy,
             tokenizer,
             eval_dataset,
             eval_reward,
@@ -809,13 +801,8 @@ def train(
             return
         manager.save(
             step,
-            trainer,
-            {
-                "step": step,
-                "data": data.state(),
-                "key": np.asarray(jax.random.key_data(base_key)).tolist(),
-                "fingerprint": fingerprint,
-            },
+            trainer.state.replace(reference=None),
+            {"step": step, "data": data.state(), "fingerprint": fingerprint},
         )
 
     stop = _StopSignals(enabled=config.handle_signals)
@@ -826,9 +813,9 @@ def train(
             run_eval(0)
         for step in range(start_step + 1, config.num_steps + 1):
             t0 = time.perf_counter()
-            key = jax.random.fold_in(base_key, step)
+            key = jax.random.fold_in(trainer.rng, step)
             ro, batch, info = _rollout_step(
-                trainer,
+                policy,
                 tokenizer,
                 data,
                 rewards,
@@ -839,10 +826,11 @@ def train(
                 rollout_fn or rollout,
             )
             t_rollout = time.perf_counter() - t0
-            if config.num_minibatches > 1:
-                batch = batch.replace(
-                    advantages=compute_advantages(trainer.prepare_batch(batch), trainer.config)
-                )
+            # Advantages once per generation batch, by the one kernel, stored in the batch
+            # (the updates below read them); the reward metrics once, from the same statistics.
+            batch = trainer.place_batch(batch)
+            batch = batch.replace(advantages=_advantages(batch, trainer.config))
+            batch_metrics = _batch_metrics(batch)
             updates: list[dict[str, float]] = []
             rows = batch.batch_size
             for it in range(config.num_iterations):
@@ -853,8 +841,10 @@ def train(
                 for part in np.split(order, config.num_minibatches):
                     mb = batch if config.num_minibatches == 1 else _take_rows(batch, part)
                     try:
-                        update = trainer.train_step(
-                            mb, num_microbatches=config.gradient_accumulation_steps
+                        # Built by the library: no host validation before the compiled step.
+                        update = trainer.apply_prepared(
+                            mb if config.num_minibatches == 1 else trainer.place_batch(mb),
+                            num_microbatches=config.gradient_accumulation_steps,
                         )
                     except NonFiniteUpdateError as err:
                         msg = (
@@ -865,11 +855,10 @@ def train(
                         raise NonFiniteUpdateError(msg, err.metrics) from err
                     updates.append(update)
             metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
-            if config.num_minibatches > 1:
-                metrics.update(_full_batch_reward_metrics(batch))
+            metrics.update({k: float(v) for k, v in jax.device_get(batch_metrics).items()})
             metrics.update(ro.metrics())
             metrics.update(info)
-            lr = _learning_rate(trainer)
+            lr = _learning_rate(trainer.state.opt_state)
             if lr is not None:
                 metrics["learning_rate"] = lr
             metrics["rollout_time"] = t_rollout

@@ -43,9 +43,12 @@ from artifex.generative_models.inference.sampling import DEFAULT_PROMPT_BUCKETS,
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollout import (
+    Policy,
     Rollout,
     RolloutConfig,
+    SupportsPolicy,
     _sampler_matches_loss,
+    as_policy,
 )
 from artifex.generative_models.training.rl.tools import ToolRunner, parse_tool_calls
 
@@ -653,7 +656,7 @@ class MultiTurnRollout:
 
     def __call__(
         self,
-        trainer: Any,
+        policy: Policy | SupportsPolicy,
         tokenizer: Any,
         rows: Sequence[Mapping[str, Any]],
         rewards: RewardCombiner,
@@ -665,7 +668,8 @@ class MultiTurnRollout:
         """Runs ``G`` episodes per row, scores them and builds the batch.
 
         Args:
-            trainer: The GRPO trainer (its model samples; ``num_generations``, temperature).
+            policy: The rollout :class:`Policy` (its model samples; ``num_generations`` and
+                ``temperature`` from its config), or a ``GRPOTrainer``.
             tokenizer: The tokenizer.
             rows: Dataset rows.
             rewards: The reward functions.
@@ -677,16 +681,17 @@ class MultiTurnRollout:
         Returns:
             A :class:`MultiTurnRolloutResult`.
         """
-        k = trainer.config.num_generations
+        policy = as_policy(policy)
+        k = policy.config.num_generations
         ep = run_episodes(
-            trainer.model,
+            policy.model,
             tokenizer,
             rows,
             self.environment_factory,
             self.config,
             key=key,
             num_generations=k,
-            temperature=trainer.config.temperature,
+            temperature=policy.config.temperature,
             top_k=config.top_k,
             top_p=config.top_p,
         )
@@ -705,11 +710,14 @@ class MultiTurnRollout:
             batch = batch.replace(step_rewards=jnp.asarray(turn_step_rewards(ep)))
         if need_old_log_probs:
             use_sampler = config.old_log_probs == "sampler" or (
-                config.old_log_probs == "auto" and _sampler_matches_loss(trainer, config)
+                config.old_log_probs == "auto" and _sampler_matches_loss(policy, config)
             )
             if use_sampler:
                 batch = batch.replace(old_log_probs=jnp.asarray(ep.log_probs))
-            batch = trainer.compute_log_probs(batch)
+            if policy.score is None:
+                msg = "need_old_log_probs=True needs a Policy with a score function"
+                raise ValueError(msg)
+            batch = policy.score(batch)
         return MultiTurnRolloutResult(
             batch=batch,
             rows=list(rows),
@@ -723,7 +731,7 @@ class MultiTurnRollout:
 
     def evaluate(
         self,
-        trainer: Any,
+        policy: Policy | SupportsPolicy,
         tokenizer: Any,
         rows: Sequence[Mapping[str, Any]],
         reward_fn: Callable[..., Sequence[float | None]],
@@ -735,7 +743,8 @@ class MultiTurnRollout:
         """Greedy pass@1 of one episode per row, with the tool-call rate.
 
         Args:
-            trainer: The trainer (or anything with a ``model``).
+            policy: The rollout :class:`Policy` (its model plays greedily), or a
+                ``GRPOTrainer``.
             tokenizer: The tokenizer.
             rows: Evaluation rows.
             reward_fn: Scores the final turns like a training reward function.
@@ -746,13 +755,14 @@ class MultiTurnRollout:
         Returns:
             ``eval/pass@1``, ``eval/reward_mean``, ``eval/tool_call_rate``, ``eval/turns_mean``.
         """
+        model = as_policy(policy).model
         scores: list[float] = []
         calls: list[int] = []
         turns: list[int] = []
         for start in range(0, len(rows), batch_size):
             chunk = list(rows[start : start + batch_size])
             ep = run_episodes(
-                trainer.model,
+                model,
                 tokenizer,
                 chunk,
                 self.environment_factory,

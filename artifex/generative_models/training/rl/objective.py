@@ -112,41 +112,20 @@ def compute_advantages(batch: GRPOBatch, config: GRPOConfig) -> jax.Array:
 
 # ---------------------------------------------------------------------------------- the loss
 def _reward_metrics(batch: GRPOBatch, advantages: jax.Array) -> dict[str, jax.Array]:
-    rewards = jnp.asarray(batch.rewards, jnp.float32)
-    valid = (~jnp.isnan(rewards)).astype(jnp.float32)
-    mean = losses.masked_mean(rewards, valid)
-    std = jnp.sqrt(losses.masked_mean((rewards - mean) ** 2, valid))
-    if batch.group_ids is not None:
-        stats = adv_lib.segment_stats(rewards, batch.group_ids, ddof=0)
-        present = jax.ops.segment_sum(valid, batch.group_ids, num_segments=rewards.shape[0]) > 0
-        zero = jax.ops.segment_max(
-            ((stats.std == 0) & (valid > 0)).astype(jnp.float32),
-            batch.group_ids,
-            num_segments=rewards.shape[0],
-        )
-        frac_zero = jnp.sum(jnp.where(present, zero, 0.0)) / jnp.maximum(jnp.sum(present), 1)
-    else:
-        stats = adv_lib.group_stats(rewards, batch.group_size, ddof=0)
-        g = batch.group_size
-        group_std = stats.std[::g]
-        present = stats.count[::g] > 0
-        frac_zero = jnp.sum((group_std == 0) & present) / jnp.maximum(jnp.sum(present), 1)
+    """:func:`~artifex.generative_models.training.rl.advantages.reward_statistics` of a batch."""
     if advantages.ndim == 2:
         adv_mask = jnp.asarray(batch.completion_mask, jnp.float32)
+    elif batch.advantages is None:
+        adv_mask = None  # the rows with a valid reward
     else:
-        adv_mask = valid if batch.advantages is None else jnp.ones_like(valid)
-    adv_mean = losses.masked_mean(advantages, adv_mask)
-    adv_std = jnp.sqrt(losses.masked_mean((advantages - adv_mean) ** 2, adv_mask))
-    # No valid reward at all: the statistics are undefined (NaN), not 0.
-    any_valid = jnp.any(valid > 0)
-    nan = jnp.asarray(jnp.nan, jnp.float32)
-    return {
-        "reward_mean": jnp.where(any_valid, mean, nan),
-        "reward_std": jnp.where(any_valid, std, nan),
-        "frac_reward_zero_std": frac_zero.astype(jnp.float32),
-        "advantage_mean": adv_mean,
-        "advantage_std": adv_std,
-    }
+        adv_mask = jnp.ones_like(advantages)
+    return adv_lib.reward_statistics(
+        batch.rewards,
+        batch.group_size,
+        group_ids=batch.group_ids,
+        advantages=advantages,
+        advantage_mask=adv_mask,
+    )
 
 
 def _policy_term(

@@ -1,6 +1,6 @@
 """Rollouts: dataset rows -> K sampled completions per prompt -> rewards -> a ``GRPOBatch``.
 
-``rollout(trainer, tokenizer, rows, rewards, config, key=...)`` tokenizes each row's prompt
+``rollout(policy, tokenizer, rows, rewards, config, key=...)`` tokenizes each row's prompt
 (a string, or a list of chat messages rendered with the tokenizer's chat template), left-pads the
 prompts, samples ``num_generations`` completions per prompt with the compiled KV-cache sampler,
 decodes them, scores them with the reward functions (dataset columns repeated per generation,
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ import numpy as np
 
 from artifex.generative_models.inference.sampling import generate
 from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.sharding import (
     batch_partition_spec,
@@ -38,8 +39,10 @@ from artifex.generative_models.training.sharding import (
 
 __all__ = [
     "Completions",
+    "Policy",
     "Rollout",
     "RolloutConfig",
+    "SupportsPolicy",
     "encode_prompts",
     "rollout",
     "sample_completions",
@@ -49,11 +52,79 @@ __all__ = [
 OldLogProbs = Literal["auto", "sampler", "recompute"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The policy as the rollout stage sees it: what samples, where, and how it scores.
+
+    A rollout reads nothing else of the trainer. ``GRPOTrainer.policy()`` builds one; a custom
+    loop can build its own around any causal LM.
+
+    Attributes:
+        model: The causal LM that samples (its current weights).
+        config: The run's :class:`GRPOConfig`: the group size ``num_generations``, the
+            sampling ``temperature`` (the one the loss scores at), and whether the loss reads
+            the sampler's log-probs (``sampler_correction``, ``off_policy_mask_threshold``).
+        mesh: The training mesh (``None``: one device); batches are built on it.
+        score: ``batch -> batch`` filling ``old_log_probs`` (and ``ref_log_probs`` when a
+            reference exists and ``beta > 0``) with the training graph, or ``None`` when the
+            rollout is never asked for old log-probs.
+
+    Example:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> policy = Policy(CausalLM(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=4))
+        >>> policy.config.num_generations
+        4
+    """
+
+    model: Any
+    config: GRPOConfig
+    mesh: Any = None
+    score: Any = None
+
+
+@runtime_checkable
+class SupportsPolicy(Protocol):
+    """Anything that can present itself as a :class:`Policy` (e.g. ``GRPOTrainer``)."""
+
+    def policy(self) -> Policy:
+        """The policy view of this object."""
+        ...
+
+
+def as_policy(policy: Policy | SupportsPolicy) -> Policy:
+    """``policy`` itself, or the :class:`Policy` view of an object that has one.
+
+    Args:
+        policy: A :class:`Policy` or an object with a ``policy()`` method (a ``GRPOTrainer``).
+
+    Returns:
+        The :class:`Policy`.
+
+    Raises:
+        TypeError: Neither.
+    """
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, SupportsPolicy):
+        view = policy.policy()
+        if isinstance(view, Policy):
+            return view
+    msg = (
+        "policy must be a rollout Policy or have a policy() method returning one (a "
+        f"GRPOTrainer), got {type(policy).__name__}"
+    )
+    raise TypeError(msg)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     """How prompts become scored completions.
 
-    The group size and the temperature come from the trainer's ``GRPOConfig``
+    The group size and the temperature come from the policy's ``GRPOConfig``
     (``num_generations``, ``temperature``).
 
     Attributes:
@@ -217,9 +288,9 @@ def _repeat_columns(
     return {name: [row.get(name) for row in rows for _ in range(k)] for name in names}
 
 
-def _sampler_matches_loss(trainer: Any, config: RolloutConfig) -> bool:
+def _sampler_matches_loss(policy: Policy, config: RolloutConfig) -> bool:
     """Whether the sampler's log-probs are the ones the loss scores."""
-    dtype = getattr(trainer.model, "dtype", jnp.float32)
+    dtype = getattr(policy.model, "dtype", jnp.float32)
     return config.top_k is None and config.top_p >= 1.0 and jnp.dtype(dtype) == jnp.float32
 
 
@@ -378,7 +449,7 @@ def _global_prompts(
 
 
 def rollout(
-    trainer: Any,
+    policy: Policy | SupportsPolicy,
     tokenizer: Any,
     rows: Sequence[Mapping[str, Any]],
     rewards: RewardCombiner,
@@ -391,14 +462,16 @@ def rollout(
     """Samples ``num_generations`` completions per row, scores them and builds the batch.
 
     Args:
-        trainer: The :class:`~artifex.generative_models.training.rl.grpo.GRPOTrainer` (its
-            model samples; its config gives ``num_generations`` and ``temperature``).
+        policy: The :class:`Policy` (its model samples; its config gives
+            ``num_generations`` and ``temperature``; the training mesh; the scorer of old
+            log-probs), or an object
+            with a ``policy()`` method such as a ``GRPOTrainer``.
         tokenizer: The tokenizer (encode, decode, pad, chat template, EOS/pad ids).
         rows: Dataset rows, one per prompt.
         rewards: The reward functions and how they combine.
         config: Rollout settings.
         key: PRNG key for sampling.
-        need_old_log_probs: Fill ``old_log_probs`` (and ``ref_log_probs`` when the trainer
+        need_old_log_probs: Fill ``old_log_probs`` (and ``ref_log_probs`` when the policy
             has a reference and ``beta > 0``): needed when the policy changes between updates
             on this batch.
         placement: A :class:`~artifex.generative_models.training.placement.RolloutPlacement`
@@ -415,11 +488,13 @@ def rollout(
     if not rows:
         msg = "rollout needs at least one dataset row"
         raise ValueError(msg)
-    grpo = trainer.config
+    policy = as_policy(policy)
+    grpo = policy.config
     k = grpo.num_generations
-    sampler_model, sampler_mesh = trainer.model, getattr(trainer, "mesh", None)
+    mesh = policy.mesh
+    sampler_model, sampler_mesh = policy.model, mesh
     if placement is not None:  # the sampler on its own mesh: sync the weights onto it
-        sampler_model, sampler_mesh = placement.sampler_model(trainer.model), placement.mesh
+        sampler_model, sampler_mesh = placement.sampler_model(policy.model), placement.mesh
     sampled = sample_completions(
         sampler_model,
         tokenizer,
@@ -437,32 +512,35 @@ def rollout(
         prompt_mask=out.prompt_mask,
         completion_ids=out.completion_ids,
         completion_mask=out.completion_mask,
-        rewards=_rewards_array(combined.total, getattr(trainer, "mesh", None)),
+        rewards=_rewards_array(combined.total, mesh),
         group_size=k,
         shared_prompts=True,
     )
     if grpo.sampler_correction != "none" or grpo.off_policy_mask_threshold is not None:
         batch = batch.replace(sampler_log_probs=out.log_probs)
     if placement is not None:  # back onto the training mesh
-        batch = placement.to_training(batch, getattr(trainer, "mesh", None))
+        batch = placement.to_training(batch, mesh)
     if need_old_log_probs:
         use_sampler = config.old_log_probs == "sampler" or (
-            config.old_log_probs == "auto" and _sampler_matches_loss(trainer, config)
+            config.old_log_probs == "auto" and _sampler_matches_loss(policy, config)
         )
         if use_sampler:
             old = out.log_probs
             if placement is not None:
-                old = placement.to_training(old, getattr(trainer, "mesh", None))
+                old = placement.to_training(old, mesh)
             batch = batch.replace(old_log_probs=old)
-        batch = trainer.compute_log_probs(batch)
+        if policy.score is None:
+            msg = "rollout(need_old_log_probs=True) needs a Policy with a score function"
+            raise ValueError(msg)
+        batch = policy.score(batch)
     return Rollout(
         batch=batch,
         rows=list(rows),
         prompts=sampled.prompts[::k],
         completions=sampled.completions,
-        rewards_per_function=_all_rows(combined.per_function, getattr(trainer, "mesh", None)),
+        rewards_per_function=_all_rows(combined.per_function, mesh),
         reward_names=list(rewards.names),
-        truncated=_all_rows(sampled.truncated, getattr(trainer, "mesh", None)),
+        truncated=_all_rows(sampled.truncated, mesh),
     )
 
 

@@ -16,8 +16,8 @@ One update (DeepSeekMath, Algorithm 1, inner loop):
    inside a ``lax.scan`` (the update does not depend on the split);
 3. global-norm clipping, ``tx.update`` and ``optax.apply_updates``;
 4. the guard: if the loss, the gradient norm, the new parameters or the new optimizer state is
-   not finite, or the batch carries no reward signal at all, the state is returned unchanged
-   (``metrics["update_applied"] == 0``).
+   not finite, or the batch carries no reward signal at all (and no entropy bonus was asked
+   for), the state is returned unchanged (``metrics["update_applied"] == 0``).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class GRPOTrainState:
         params: The trainable variables, ``nnx.state(model, wrt)`` as plain arrays.
         frozen: The policy's other variables (LoRA base weights, buffers), passed through.
         opt_state: The optax state of the optimizer's gradient transformation.
-        step: The number of updates applied (``int32`` scalar).
+        step: The number of updates applied (the optimizer's step counter, a scalar).
         rng: The run's PRNG key. The update is deterministic and passes it through; loops
             draw their sampling keys from it (``jax.random.fold_in(state.rng, step)``).
         reference: The frozen reference policy's variables (``None``: no reference model).
@@ -153,7 +153,7 @@ def init_train_state(
         params=nnx.as_pure(params),
         frozen=nnx.as_pure(frozen),
         opt_state=nnx.as_pure(optimizer.opt_state),
-        step=jnp.asarray(optimizer.step[...], jnp.int32),
+        step=optimizer.step[...],
         rng=jax.random.key(0) if rng is None else rng,
         reference=None if reference_model is None else nnx.as_pure(nnx.state(reference_model)),
     )
@@ -175,7 +175,7 @@ def write_train_state(
     """
     nnx.update(model, state.params, state.frozen)
     nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
-    optimizer.step[...] = state.step.astype(optimizer.step[...].dtype)
+    optimizer.step.set_value(state.step)  # not [...]: that would read the donated array
     if reference_model is not None and state.reference is not None:
         nnx.update(reference_model, state.reference)
 
@@ -374,9 +374,10 @@ def make_grpo_train_step(
         opt_ok = _all_finite(new_opt_state)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
         # A batch without any reward signal (all rewards NaN) moves nothing: its only gradients
-        # would be the KL and entropy terms (and Adam's momentum, weight decay) acting blindly.
+        # would be the KL term (and Adam's momentum, weight decay) acting blindly. An entropy
+        # bonus is a signal of its own that the user asked for: then the update is applied.
         signal = _has_reward_signal(batch)
-        apply = ok & signal
+        apply = ok & (signal | (config.entropy_coeff > 0.0))
 
         def keep(new: Any, old: Any) -> Any:
             return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)

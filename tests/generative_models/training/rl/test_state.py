@@ -168,7 +168,7 @@ def test_train_state_is_a_pytree_of_arrays_and_bad_arguments_are_named():
     for leaf in jax.tree.leaves(state):
         assert isinstance(leaf, jax.Array)
     assert state.reference is None
-    with pytest.raises(TypeError, match="optimizer must be an nnx.Optimizer"):
+    with pytest.raises(TypeError, match=r"optimizer must be an nnx\.Optimizer"):
         init_train_state(policy, optax.adam(1e-3))
     with pytest.raises(ValueError, match="num_microbatches"):
         make_grpo_train_step(policy, optimizer.tx, CONFIG, num_microbatches=0)
