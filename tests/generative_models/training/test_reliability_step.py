@@ -147,7 +147,7 @@ def test_python_lists_as_batch_fields_are_converted_or_named():
 
 # ------------------------------------------------------------------ all-NaN rewards
 def test_all_nan_rewards_give_nan_metrics_a_warning_and_no_update(caplog):
-    trainer = make_trainer(beta=0.1)
+    trainer = make_trainer(beta=0.1, entropy_coeff=0.0)  # no entropy bonus asked for
     trainer.train_step(lm_batch(seed=1, ref_log_probs=jnp.full((8, 4), -2.0)))  # Adam moments
     before = leaves(trainer)
     batch = lm_batch(rewards=jnp.full((8,), jnp.nan), ref_log_probs=jnp.full((8, 4), -2.0))
@@ -159,7 +159,7 @@ def test_all_nan_rewards_give_nan_metrics_a_warning_and_no_update(caplog):
 
 
 def test_all_nan_rewards_skip_the_update_even_with_a_kl_penalty():
-    trainer = make_trainer(beta=0.1)
+    trainer = make_trainer(beta=0.1, entropy_coeff=0.0)
     before = leaves(trainer)
     m = trainer.train_step(lm_batch(rewards=jnp.full((8,), jnp.nan)))
     assert np.isnan(m["reward_mean"])

@@ -123,7 +123,8 @@ def test_pure_step_leaves_the_state_unchanged_on_a_non_finite_update():
 def test_pure_step_skips_a_batch_without_reward_signal():
     policy = tiny_lm(0)
     optimizer = nnx.Optimizer(policy, optax.adam(1e-2), wrt=nnx.Param)
-    step = jax.jit(make_grpo_train_step(policy, optimizer.tx, GRPOConfig(num_generations=4)))
+    config = GRPOConfig(num_generations=4, entropy_coeff=0.0)  # no entropy bonus asked for
+    step = jax.jit(make_grpo_train_step(policy, optimizer.tx, config))
     state = init_train_state(policy, optimizer)
     batch = lm_batch(0)
     batch = batch.replace(rewards=jnp.full_like(batch.rewards, jnp.nan))
