@@ -691,7 +691,7 @@ class MultiTurnRollout:
             top_p=config.top_p,
         )
         columns = _columns(rows, k, config.prompt_column, ep)
-        combined = rewards(ep.prompts, ep.final_turns, **columns)
+        combined = rewards(ep.prompts, ep.final_turns, group_size=k, **columns)
         batch = GRPOBatch(
             prompt_ids=jnp.asarray(ep.prompt_ids),
             prompt_mask=jnp.asarray(ep.prompt_mask),

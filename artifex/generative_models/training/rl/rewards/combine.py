@@ -9,13 +9,17 @@ function and the first failing row. The pure array part of the combination is
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from artifex.generative_models.training.rl.advantages import group_stats
 from artifex.generative_models.training.rl.rewards.base import (
     RewardFunctionError,
     reward_names,
@@ -104,26 +108,27 @@ def _check_group_size(group_size: int | None, batch_size: int | None) -> int:
     return int(group_size)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def _standardized_columns(columns: jax.Array, group_size: int, eps: float) -> jax.Array:
+    """``(F, B)`` columns standardized within groups by the shared group-statistics kernel."""
+    stats = jax.vmap(lambda column: group_stats(column, group_size, ddof=0))(columns)
+    z = stats.centered / (stats.std + eps)
+    return jnp.where(jnp.isnan(columns), jnp.nan, z)
+
+
 def _standardize(per_function: np.ndarray, group_size: int, eps: float) -> np.ndarray:
     """Standardizes each column over its non-NaN entries within groups of ``group_size`` rows.
 
-    ``z = (r - mean) / (std + eps)``, population std; exactly 0 where all the group's values of
-    that column are equal; NaN stays NaN.
+    ``z = (r - mean) / (std + eps)`` with the population std, computed in float32 by
+    :func:`~artifex.generative_models.training.rl.advantages.group_stats` (the same statistics
+    as the advantages): exactly 0 where all the group's values of that column are equal; NaN
+    (no reward) stays NaN and is left out of the group's mean and std.
     """
-    batch, num_funcs = per_function.shape
-    r = per_function.reshape(batch // group_size, group_size, num_funcs)
-    valid = ~np.isnan(r)
-    count = np.maximum(valid.sum(axis=1, keepdims=True), 1)
-    filled = np.where(valid, r, 0.0)
-    mean = filled.sum(axis=1, keepdims=True) / count
-    centered = np.where(valid, r - mean, 0.0)
-    std = np.sqrt((centered * centered).sum(axis=1, keepdims=True) / count)
-    high = np.where(valid, r, -np.inf).max(axis=1, keepdims=True)
-    low = np.where(valid, r, np.inf).min(axis=1, keepdims=True)
-    constant = high <= low  # also true for an all-NaN group (-inf <= inf)
-    z = np.where(constant, 0.0, centered / (std + eps))
-    z = np.where(valid, z, np.nan)
-    return z.reshape(batch, num_funcs)
+    if per_function.shape[0] == 0:
+        return per_function.copy()
+    columns = jnp.asarray(per_function.T, jnp.float32)
+    z = _standardized_columns(columns, group_size, jnp.float32(eps))
+    return np.asarray(z, dtype=np.float64).T
 
 
 def combine_reward_columns(
@@ -153,7 +158,9 @@ def combine_reward_columns(
     normalization; here that is left to the advantage stage.
 
     In both modes ``total_i`` is NaN when every function returned ``None`` for row ``i``.
-    The arithmetic is float64; the result is float32.
+    The group statistics of ``"normalized"`` mode are those of the advantage stage
+    (:func:`~artifex.generative_models.training.rl.advantages.group_stats`, float32, NaN left
+    out); the weighted sum is float64; the result is float32.
 
     Args:
         per_function: ``(B, F)`` rewards, NaN where a function gave no reward.
@@ -399,7 +406,15 @@ class RewardCombiner:
 
     A thin shell over :func:`combine_rewards`: the arguments are validated once, and calling
     the combiner mirrors the reward-function protocol,
-    ``combiner(prompts, completions, **columns) -> CombinedRewards``.
+    ``combiner(prompts, completions, group_size=G, **columns) -> CombinedRewards``.
+
+    The group size is not a setting of the combiner: whoever built the batch knows it (the
+    rollout passes its ``num_generations``) and passes it when calling. ``"normalized"`` mode
+    standardizes each function's rewards within each prompt's group of ``group_size`` rows;
+    without a group size it standardizes over the whole batch. The constructor's
+    ``group_size`` is kept for code written before the call-time argument: it is only a
+    default for calls that pass none, and a call that passes a different one raises
+    ``ValueError`` (the group size lives in one place). ``"sum"`` mode ignores the group size.
 
     Example:
         >>> from artifex.generative_models.training.rl.rewards import (
@@ -408,7 +423,7 @@ class RewardCombiner:
         ... )
         >>> combiner = RewardCombiner([math_answer_reward(), format_reward()], weights=[1, 0.2])
         >>> completions = ["<think>1 + 1</think><answer>2</answer>"]
-        >>> total, per_function = combiner(["1 + 1?"], completions, answer=["2"])
+        >>> total, per_function = combiner(["1 + 1?"], completions, group_size=1, answer=["2"])
         >>> total, per_function.shape
         (array([1.2], dtype=float32), (1, 2))
 
@@ -416,14 +431,16 @@ class RewardCombiner:
         funcs: the reward functions, at least one.
         weights: one finite weight per function; ``None`` means all ones.
         mode: ``"sum"`` or ``"normalized"`` (see :func:`combine_reward_columns`).
-        group_size: ``"normalized"`` mode only: standardize within groups of this many rows.
+        group_size: deprecated default group size for calls that pass none; pass
+            ``group_size`` when calling instead.
         eps: positive constant added to the standard deviation.
         locate_failing_row: re-run a failing function row by row to name the failing row.
 
     Raises:
         ValueError: if ``funcs`` is empty, ``weights`` has the wrong length or non-finite
-            entries, or ``mode``/``eps``/``group_size`` are invalid.
-        TypeError: if an entry of ``funcs`` is not callable or ``group_size`` is not an int.
+            entries, or ``mode``/``eps``/``group_size`` are out of range.
+        TypeError: if an entry of ``funcs`` is not callable, or ``group_size``, ``eps`` or
+            ``mode`` has the wrong type.
     """
 
     def __init__(
@@ -461,13 +478,22 @@ class RewardCombiner:
         )
 
     def __call__(
-        self, prompts: Sequence[str], completions: Sequence[str], **columns: Any
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        *,
+        group_size: int | None = None,
+        **columns: Any,
     ) -> CombinedRewards:
         """Scores a batch with every function and combines the rewards.
 
         Args:
             prompts: ``B`` decoded prompts.
             completions: ``B`` decoded completions.
+            group_size: generations per prompt ``G`` (rows ``i`` with the same ``i // G`` share
+                a prompt), used by ``"normalized"`` mode; ``None`` falls back to the
+                constructor's ``group_size``, then to the whole batch. ``group_size`` is
+                therefore not available as a dataset column name.
             **columns: dataset columns with ``B`` entries each.
 
         Returns:
@@ -475,7 +501,9 @@ class RewardCombiner:
 
         Raises:
             RewardFunctionError: if a function raises.
-            ValueError: if a function's output or the batch is malformed.
+            ValueError: if a function's output or the batch is malformed, ``group_size`` does
+                not divide ``B``, or it differs from the constructor's ``group_size``.
+            TypeError: if ``group_size`` is not an int.
         """
         return combine_rewards(
             self.funcs,
@@ -484,7 +512,20 @@ class RewardCombiner:
             weights=self.weights,
             mode=self.mode,
             columns=columns,
-            group_size=self.group_size,
+            group_size=self._group_size(group_size),
             eps=self.eps,
             locate_failing_row=self.locate_failing_row,
         )
+
+    def _group_size(self, group_size: int | None) -> int | None:
+        """The call's group size: the caller's, else the constructor's (they must agree)."""
+        if group_size is None:
+            return self.group_size
+        _check_group_size(group_size, None)
+        if self.group_size is not None and group_size != self.group_size:
+            msg = (
+                f"group_size={group_size} passed when calling differs from the combiner's "
+                f"group_size={self.group_size}; pass it in one place (when calling)"
+            )
+            raise ValueError(msg)
+        return int(group_size)
