@@ -15,12 +15,12 @@ becomes NaN in the combined reward array, which the advantage stage treats as mi
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from artifex.generative_models.utils.validation import check_float, check_str
 
 __all__ = ["RewardFunction", "RewardFunctionError", "reward_names"]
 
@@ -140,14 +140,8 @@ def _column(columns: Mapping[str, Any], key: str, size: int, func_name: str) -> 
 
 
 def _check_reward_value(value: float, field: str) -> float:
-    if not (isinstance(value, numbers.Real) and math.isfinite(value)):
-        msg = f"{field} must be a finite number, got {value!r}"
-        raise ValueError(msg)
-    return float(value)
+    return check_float(field, value)
 
 
 def _check_name(name: str) -> str:
-    if not isinstance(name, str) or not name:
-        msg = f"name must be a non-empty str, got {name!r}"
-        raise ValueError(msg)
-    return name
+    return check_str("name", name)

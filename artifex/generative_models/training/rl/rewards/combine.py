@@ -24,6 +24,7 @@ from artifex.generative_models.training.rl.rewards.base import (
     RewardFunctionError,
     reward_names,
 )
+from artifex.generative_models.utils.validation import check_choice, check_float, check_int
 
 __all__ = [
     "CombineMode",
@@ -54,15 +55,11 @@ class CombinedRewards(NamedTuple):
 
 
 def _check_mode(mode: str) -> None:
-    if mode not in ("sum", "normalized"):
-        msg = f"mode must be 'sum' or 'normalized', got {mode!r}"
-        raise ValueError(msg)
+    check_choice("mode", mode, ("sum", "normalized"))
 
 
 def _check_eps(eps: float) -> None:
-    if not (isinstance(eps, numbers.Real) and math.isfinite(eps) and eps > 0):
-        msg = f"eps must be a finite number > 0, got {eps!r}"
-        raise ValueError(msg)
+    check_float("eps", eps, greater_than=0.0)
 
 
 def _check_weights(weights: Sequence[float] | np.ndarray | None, num_funcs: int) -> np.ndarray:
@@ -73,7 +70,7 @@ def _check_weights(weights: Sequence[float] | np.ndarray | None, num_funcs: int)
         w = np.asarray(weights, dtype=np.float64)
     except (TypeError, ValueError) as exc:
         msg = f"weights must be a sequence of {num_funcs} numbers, got {weights!r}"
-        raise ValueError(msg) from exc
+        raise TypeError(msg) from exc
     if w.ndim != 1 or w.shape[0] != num_funcs:
         msg = (
             f"weights must have one entry per reward function ({num_funcs}), "
@@ -89,23 +86,15 @@ def _check_weights(weights: Sequence[float] | np.ndarray | None, num_funcs: int)
 def _check_group_size(group_size: int | None, batch_size: int | None) -> int:
     """Returns the normalization group size (the whole batch when ``None``).
 
-    With ``batch_size=None`` only checks that ``group_size`` is a positive int.
+    With ``batch_size=None`` only checks that ``group_size`` is a positive int or ``None``.
     """
-    if group_size is None:
+    size = check_int("group_size", group_size, minimum=1, allow_none=True)
+    if size is None:
         return max(batch_size or 0, 1)
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
-        msg = f"group_size must be a positive int or None, got {group_size!r}"
-        raise TypeError(msg)
-    if group_size <= 0:
-        msg = f"group_size must be > 0, got {group_size}"
+    if batch_size is not None and batch_size % size != 0:
+        msg = f"group_size must be a positive divisor of the batch size {batch_size}, got {size}"
         raise ValueError(msg)
-    if batch_size is not None and batch_size % group_size != 0:
-        msg = (
-            f"group_size must be a positive divisor of the batch size {batch_size}, "
-            f"got {group_size}"
-        )
-        raise ValueError(msg)
-    return int(group_size)
+    return size
 
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
@@ -177,7 +166,8 @@ def combine_reward_columns(
         ValueError: if ``per_function`` is not 2-D or holds infinities, ``weights`` does not
             have ``F`` finite entries, ``mode`` is unknown, ``eps`` is not positive, or
             ``group_size`` does not divide ``B``.
-        TypeError: if ``group_size`` is not an int.
+        TypeError: if ``group_size`` is not an int, ``eps`` not a number, ``mode`` not a
+            string or ``weights`` not numbers.
 
     References:
         Liu et al., "GDPO: Group reward-Decoupled Normalization Policy Optimization for
@@ -208,7 +198,7 @@ def _as_batch_list(values: Any, field: str) -> list[Any]:
         or not hasattr(values, "__iter__")
     ):
         msg = f"{field} must be a list with one entry per sample, got {type(values).__name__}"
-        raise ValueError(msg)
+        raise TypeError(msg)
     return list(values)
 
 
@@ -334,8 +324,10 @@ def combine_rewards(
             function, the expected and the got value); or if ``funcs`` is empty, the batch
             lengths disagree, a column is named ``prompts``/``completions``, ``weights`` has
             the wrong length or non-finite entries, or ``mode``/``eps``/``group_size`` are
-            invalid.
-        TypeError: if an entry of ``funcs`` is not callable.
+            out of range.
+        TypeError: if an entry of ``funcs`` is not callable, ``prompts``, ``completions`` or a
+            column is not a list (a string is not), ``weights`` are not numbers, or
+            ``mode``/``eps``/``group_size`` has the wrong type.
 
     References:
         Liu et al., "GDPO: Group reward-Decoupled Normalization Policy Optimization for

@@ -11,6 +11,7 @@ from artifex.generative_models.training.rl.rewards.base import (
     _check_name,
     _check_reward_value,
 )
+from artifex.generative_models.utils.validation import check_choice, check_str
 
 __all__ = ["format_reward"]
 
@@ -67,15 +68,14 @@ def format_reward(
     Raises:
         ValueError: if ``match`` is unknown, ``tags`` is empty or holds an invalid tag name
             (without ``pattern``), ``pattern`` does not compile, or a reward is not finite.
-        TypeError: (when called) if a completion is not a string.
+        TypeError: if an argument has the wrong type (``match=1``, a tag that is not a string,
+            a reward that is not a number); (when called) if a completion is not a string.
 
     References:
         DeepSeek-AI, "DeepSeek-R1: Incentivizing Reasoning Capability in LLMs via
         Reinforcement Learning", arXiv:2501.12948, 2025 (format rewards).
     """
-    if match not in ("fullmatch", "search"):
-        msg = f"match must be 'fullmatch' or 'search', got {match!r}"
-        raise ValueError(msg)
+    check_choice("match", match, ("fullmatch", "search"))
     correct = _check_reward_value(correct_reward, "correct_reward")
     incorrect = _check_reward_value(incorrect_reward, "incorrect_reward")
     func_name = _check_name(name)
@@ -85,13 +85,20 @@ def format_reward(
         if not tags:
             msg = "tags must name at least one tag when pattern is None, got ()"
             raise ValueError(msg)
-        for tag in tags:
-            if not isinstance(tag, str) or not _TAG_NAME_RE.fullmatch(tag):
+        for j, tag in enumerate(tags):
+            check_str(f"tags[{j}]", tag)
+            if not _TAG_NAME_RE.fullmatch(tag):
                 msg = f"tags must be XML-like tag names, got {tag!r}"
                 raise ValueError(msg)
         compiled = _tags_pattern(tags)
     elif isinstance(pattern, re.Pattern):
         compiled = pattern
+    elif not isinstance(pattern, str):
+        msg = (
+            "pattern must be a str, a compiled re.Pattern or None, "
+            f"got {pattern!r} ({type(pattern).__name__})"
+        )
+        raise TypeError(msg)
     else:
         try:
             compiled = re.compile(pattern, flags)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +12,7 @@ from artifex.generative_models.training.rl.rewards.base import (
     _check_name,
     _column,
 )
+from artifex.generative_models.utils.validation import check_callable, check_int, check_str
 
 __all__ = ["overlong_penalty", "soft_overlong_penalty"]
 
@@ -22,16 +22,8 @@ __all__ = ["overlong_penalty", "soft_overlong_penalty"]
 
 
 def _check_lengths_config(max_length: int, cache_length: int) -> None:
-    for field, value in (("max_length", max_length), ("cache_length", cache_length)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            msg = f"{field} must be an int, got {value!r}"
-            raise TypeError(msg)
-    if max_length <= 0:
-        msg = f"max_length must be > 0, got {max_length}"
-        raise ValueError(msg)
-    if not 0 <= cache_length <= max_length:
-        msg = f"cache_length must be in [0, max_length={max_length}], got {cache_length}"
-        raise ValueError(msg)
+    check_int("max_length", max_length, minimum=1)
+    check_int("cache_length", cache_length, minimum=0, maximum=max_length)
 
 
 def overlong_penalty(
@@ -115,20 +107,16 @@ def soft_overlong_penalty(
         ValueError: (here) if ``max_length``/``cache_length`` are out of range or
             ``length_column``/``name`` is empty; (when called) if the column is missing or the
             lengths are invalid.
-        TypeError: if ``max_length``/``cache_length`` are not ints or ``length_fn`` is not
-            callable.
+        TypeError: if ``max_length``/``cache_length`` are not ints, ``length_column``/``name``
+            are not strings or ``length_fn`` is not callable.
 
     References:
         Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
         arXiv:2503.14476, 2025, Eq. (13).
     """
     _check_lengths_config(max_length, cache_length)
-    if not isinstance(length_column, str) or not length_column:
-        msg = f"length_column must be a non-empty str, got {length_column!r}"
-        raise ValueError(msg)
-    if length_fn is not None and not callable(length_fn):
-        msg = f"length_fn must be callable or None, got {type(length_fn).__name__}"
-        raise TypeError(msg)
+    check_str("length_column", length_column)
+    check_callable("length_fn", length_fn, allow_none=True)
     func_name = _check_name(name)
 
     def reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float]:

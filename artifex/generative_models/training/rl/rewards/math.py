@@ -15,6 +15,7 @@ from artifex.generative_models.training.rl.rewards.base import (
     _check_reward_value,
     _column,
 )
+from artifex.generative_models.utils.validation import check_bool, check_str
 
 __all__ = ["answers_equal", "extract_answer", "math_answer_reward", "normalize_number"]
 
@@ -407,8 +408,8 @@ def math_answer_reward(
     Raises:
         ValueError: (here) if ``answer_column`` or ``name`` is empty or a reward value is not
             finite; (when called) if the column is missing or has the wrong length.
-        TypeError: (when called) if a completion is not a string or a reference is neither a
-            string nor a number.
+        TypeError: (here) if an argument has the wrong type; (when called) if a completion is
+            not a string or a reference is neither a string nor a number.
 
     References:
         Cobbe et al., "Training Verifiers to Solve Math Word Problems" (GSM8K),
@@ -416,13 +417,11 @@ def math_answer_reward(
         Reasoning in Open Language Models", arXiv:2402.03300, 2024 (rule-based accuracy
         rewards for GRPO).
     """
-    if not isinstance(answer_column, str) or not answer_column:
-        msg = f"answer_column must be a non-empty str, got {answer_column!r}"
-        raise ValueError(msg)
+    check_str("answer_column", answer_column)
     correct = _check_reward_value(correct_reward, "correct_reward")
     incorrect = _check_reward_value(incorrect_reward, "incorrect_reward")
     func_name = _check_name(name)
-    fallback = bool(last_number_fallback)
+    fallback = check_bool("last_number_fallback", last_number_fallback)
 
     def reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float | None]:
         references = _column(columns, answer_column, len(completions), func_name)

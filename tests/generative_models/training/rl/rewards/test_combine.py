@@ -262,7 +262,7 @@ def test_combine_rewards_argument_errors():
         combine_rewards([f, f], ["p"], ["c"], weights=[1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="weights"):
         combine_rewards([f], ["p"], ["c"], weights=[float("nan")])
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(TypeError, match="weights"):
         combine_rewards([f], ["p"], ["c"], weights=["heavy"])
     with pytest.raises(ValueError, match="mode"):
         combine_rewards([f], ["p"], ["c"], mode="mean")
@@ -274,9 +274,9 @@ def test_combine_rewards_argument_errors():
         combine_rewards([f], ["p"], ["c", "d"])
     with pytest.raises(ValueError, match=r"columns\['answer'\].*\(2\), got 1"):
         combine_rewards([f], ["p", "p"], ["c", "d"], columns={"answer": ["a"]})
-    with pytest.raises(ValueError, match=r"columns\['answer'\] must be a list"):
+    with pytest.raises(TypeError, match=r"columns\['answer'\] must be a list"):
         combine_rewards([f], ["p"], ["c"], columns={"answer": "a"})
-    with pytest.raises(ValueError, match="completions must be a list"):
+    with pytest.raises(TypeError, match="completions must be a list"):
         combine_rewards([f], ["p"], "c")
     with pytest.raises(ValueError, match="must not be named 'prompts'"):
         combine_rewards([f], ["p"], ["c"], columns={"prompts": ["p"]})
@@ -286,6 +286,13 @@ def test_combine_rewards_argument_errors():
         combine_rewards([f], ["p"] * 4, ["c"] * 4, mode="normalized", group_size=2.0)
     with pytest.raises(ValueError, match="eps"):
         combine_rewards([f], ["p"], ["c"], eps=0.0)
+    # Wrong types are TypeErrors, values of the right type out of range ValueErrors.
+    with pytest.raises(TypeError, match=r"eps must be a real number, got '1e-6' \(str\)"):
+        combine_rewards([f], ["p"], ["c"], eps="1e-6")
+    with pytest.raises(TypeError, match="mode must be one of"):
+        combine_rewards([f], ["p"], ["c"], mode=None)
+    with pytest.raises(ValueError, match="group_size must be an int >= 1"):
+        combine_rewards([f], ["p"] * 4, ["c"] * 4, mode="normalized", group_size=0)
 
 
 def test_combine_reward_columns_errors():

@@ -76,6 +76,12 @@ def test_format_reward_errors():
         format_reward(incorrect_reward=float("nan"))
     with pytest.raises(TypeError, match="completion 1 must be a str"):
         format_reward()(["q", "q"], ["x", None])
+    with pytest.raises(TypeError, match="match must be one of"):
+        format_reward(match=1)
+    with pytest.raises(TypeError, match=r"tags\[1\] must be a str"):
+        format_reward(tags=("think", 3))
+    with pytest.raises(TypeError, match="pattern must be a str"):
+        format_reward(pattern=3)
 
 
 def test_format_reward_is_linear_time_on_long_completions():

@@ -102,5 +102,9 @@ def test_soft_overlong_penalty_errors():
         soft_overlong_penalty(10.0, 4)
     with pytest.raises(TypeError, match="length_fn"):
         soft_overlong_penalty(10, 4, length_fn=3)
+    with pytest.raises(TypeError, match="length_column must be a str"):
+        soft_overlong_penalty(10, 4, length_column=None)
+    with pytest.raises(ValueError, match=r"cache_length must be an int in \[0, 10\], got 11"):
+        soft_overlong_penalty(10, 11)
     with pytest.raises(ValueError, match="shape"):
         overlong_penalty([[1, 2]], 10, 4)

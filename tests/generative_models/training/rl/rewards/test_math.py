@@ -431,3 +431,9 @@ def test_math_answer_reward_errors():
         math_answer_reward(correct_reward=float("inf"))
     with pytest.raises(ValueError, match="name"):
         math_answer_reward(name="")
+    with pytest.raises(TypeError, match=r"answer_column must be a str, got 3 \(int\)"):
+        math_answer_reward(3)
+    with pytest.raises(TypeError, match="correct_reward must be a real number"):
+        math_answer_reward(correct_reward="1")
+    with pytest.raises(TypeError, match="last_number_fallback must be a bool"):
+        math_answer_reward(last_number_fallback=1)
