@@ -44,6 +44,8 @@ from artifex.generative_models.training.rl.rewards.length import (
     soft_overlong_penalty,
 )
 from artifex.generative_models.training.rl.rewards.math import (
+    AnswerExtraction,
+    MathBackend,
     answers_equal,
     extract_answer,
     math_answer_reward,
@@ -62,6 +64,8 @@ __all__ = [  # noqa: RUF022 - grouped by concern, sorted within each group
     "combine_reward_columns",
     "combine_rewards",
     # Math answers
+    "AnswerExtraction",
+    "MathBackend",
     "answers_equal",
     "extract_answer",
     "math_answer_reward",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import re
+import threading
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -15,9 +18,16 @@ from artifex.generative_models.training.rl.rewards.base import (
     _check_reward_value,
     _column,
 )
-from artifex.generative_models.utils.validation import check_bool, check_str
+from artifex.generative_models.utils.validation import check_bool, check_choice, check_str
 
-__all__ = ["answers_equal", "extract_answer", "math_answer_reward", "normalize_number"]
+__all__ = [
+    "AnswerExtraction",
+    "MathBackend",
+    "answers_equal",
+    "extract_answer",
+    "math_answer_reward",
+    "normalize_number",
+]
 
 # --------------------------------------------------------------------------------------------
 # Math answers: extraction, number normalization, comparison
@@ -158,9 +168,7 @@ def extract_answer(text: str, *, last_number_fallback: bool = False) -> str | No
     if candidates:
         return max(candidates, key=lambda c: c[0])[1]
     if last_number_fallback:
-        numbers_found = _NUMBER_IN_TEXT_RE.findall(text)
-        if numbers_found:
-            return numbers_found[-1]
+        return _last_number(text)
     return None
 
 
@@ -373,55 +381,160 @@ def _reference_answer(reference: Any) -> str | None:
     return answer or None
 
 
+MathBackend = Literal["auto", "math_verify", "builtin"]
+AnswerExtraction = Literal["markers", "last_number"]
+
+_MATH_VERIFY_HINT = (
+    'install it with `pip install "artifex-grpo[math]"` (or `pip install math-verify`)'
+)
+
+
+def _math_verify() -> Any | None:
+    """The ``math_verify`` module, or ``None`` when it is not installed."""
+    if importlib.util.find_spec("math_verify") is None:
+        return None
+    return importlib.import_module("math_verify")
+
+
+def _resolve_backend(backend: str) -> Any | None:
+    """The ``math_verify`` module for the math-verify backend, ``None`` for the built-in one."""
+    check_choice("backend", backend, ("auto", "math_verify", "builtin"))
+    if backend == "builtin":
+        return None
+    module = _math_verify()
+    if module is None and backend == "math_verify":
+        msg = (
+            "math_answer_reward(backend='math_verify') needs the math-verify package, which is "
+            f"not installed: {_MATH_VERIFY_HINT}"
+        )
+        raise ImportError(msg)
+    return module
+
+
+def _math_verify_equal(module: Any, predicted: str, expected: str) -> bool:
+    r"""Whether math-verify finds two extracted answers equivalent.
+
+    Each answer is wrapped in ``$...$`` so that math-verify reads it as LaTeX; its signal-based
+    timeouts only work in the main thread, so other threads run without them.
+    """
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = module.parse(f"${expected}$", parsing_timeout=timeout)
+    target = module.parse(f"${predicted}$", parsing_timeout=timeout)
+    if not gold or not target:
+        return False
+    return bool(module.verify(gold, target, timeout_seconds=timeout))
+
+
+def _last_number(text: str) -> str | None:
+    """The last number in ``text`` (see :func:`extract_answer`'s fallback), or ``None``."""
+    found = _NUMBER_IN_TEXT_RE.findall(text)
+    return found[-1] if found else None
+
+
 def math_answer_reward(
     answer_column: str = "answer",
     *,
     correct_reward: float = 1.0,
     incorrect_reward: float = 0.0,
     last_number_fallback: bool = False,
+    extraction: AnswerExtraction = "markers",
+    backend: MathBackend = "auto",
     name: str = "math_answer_reward",
 ) -> RewardFunction:
     r"""Final-answer correctness reward for math problems (GSM8K, MATH).
 
     For each row the reference is read from ``columns[answer_column]``: a full GSM8K solution
-    (``... #### 72``), a bare or boxed answer, or a number. The completion's answer is found by
-    :func:`extract_answer` (``\boxed{}``, ``####`` or ``<answer>`` tags; the last number only
-    with ``last_number_fallback``) and compared with :func:`answers_equal` (exact rationals,
-    else cleaned text):
+    (``... #### 72``), a bare or boxed answer, or a number; its answer is found by
+    :func:`extract_answer` (a reference without a marker is its own answer).
 
-        ``R = correct_reward   if answers_equal(extract(completion), extract(reference))``
+    **Extraction** of the completion's answer (the same for both backends):
+
+    - ``extraction="markers"`` (default): :func:`extract_answer`: the last of ``\boxed{...}``,
+      ``#### ...`` and ``<answer>...</answer>``; with ``last_number_fallback=True`` the last
+      number in the text when there is no marker. No marker: no answer, so ``incorrect_reward``.
+    - ``extraction="last_number"``: the last number in the completion, markers or not
+      (lm-eval's "flexible extract" for GSM8K): integers, decimals, ``1,234``-style thousands
+      and ``a/b`` fractions, with a sign. Suited to GSM8K-style numeric answers; a LaTeX answer
+      (``\frac{1}{2}``) is read as its last number (``2``).
+
+    **Comparison** of the two answers:
+
+    - ``backend="builtin"``: :func:`answers_equal`: exact rationals when both answers are
+      numbers (``0.75 == 3/4 == \frac{3}{4}``, ``1,234 == 1234``, ``$5 == 5``,
+      ``50\% == 50``, no float tolerance), else the cleaned LaTeX text (``\text{Monday} ==
+      Monday``).
+    - ``backend="math_verify"``: the answers are equal when :func:`answers_equal` says so;
+      two answers that are both plain numbers and differ are different; otherwise the
+      ``math-verify`` package decides (the answers are parsed as LaTeX, ``$answer$``, and
+      compared symbolically: ``\frac{1}{\sqrt2} == \frac{\sqrt2}{2}``, ``2^{10} == 1024``,
+      ``\{1, 2\} == \{2, 1\}``, intervals, ``x + 1 == 1 + x``). math-verify compares the
+      extracted answers only; it does not search the completion. An answer it cannot parse is
+      wrong. This is the package TRL's and lm-eval's math rewards use; install it with the
+      ``math`` extra (``pip install "artifex-grpo[math]"``).
+    - ``backend="auto"`` (default): ``"math_verify"`` when the package is installed, else
+      ``"builtin"``.
+
+    The reward:
+
+        ``R = correct_reward   if equal(extract(completion), extract(reference))``
         ``R = incorrect_reward otherwise (including when the completion has no answer)``
 
-    The reward is ``None`` ("no reward") only when the reference itself is missing: ``None``,
-    NaN or empty. A non-numeric reference (``\text{Monday}``) is still graded as text.
+    It is ``None`` ("no reward") only when the reference itself is missing: ``None``, NaN or
+    empty. A non-numeric reference (``\text{Monday}``) is still graded.
+
+    Example:
+        >>> reward = math_answer_reward(extraction="last_number", backend="builtin")
+        >>> reward(["q", "q"], ["5 + 7 = 12 apples", "I think 13."], answer=["... #### 12"] * 2)
+        [1.0, 0.0]
 
     Args:
         answer_column: name of the dataset column with the reference answers.
         correct_reward: reward for a correct answer.
         incorrect_reward: reward for a wrong or missing answer.
-        last_number_fallback: use the completion's last number when it has no answer marker.
+        last_number_fallback: with ``extraction="markers"``, use the completion's last number
+            when it has no answer marker (``extraction="last_number"`` always does).
+        extraction: how the completion's answer is found: ``"markers"`` or ``"last_number"``.
+        backend: how answers are compared: ``"auto"``, ``"math_verify"`` or ``"builtin"``.
         name: the returned function's ``__name__`` (used in logs and errors).
 
     Returns:
         A reward function ``f(prompts, completions, **columns) -> list[float | None]``.
 
     Raises:
-        ValueError: (here) if ``answer_column`` or ``name`` is empty or a reward value is not
-            finite; (when called) if the column is missing or has the wrong length.
+        ValueError: (here) if ``answer_column`` or ``name`` is empty, a reward value is not
+            finite, or ``extraction``/``backend`` is unknown; (when called) if the column is
+            missing or has the wrong length.
         TypeError: (here) if an argument has the wrong type; (when called) if a completion is
             not a string or a reference is neither a string nor a number.
+        ImportError: (here) with ``backend="math_verify"`` when math-verify is not installed.
 
     References:
         Cobbe et al., "Training Verifiers to Solve Math Word Problems" (GSM8K),
         arXiv:2110.14168, 2021; Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical
         Reasoning in Open Language Models", arXiv:2402.03300, 2024 (rule-based accuracy
-        rewards for GRPO).
+        rewards for GRPO); Kydlíček et al., "Math-Verify" (Hugging Face), 2025.
     """
     check_str("answer_column", answer_column)
     correct = _check_reward_value(correct_reward, "correct_reward")
     incorrect = _check_reward_value(incorrect_reward, "incorrect_reward")
     func_name = _check_name(name)
     fallback = check_bool("last_number_fallback", last_number_fallback)
+    check_choice("extraction", extraction, ("markers", "last_number"))
+    verifier = _resolve_backend(backend)
+
+    def extract(completion: str) -> str | None:
+        if extraction == "last_number":
+            return _last_number(completion)
+        return extract_answer(completion, last_number_fallback=fallback)
+
+    def equal(predicted: str, expected: str) -> bool:
+        if answers_equal(predicted, expected):
+            return True
+        if verifier is None:
+            return False
+        if normalize_number(predicted) is not None and normalize_number(expected) is not None:
+            return False  # two different plain numbers: exact comparison is final
+        return _math_verify_equal(verifier, predicted, expected)
 
     def reward(prompts: list[str], completions: list[str], **columns: Any) -> list[float | None]:
         references = _column(columns, answer_column, len(completions), func_name)
@@ -434,8 +547,8 @@ def math_answer_reward(
             if expected is None:
                 rewards.append(None)
                 continue
-            predicted = extract_answer(completion, last_number_fallback=fallback)
-            ok = predicted is not None and answers_equal(predicted, expected)
+            predicted = extract(completion)
+            ok = predicted is not None and equal(predicted, expected)
             rewards.append(correct if ok else incorrect)
         return rewards
 

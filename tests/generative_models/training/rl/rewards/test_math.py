@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import importlib.util
 import itertools
 import re
 from fractions import Fraction
@@ -17,6 +19,7 @@ from artifex.generative_models.training.rl.rewards import (
     math_answer_reward,
     normalize_number,
 )
+from artifex.generative_models.training.rl.rewards import math as math_rewards
 
 # ------------------------------------------------------------------------------------------
 # Answer extraction
@@ -388,10 +391,93 @@ MATH_REWARD_CASES = [
 ]
 
 
+HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
+needs_math_verify = pytest.mark.skipif(not HAS_MATH_VERIFY, reason="math-verify not installed")
+BACKENDS = ["builtin", pytest.param("math_verify", marks=needs_math_verify)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("completion", "reference", "expected"), MATH_REWARD_CASES)
-def test_math_answer_reward_table(completion, reference, expected):
-    reward = math_answer_reward()
+def test_math_answer_reward_table(completion, reference, expected, backend):
+    """Both backends agree on the built-in cases (numbers, GSM8K, text answers)."""
+    reward = math_answer_reward(backend=backend)
     assert reward(["q"], [completion], answer=[reference]) == [expected]
+
+
+# Equivalent answers that only a symbolic comparison recognizes, and answers it keeps apart.
+SYMBOLIC_CASES = [
+    ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{\\sqrt{2}}{2}", 1.0),
+    ("\\boxed{2^{10}}", "1024", 1.0),
+    ("\\boxed{\\{1, 2\\}}", "\\{2, 1\\}", 1.0),
+    ("\\boxed{x + 1}", "1 + x", 1.0),
+    ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}", 1.0),
+    ("\\boxed{\\pi/2}", "\\frac{\\pi}{2}", 1.0),
+    ("\\boxed{\\sqrt{3}}", "\\sqrt{2}", 0.0),
+    ("\\boxed{(0, 1)}", "(0,1]", 0.0),
+    ("\\boxed{0.333}", "1/3", 0.0),  # two plain numbers: exact comparison decides
+]
+
+
+@needs_math_verify
+@pytest.mark.parametrize(("completion", "reference", "expected"), SYMBOLIC_CASES)
+def test_math_verify_backend_compares_symbolically(completion, reference, expected):
+    symbolic = math_answer_reward(backend="math_verify")
+    builtin = math_answer_reward(backend="builtin")
+    assert symbolic(["q"], [completion], answer=[reference]) == [expected]
+    assert builtin(["q"], [completion], answer=[reference]) == [0.0]
+
+
+@needs_math_verify
+def test_auto_backend_uses_math_verify_when_installed():
+    auto = math_answer_reward()
+    assert auto(["q"], ["\\boxed{2^{10}}"], answer=["1024"]) == [1.0]
+
+
+def test_auto_backend_falls_back_to_the_builtin_parser(monkeypatch):
+    monkeypatch.setattr(math_rewards, "_math_verify", lambda: None)
+    auto = math_answer_reward()
+    assert auto(["q"], ["\\boxed{2^{10}}"], answer=["1024"]) == [0.0]
+    assert auto(["q"], ["\\boxed{0.5}"], answer=["\\frac12"]) == [1.0]
+    with pytest.raises(ImportError, match="math-verify"):
+        math_answer_reward(backend="math_verify")
+
+
+@needs_math_verify
+def test_math_verify_backend_outside_the_main_thread():
+    """math-verify's timeouts use signals (main thread only); other threads run without them."""
+    reward = math_answer_reward(backend="math_verify")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        completions = ["\\boxed{2^{10}}", "\\boxed{3}"]
+        got = pool.submit(reward, ["q", "q"], completions, answer=["1024"] * 2)
+        assert got.result() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_last_number_extraction(backend):
+    reward = math_answer_reward(extraction="last_number", backend=backend)
+    completions = [
+        "Natalia sold 24 in May, so 48 + 24 = 72 clips.",
+        "72 is wrong; the answer is 71",
+        "It is -3.",
+        "That costs $1,000.",
+        "\\boxed{72} and then I added 1",  # markers do not matter: the last number is 1
+        "no number at all",
+    ]
+    references = [GSM8K_SOLUTION, GSM8K_SOLUTION, "#### -3", "1000", "72", "72"]
+    assert reward(["q"] * 6, completions, answer=references) == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    # The references are still read with the markers (a GSM8K solution's answer is after ####).
+    assert reward(["q"], ["12"], answer=["3 + 4 = 7, 7 + 5 = 12\n#### 12"]) == [1.0]
+
+
+def test_extraction_and_backend_are_validated():
+    with pytest.raises(ValueError, match=r"extraction must be one of \('markers', 'last_number'\)"):
+        math_answer_reward(extraction="first_number")
+    with pytest.raises(TypeError, match="extraction must be one of"):
+        math_answer_reward(extraction=None)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        math_answer_reward(backend="sympy")
+    with pytest.raises(TypeError, match="backend must be one of"):
+        math_answer_reward(backend=True)
 
 
 def test_math_answer_reward_reference_types_and_missing_references():
