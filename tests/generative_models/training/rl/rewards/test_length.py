@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -48,8 +49,10 @@ def test_overlong_penalty_matches_formula_on_random_lengths(seed):
     l_cache = int(rng.integers(0, l_max + 1))
     lengths = rng.integers(0, 2 * l_max + 2, size=257)
     got = overlong_penalty(lengths, l_max, l_cache)
+    chex.assert_shape(got, (257,))
+    chex.assert_type(got, np.float64)
     want = np.array([_dapo_reference(float(x), l_max, l_cache) for x in lengths])
-    np.testing.assert_allclose(got, want, rtol=1e-15, atol=1e-15)
+    chex.assert_trees_all_close(got, want, rtol=1e-15, atol=1e-15)
     assert np.all((got <= 0) & (got >= -1))
 
 
