@@ -322,12 +322,14 @@ def test_normalized_mode_is_invariant_to_shift_and_positive_scale(
     num_prompts, group, shift, scale, seed
 ):
     rng = np.random.default_rng(seed)
-    values = _random_rewards(rng, num_prompts * group, 3)
+    # The group statistics are float32 (those of the advantages). Rewards on a grid of 1/8 are
+    # equal or at least 1/8 apart, so float32 never merges two different transformed rewards
+    # (which would turn a +-1 into a 0); rounding ``values * scale + shift`` to float32 still
+    # moves a standardized value by about eps32 * |shift| / scale per unit of the group's std.
+    values = np.round(_random_rewards(rng, num_prompts * group, 3) * 8) / 8
     kwargs = {"mode": "normalized", "group_size": group, "eps": 1e-12}
     base = combine_reward_columns(values, **kwargs)
     moved = combine_reward_columns(values * scale + shift, **kwargs)
-    # The group statistics are float32: rounding ``values * scale + shift`` to float32 moves a
-    # standardized value by about eps32 * |shift| / scale (per unit of the group's std).
     tol = 1e-4 + 64 * np.finfo(np.float32).eps * abs(shift) / scale
     np.testing.assert_allclose(moved, base, rtol=1e-4, atol=tol)
 
