@@ -34,6 +34,7 @@ from flax import nnx
 
 from artifex.generative_models.inference.sampling import bucket_length, sample_logits
 from artifex.generative_models.models.causal_lm.cache import KVCache
+from artifex.generative_models.utils.validation import check_float, check_int
 
 __all__ = [
     "DEFAULT_APPEND_BUCKETS",
@@ -296,11 +297,11 @@ def decode_turn(
     Raises:
         ValueError: ``limit`` outside ``[1, max_new_tokens]``, the cache has fewer free slots
             than ``limit``, an empty stop sequence, or a negative temperature.
+        TypeError: ``max_new_tokens`` or ``limit`` not an int, or ``temperature`` not a number.
     """
-    limit = max_new_tokens if limit is None else int(limit)
-    if not 1 <= limit <= max_new_tokens:
-        msg = f"decode_turn: limit must be in [1, max_new_tokens={max_new_tokens}], got {limit}"
-        raise ValueError(msg)
+    max_new_tokens = check_int("decode_turn: max_new_tokens", max_new_tokens, minimum=1)
+    limit = max_new_tokens if limit is None else limit
+    limit = check_int("decode_turn: limit", limit, minimum=1, maximum=max_new_tokens)
     free = cache.max_length - int(cache.index)
     if free < limit:
         msg = f"decode_turn: the cache has {free} free slots, the turn may need {limit}"
@@ -309,9 +310,7 @@ def decode_turn(
     if any(len(s) == 0 for s in stops):
         msg = "decode_turn: stop_sequences must not contain an empty sequence"
         raise ValueError(msg)
-    if not np.isfinite(temperature) or temperature < 0:
-        msg = f"decode_turn: temperature must be a finite number >= 0, got {temperature!r}"
-        raise ValueError(msg)
+    check_float("decode_turn: temperature", temperature, minimum=0.0)
     greedy = temperature == 0
     graphdef, state = nnx.split(model)
     return _decode(

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from artifex.generative_models.utils.validation import check_float, check_int
+
 __all__ = [
     "DEFAULT_PROMPT_BUCKETS",
     "Sampler",
@@ -281,12 +283,6 @@ def _local_rows(x: Any) -> np.ndarray:
     return np.concatenate([parts[k] for k in sorted(parts)], axis=0)
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        msg = f"{name} must be an int >= 1, got {value!r}"
-        raise ValueError(msg)
-
-
 def generate(
     model: nnx.Module,
     prompt_ids: jax.Array | np.ndarray,
@@ -333,6 +329,8 @@ def generate(
             ``max_new_tokens``, ``num_generations < 1``, ``top_p`` outside (0, 1], a negative
             temperature, ``top_k < 1``, mismatched shapes, or prompt token ids outside the
             model's vocabulary.
+        TypeError: Non-integer ``prompt_ids``, or an argument of the wrong type
+            (``num_generations=2.0``, ``temperature="1"``).
     """
     # Across processes the checks see this process's rows (a global array is not fetched).
     ids = _local_rows(prompt_ids)
@@ -350,16 +348,11 @@ def generate(
     if (lengths == 0).any():
         msg = f"empty prompt: row {int(np.argmin(lengths))} of prompt_mask has no real token"
         raise ValueError(msg)
-    _check_positive_int("num_generations", num_generations)
-    _check_positive_int("max_new_tokens", max_new_tokens)
-    if top_k is not None:
-        _check_positive_int("top_k", top_k)
-    if not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
-        msg = f"top_p must be in (0, 1], got {top_p!r}"
-        raise ValueError(msg)
-    if not isinstance(temperature, int | float) or not np.isfinite(temperature) or temperature < 0:
-        msg = f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}"
-        raise ValueError(msg)
+    check_int("num_generations", num_generations, minimum=1)
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    check_int("top_k", top_k, minimum=1, allow_none=True)
+    check_float("top_p", top_p, greater_than=0.0, maximum=1.0)
+    check_float("temperature", temperature, minimum=0.0)
     config = getattr(model, "config", None)
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and int(lengths.max()) + max_new_tokens > max_pos:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from artifex.generative_models.utils.atomic import atomic_write
+from artifex.generative_models.utils.validation import check_bool, check_int
 
 __all__ = ["JsonlWriter", "MetricLogger", "ProgressBar", "TensorBoardWriter", "is_primary_process"]
 
@@ -43,15 +44,20 @@ class JsonlWriter:
             (atomically: a temporary file renamed over it) keeping only complete records of
             steps ``<= keep_until``, so the steps redone after the checkpoint are not logged
             twice and a line torn by a kill is dropped. ``None`` appends to the file as it is.
+
+    Raises:
+        TypeError: ``keep_until`` is not an int or ``None``.
+        ValueError: ``keep_until`` is negative.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, keep_until: int | None = None):
+        keep_until = check_int("JsonlWriter.keep_until", keep_until, minimum=0, allow_none=True)
         self.path = os.fspath(path)
         self._fh = None
         if is_primary_process():
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             if keep_until is not None and os.path.exists(self.path):
-                self._truncate(int(keep_until))
+                self._truncate(keep_until)
             self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def _truncate(self, keep_until: int) -> None:
@@ -144,9 +150,16 @@ class ProgressBar:
         total: Number of steps.
         initial: Steps already done (when resuming).
         enabled: Show it (only on the primary process).
+
+    Raises:
+        TypeError: ``total`` or ``initial`` is not an int, or ``enabled`` not a bool.
+        ValueError: ``total`` or ``initial`` is negative.
     """
 
     def __init__(self, total: int, *, initial: int = 0, enabled: bool = True):
+        total = check_int("ProgressBar.total", total, minimum=0)
+        initial = check_int("ProgressBar.initial", initial, minimum=0)
+        enabled = check_bool("ProgressBar.enabled", enabled)
         self._bar = None
         if enabled and is_primary_process():
             from tqdm.auto import tqdm
@@ -187,6 +200,10 @@ class MetricLogger:
         progress_initial: Steps already done.
         resume_step: The step a resumed run restarts from: the JSONL file keeps only the
             records up to it (see :class:`JsonlWriter`); ``None`` appends.
+
+    Raises:
+        TypeError: A step count that is not an int (or ``None`` where allowed).
+        ValueError: A negative step count.
     """
 
     def __init__(
@@ -198,6 +215,9 @@ class MetricLogger:
         progress_initial: int = 0,
         resume_step: int | None = None,
     ):
+        check_int("MetricLogger.resume_step", resume_step, minimum=0, allow_none=True)
+        check_int("MetricLogger.progress_total", progress_total, minimum=0, allow_none=True)
+        check_int("MetricLogger.progress_initial", progress_initial, minimum=0)
         self.jsonl = None if jsonl_path is None else JsonlWriter(jsonl_path, keep_until=resume_step)
         self.tensorboard = (
             None if tensorboard_dir is None else TensorBoardWriter.create(tensorboard_dir)

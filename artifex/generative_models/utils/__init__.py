@@ -9,12 +9,27 @@ from artifex.generative_models.utils.atomic import (
     remove_temp_files,
     temp_path,
 )
+from artifex.generative_models.utils.validation import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_float,
+    check_int,
+    check_str,
+)
 
-__all__ = [
+__all__ = [  # noqa: RUF022 - grouped by module, sorted within each group
     # atomic files
     "atomic_write",
     "atomic_write_json",
     "commit_file",
     "remove_temp_files",
     "temp_path",
+    # validation (wrong type: TypeError; out of range: ValueError)
+    "check_bool",
+    "check_callable",
+    "check_choice",
+    "check_float",
+    "check_int",
+    "check_str",
 ]

@@ -120,3 +120,12 @@ def test_append_and_decode_check_capacity() -> None:
         decode_turn(model, cache, logits, np.array([True]), key=jax.random.key(0), max_new_tokens=5)
     with pytest.raises(ValueError, match="empty"):
         append_tokens(model, cache, [[]], logits)
+    turn = dict(key=jax.random.key(0), max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"decode_turn: limit must be an int, got 1.0"):
+        decode_turn(model, cache, logits, np.array([True]), limit=1.0, **turn)
+    with pytest.raises(ValueError, match=r"decode_turn: limit must be an int in \[1, 2\]"):
+        decode_turn(model, cache, logits, np.array([True]), limit=3, **turn)
+    with pytest.raises(TypeError, match="decode_turn: temperature must be a real number"):
+        decode_turn(model, cache, logits, np.array([True]), temperature=None, **turn)
+    with pytest.raises(ValueError, match="decode_turn: temperature must be a number >= 0"):
+        decode_turn(model, cache, logits, np.array([True]), temperature=-1.0, **turn)

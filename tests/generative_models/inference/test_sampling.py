@@ -250,6 +250,22 @@ def test_bad_arguments_name_the_argument(model, kw, match):
         generate(model, ids, mask, key=jax.random.key(0), **kw)
 
 
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(num_generations=2.0), r"num_generations must be an int, got 2.0 \(float\)"),
+        (dict(num_generations=True), "num_generations must be an int"),
+        (dict(top_k=1.5), "top_k must be an int or None"),
+        (dict(temperature="1"), "temperature must be a real number"),
+        (dict(top_p=None), "top_p must be a real number"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_type_errors(model, kw, match):
+    ids, mask = prompts()
+    with pytest.raises(TypeError, match=match):
+        generate(model, ids, mask, key=jax.random.key(0), **kw)
+
+
 def test_empty_prompt_row_is_an_error(model):
     ids, mask = prompts()
     mask[1] = 0

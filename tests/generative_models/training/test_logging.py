@@ -6,6 +6,8 @@ import json
 import sys
 import types
 
+import pytest
+
 from artifex.generative_models.training.logging import (
     JsonlWriter,
     MetricLogger,
@@ -59,3 +61,14 @@ def test_without_tensorboard_packages_there_is_no_writer(tmp_path, monkeypatch):
 
 def test_primary_process_in_a_single_process_run():
     assert is_primary_process()
+
+
+def test_step_counts_are_validated(tmp_path):
+    with pytest.raises(TypeError, match=r"JsonlWriter.keep_until must be an int or None, got '3'"):
+        JsonlWriter(tmp_path / "m.jsonl", keep_until="3")
+    with pytest.raises(ValueError, match=r"JsonlWriter.keep_until must be an int >= 0"):
+        JsonlWriter(tmp_path / "m.jsonl", keep_until=-1)
+    with pytest.raises(TypeError, match=r"MetricLogger\.progress_total must be an int or None"):
+        MetricLogger(progress_total=10.0)
+    with pytest.raises(ValueError, match=r"MetricLogger\.progress_initial must be an int >= 0"):
+        MetricLogger(progress_initial=-2)

@@ -12,7 +12,8 @@ For a causal language model a row is a left-padded prompt followed by a right-pa
 The completion mask is 1 exactly on the completion tokens that count (EOS included; padding and
 anything after EOS excluded). For a non-sequence policy ``model(observations) -> logits`` (the
 dict batch form), ``prompt_ids`` holds the observations and each action is a completion of
-length 1 (see :meth:`GRPOBatch.from_dict`).
+length 1 (see :meth:`GRPOBatch.from_dict` and
+:mod:`~artifex.generative_models.training.rl.compat`).
 """
 
 from __future__ import annotations
@@ -25,20 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from artifex.generative_models.training.rl.compat import dict_batch_fields
+
 __all__ = ["GRPOBatch"]
 
 #: Log-probs above this are rejected (float rounding can push a near-certain token above 0).
 _LOG_PROB_TOLERANCE = 1e-3
-
-_DICT_KEYS = {
-    "observations",
-    "actions",
-    "rewards",
-    "log_probs",
-    "ref_log_probs",
-    "advantages",
-    "group_size",
-}
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -324,7 +317,9 @@ class GRPOBatch:
         Keys: ``observations`` ``(B, ...)``, ``actions`` ``(B,)`` or ``(B, L)`` ints,
         ``rewards`` ``(B,)``, optional ``log_probs`` and ``ref_log_probs`` with the shape of
         ``actions``, optional ``advantages`` ``(B,)``, optional ``group_size`` overriding the
-        given default. A single-step categorical action is a completion of length 1.
+        given default. A single-step categorical action is a completion of length 1. The
+        conversion itself is
+        :func:`~artifex.generative_models.training.rl.compat.dict_batch_fields`.
 
         Args:
             batch: The dict.
@@ -337,58 +332,4 @@ class GRPOBatch:
             ValueError: Unknown or missing keys, or shapes that do not fit.
             TypeError: Non-integer actions.
         """
-        unknown = set(batch) - _DICT_KEYS
-        if unknown:
-            msg = (
-                f"unknown batch keys {sorted(unknown)}; the dict form takes "
-                f"{sorted(_DICT_KEYS)} (nothing is silently dropped)"
-            )
-            raise ValueError(msg)
-        missing = {"observations", "actions", "rewards"} - set(batch)
-        if missing:
-            msg = f"batch is missing required keys {sorted(missing)}"
-            raise ValueError(msg)
-        actions = batch["actions"]
-        if not jnp.issubdtype(jnp.result_type(actions), jnp.integer):
-            msg = (
-                "batch['actions'] must hold integer (categorical) actions, "
-                f"got dtype {jnp.result_type(actions)}"
-            )
-            raise TypeError(msg)
-        ashape = _shape(actions)
-        if len(ashape) not in (1, 2):
-            msg = f"batch['actions'] must have shape (B,) or (B, L), got {ashape}"
-            raise ValueError(msg)
-
-        def per_token(name: str) -> jax.Array | None:
-            value = batch.get(name)
-            if value is None:
-                return None
-            if _shape(value) != ashape:
-                msg = (
-                    f"batch[{name!r}] must have the shape of actions {ashape}, got {_shape(value)}"
-                )
-                raise ValueError(msg)
-            value = jnp.asarray(value, jnp.float32)
-            return value[:, None] if len(ashape) == 1 else value
-
-        completion = jnp.asarray(actions, jnp.int32)
-        if len(ashape) == 1:
-            completion = completion[:, None]
-        g = batch.get("group_size", group_size)
-        if isinstance(g, jax.Array | np.ndarray):
-            g = int(g)
-        return cls(
-            prompt_ids=batch["observations"],
-            completion_ids=completion,
-            completion_mask=jnp.ones(completion.shape, jnp.float32),
-            rewards=jnp.asarray(batch["rewards"], jnp.float32),
-            old_log_probs=per_token("log_probs"),
-            ref_log_probs=per_token("ref_log_probs"),
-            advantages=(
-                None
-                if batch.get("advantages") is None
-                else jnp.asarray(batch["advantages"], jnp.float32)
-            ),
-            group_size=g,
-        )
+        return cls(**dict_batch_fields(batch, group_size=group_size))

@@ -29,8 +29,14 @@ since DeepSeekMath. Each variant is a setting, not a new trainer:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Literal
+
+from artifex.generative_models.utils.validation import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+)
 
 __all__ = [
     "AdvantageBaseline",
@@ -66,31 +72,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "sampler_correction_level": ("token", "sequence", "geometric"),
     "advantage_estimator": ("grpo", "reinforce_pp", "reinforce_pp_baseline", "pass_at_k"),
 }
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_real(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not _is_real(value):
-        expected = "a real number or None" if allow_none else "a real number"
-        msg = f"GRPOConfig.{name} must be {expected}, got {value!r} ({type(value).__name__})"
-        raise TypeError(msg)
-    if not math.isfinite(value):
-        msg = f"GRPOConfig.{name} must be finite, got {value!r}"
-        raise ValueError(msg)
-
-
-def _check_int(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        expected = "an int or None" if allow_none else "an int"
-        msg = f"GRPOConfig.{name} must be {expected}, got {value!r} ({type(value).__name__})"
-        raise TypeError(msg)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -211,6 +192,11 @@ class GRPOConfig:
             centered, then whitened over the batch; ``"pass_at_k"``: the analytical pass@k
             advantage of "Pass@k Training" (arXiv:2508.10751) for binary rewards.
         pass_at_k: ``k >= 1`` for ``advantage_estimator="pass_at_k"``.
+
+    Raises:
+        TypeError: If a field has the wrong type (``num_generations=4.0``, ``beta="0.1"``).
+        ValueError: If a field is out of range, not one of its choices, or contradicts
+            another field.
     """
 
     num_generations: int = 4
@@ -249,62 +235,27 @@ class GRPOConfig:
     pass_at_k: int = 1
 
     def __post_init__(self) -> None:
-        _check_int("num_generations", self.num_generations)
-        if self.num_generations < 2:
-            msg = (
-                "GRPOConfig.num_generations must be >= 2 (a group needs at least two "
-                f"completions to compare), got {self.num_generations}"
-            )
-            raise ValueError(msg)
-        _check_real("clip_param", self.clip_param)
-        if not 0.0 < self.clip_param < 1.0:
-            msg = f"GRPOConfig.clip_param must be in (0, 1), got {self.clip_param}"
-            raise ValueError(msg)
-        _check_real("clip_param_high", self.clip_param_high, allow_none=True)
-        if self.clip_param_high is not None and self.clip_param_high <= 0.0:
-            msg = f"GRPOConfig.clip_param_high must be > 0 or None, got {self.clip_param_high}"
-            raise ValueError(msg)
-        _check_real("dual_clip", self.dual_clip, allow_none=True)
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            msg = f"GRPOConfig.dual_clip must be > 1 or None, got {self.dual_clip}"
-            raise ValueError(msg)
+        # Wrong type: TypeError; right type, out of range: ValueError (utils.validation).
+        f = "GRPOConfig."
+        check_int(f + "num_generations", self.num_generations, minimum=2)
+        check_float(f + "clip_param", self.clip_param, greater_than=0.0, less_than=1.0)
+        check_float(f + "clip_param_high", self.clip_param_high, greater_than=0.0, allow_none=True)
+        check_float(f + "dual_clip", self.dual_clip, greater_than=1.0, allow_none=True)
         for name in ("beta", "entropy_coeff", "advantage_eps"):
-            value = getattr(self, name)
-            _check_real(name, value)
-            if value < 0.0:
-                msg = f"GRPOConfig.{name} must be >= 0, got {value}"
-                raise ValueError(msg)
-        _check_real("gamma", self.gamma)
-        if not 0.0 < self.gamma <= 1.0:
-            msg = f"GRPOConfig.gamma must be in (0, 1], got {self.gamma}"
-            raise ValueError(msg)
-        _check_int("std_ddof", self.std_ddof)
-        if self.std_ddof not in (0, 1):
-            msg = f"GRPOConfig.std_ddof must be 0 or 1, got {self.std_ddof}"
-            raise ValueError(msg)
+            check_float(f + name, getattr(self, name), minimum=0.0)
+        check_float(f + "gamma", self.gamma, greater_than=0.0, maximum=1.0)
+        check_int(f + "std_ddof", self.std_ddof, minimum=0, maximum=1)
         for name, choices in _CHOICES.items():
-            value = getattr(self, name)
-            if value not in choices:
-                msg = f"GRPOConfig.{name} must be one of {choices}, got {value!r}"
-                raise ValueError(msg)
-        _check_int("max_completion_length", self.max_completion_length, allow_none=True)
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            msg = (
-                "GRPOConfig.max_completion_length must be >= 1 or None, "
-                f"got {self.max_completion_length}"
-            )
-            raise ValueError(msg)
-        _check_real("temperature", self.temperature)
-        if self.temperature <= 0.0:
-            msg = f"GRPOConfig.temperature must be > 0, got {self.temperature}"
-            raise ValueError(msg)
-        _check_real("max_grad_norm", self.max_grad_norm, allow_none=True)
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0.0:
-            msg = f"GRPOConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm}"
-            raise ValueError(msg)
+            check_choice(f + name, getattr(self, name), choices)
+        check_int(
+            f + "max_completion_length", self.max_completion_length, minimum=1, allow_none=True
+        )
+        check_float(f + "temperature", self.temperature, greater_than=0.0)
+        check_float(f + "max_grad_norm", self.max_grad_norm, greater_than=0.0, allow_none=True)
         self._check_variants()
 
     def _check_variants(self) -> None:
+        f = "GRPOConfig."
         for name in (
             "cispo_max_weight",
             "sapo_temperature_pos",
@@ -312,32 +263,19 @@ class GRPOConfig:
             "vespo_lambda_pos",
             "vespo_lambda_neg",
         ):
-            value = getattr(self, name)
-            _check_real(name, value)
-            if value <= 0.0:
-                msg = f"GRPOConfig.{name} must be > 0, got {value}"
-                raise ValueError(msg)
+            check_float(f + name, getattr(self, name), greater_than=0.0)
         for name in ("vespo_k_pos", "vespo_k_neg"):
-            value = getattr(self, name)
-            _check_real(name, value)
-            if value < 0.0:
-                msg = f"GRPOConfig.{name} must be >= 0, got {value}"
-                raise ValueError(msg)
-        if not isinstance(self.kl_importance_weighted, bool):
-            msg = (
-                "GRPOConfig.kl_importance_weighted must be a bool, "
-                f"got {self.kl_importance_weighted!r}"
-            )
-            raise TypeError(msg)
-        for name in ("sampler_ratio_min", "sampler_ratio_max", "off_policy_mask_threshold"):
-            _check_real(name, getattr(self, name), allow_none=True)
-        lo, hi = self.sampler_ratio_min, self.sampler_ratio_max
-        if lo is not None and lo < 0.0:
-            msg = f"GRPOConfig.sampler_ratio_min must be >= 0 or None, got {lo}"
-            raise ValueError(msg)
-        if hi is not None and hi <= 0.0:
-            msg = f"GRPOConfig.sampler_ratio_max must be > 0 or None, got {hi}"
-            raise ValueError(msg)
+            check_float(f + name, getattr(self, name), minimum=0.0)
+        check_bool(f + "kl_importance_weighted", self.kl_importance_weighted)
+        lo = check_float(
+            f + "sampler_ratio_min", self.sampler_ratio_min, minimum=0.0, allow_none=True
+        )
+        hi = check_float(
+            f + "sampler_ratio_max", self.sampler_ratio_max, greater_than=0.0, allow_none=True
+        )
+        check_float(
+            f + "off_policy_mask_threshold", self.off_policy_mask_threshold, allow_none=True
+        )
         if lo is not None and hi is not None and lo > hi:
             msg = f"GRPOConfig.sampler_ratio_min ({lo}) must be <= sampler_ratio_max ({hi})"
             raise ValueError(msg)
@@ -352,17 +290,8 @@ class GRPOConfig:
                 f"got {self.sampler_correction_level!r}"
             )
             raise ValueError(msg)
-        _check_real("top_entropy_quantile", self.top_entropy_quantile)
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            msg = (
-                "GRPOConfig.top_entropy_quantile must be in [0, 1], "
-                f"got {self.top_entropy_quantile}"
-            )
-            raise ValueError(msg)
-        _check_int("pass_at_k", self.pass_at_k)
-        if self.pass_at_k < 1:
-            msg = f"GRPOConfig.pass_at_k must be >= 1, got {self.pass_at_k}"
-            raise ValueError(msg)
+        check_float(f + "top_entropy_quantile", self.top_entropy_quantile, minimum=0.0, maximum=1.0)
+        check_int(f + "pass_at_k", self.pass_at_k, minimum=1)
         if self.pass_at_k > 1 and self.advantage_estimator != "pass_at_k":
             msg = (
                 f"GRPOConfig.pass_at_k={self.pass_at_k} is only used with "

@@ -51,6 +51,12 @@ from artifex.generative_models.training.rl.rollout import (
     as_policy,
 )
 from artifex.generative_models.training.rl.tools import ToolRunner, parse_tool_calls
+from artifex.generative_models.utils.validation import (
+    check_bool,
+    check_callable,
+    check_int,
+    check_str,
+)
 
 __all__ = [
     "Environment",
@@ -222,6 +228,10 @@ class MultiTurnConfig:
             come from process supervision (DeepSeekMath sec. 4.1.3) instead of the summed
             episode reward; ``False`` (default): per-turn rewards are only summed into
             ``env_reward`` and logged.
+
+    Raises:
+        TypeError: A field of the wrong type (``max_turns=2.0``, ``stop_strings`` as a list).
+        ValueError: A field out of range, or ``max_new_tokens > max_completion_tokens``.
     """
 
     max_turns: int = 4
@@ -232,36 +242,32 @@ class MultiTurnConfig:
     turn_rewards_as_step_rewards: bool = False
 
     def __post_init__(self) -> None:
+        # Wrong type: TypeError; right type, out of range: ValueError (utils.validation).
         for name in ("max_turns", "max_new_tokens", "max_completion_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                msg = f"MultiTurnConfig.{name} must be an int >= 1, got {value!r}"
-                raise ValueError(msg)
+            check_int(f"MultiTurnConfig.{name}", getattr(self, name), minimum=1)
         if self.max_new_tokens > self.max_completion_tokens:
             msg = (
                 f"MultiTurnConfig.max_new_tokens ({self.max_new_tokens}) must be <= "
                 f"max_completion_tokens ({self.max_completion_tokens})"
             )
             raise ValueError(msg)
-        if not isinstance(self.stop_strings, tuple) or not all(
-            isinstance(s, str) and s for s in self.stop_strings
-        ):
-            msg = f"MultiTurnConfig.stop_strings must be a tuple of non-empty str, got {self.stop_strings!r}"  # noqa: E501
-            raise ValueError(msg)
-        if not isinstance(self.turn_rewards_as_step_rewards, bool):
+        for name in ("stop_strings", "completion_buckets"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                msg = f"MultiTurnConfig.{name} must be a tuple, got {value!r}"
+                raise TypeError(msg)
+        for j, stop in enumerate(self.stop_strings):
+            check_str(f"MultiTurnConfig.stop_strings[{j}]", stop)
+        check_bool(
+            "MultiTurnConfig.turn_rewards_as_step_rewards", self.turn_rewards_as_step_rewards
+        )
+        if not self.completion_buckets:
             msg = (
-                "MultiTurnConfig.turn_rewards_as_step_rewards must be a bool, "
-                f"got {self.turn_rewards_as_step_rewards!r}"
+                "MultiTurnConfig.completion_buckets must be a non-empty tuple of ints >= 1, got ()"
             )
             raise ValueError(msg)
-        if not self.completion_buckets or not all(
-            isinstance(b, int) and b >= 1 for b in self.completion_buckets
-        ):
-            msg = (
-                "MultiTurnConfig.completion_buckets must be a non-empty tuple of ints >= 1, "
-                f"got {self.completion_buckets!r}"
-            )
-            raise ValueError(msg)
+        for j, width in enumerate(self.completion_buckets):
+            check_int(f"MultiTurnConfig.completion_buckets[{j}]", width, minimum=1)
 
 
 @dataclasses.dataclass
@@ -397,13 +403,14 @@ def run_episodes(
         The :class:`Episodes`.
 
     Raises:
-        ValueError: No rows, the ``G`` episodes of a row open with different messages, or the
-            prompt does not fit the model's positions.
+        ValueError: No rows, ``num_generations < 1``, the ``G`` episodes of a row open with
+            different messages, or the prompt does not fit the model's positions.
+        TypeError: ``num_generations`` is not an int.
     """
     if not rows:
         msg = "run_episodes needs at least one row"
         raise ValueError(msg)
-    g = int(num_generations)
+    g = check_int("run_episodes: num_generations", num_generations, minimum=1)
     envs = [environment_factory() for _ in range(len(rows) * g)]
     histories: list[list[Message]] = []
     for i, env in enumerate(envs):
@@ -648,9 +655,7 @@ class MultiTurnRollout:
     """
 
     def __init__(self, environment_factory: Callable[[], Environment], config: MultiTurnConfig):
-        if not callable(environment_factory):
-            msg = "MultiTurnRollout: environment_factory must be callable"
-            raise TypeError(msg)
+        check_callable("MultiTurnRollout: environment_factory", environment_factory)
         self.environment_factory = environment_factory
         self.config = config
 
@@ -696,7 +701,7 @@ class MultiTurnRollout:
             top_p=config.top_p,
         )
         columns = _columns(rows, k, config.prompt_column, ep)
-        combined = rewards(ep.prompts, ep.final_turns, **columns)
+        combined = rewards(ep.prompts, ep.final_turns, group_size=k, **columns)
         batch = GRPOBatch(
             prompt_ids=jnp.asarray(ep.prompt_ids),
             prompt_mask=jnp.asarray(ep.prompt_mask),

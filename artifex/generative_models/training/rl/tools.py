@@ -33,6 +33,8 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from artifex.generative_models.utils.validation import check_choice, check_float
+
 __all__ = [
     "ToolCall",
     "ToolResult",
@@ -242,18 +244,17 @@ def parse_tool_calls(text: str, tool_format: ToolFormat = "qwen") -> list[ToolCa
 
     Raises:
         ValueError: An unknown ``tool_format``.
+        TypeError: A ``tool_format`` that is not a string.
     """
+    check_choice("parse_tool_calls: tool_format", tool_format, ("qwen", "llama3"))
     if tool_format == "qwen":
         return [_call_from_json(m.group(1).strip(), "arguments") for m in _QWEN_CALL.finditer(text)]
-    if tool_format == "llama3":
-        body = text.strip()
-        if body.startswith("<|python_tag|>"):
-            body = body[len("<|python_tag|>") :].strip()
-        if not body.startswith("{"):
-            return []
-        return [_call_from_json(body, "parameters")]
-    msg = f"parse_tool_calls: tool_format must be 'qwen' or 'llama3', got {tool_format!r}"
-    raise ValueError(msg)
+    body = text.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>") :].strip()
+    if not body.startswith("{"):
+        return []
+    return [_call_from_json(body, "parameters")]
 
 
 # ------------------------------------------------------------------------------ execution
@@ -286,17 +287,16 @@ class ToolRunner:
         timeout: Seconds per call (> 0).
 
     Raises:
-        ValueError: Two tools with the same name, no tools, or a bad timeout.
-        TypeError: A tool without a valid schema (see :func:`tool_schema`).
+        ValueError: Two tools with the same name, no tools, or a timeout <= 0 or not finite.
+        TypeError: A tool without a valid schema (see :func:`tool_schema`), or a timeout that
+            is not a number.
     """
 
     def __init__(self, tools: Sequence[Callable[..., Any]], *, timeout: float = 10.0):
         if not tools:
             msg = "ToolRunner needs at least one tool"
             raise ValueError(msg)
-        if not isinstance(timeout, int | float) or not timeout > 0:
-            msg = f"ToolRunner.timeout must be a number > 0, got {timeout!r}"
-            raise ValueError(msg)
+        check_float("ToolRunner.timeout", timeout, greater_than=0.0)
         self.schemas = [tool_schema(t) for t in tools]
         self.tools: dict[str, Callable[..., Any]] = {}
         for tool, schema in zip(tools, self.schemas, strict=True):

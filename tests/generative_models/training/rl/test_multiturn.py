@@ -310,4 +310,15 @@ def test_environment_protocol_and_config_checks() -> None:
         MultiTurnConfig(max_new_tokens=10, max_completion_tokens=5)
     with pytest.raises(ValueError, match="stop_strings"):
         MultiTurnConfig(stop_strings=("",))
+    # A value of the wrong type is a TypeError (it was a ValueError before utils.validation).
+    with pytest.raises(TypeError, match=r"MultiTurnConfig.max_turns must be an int, got 2.0"):
+        MultiTurnConfig(max_turns=2.0)
+    with pytest.raises(TypeError, match="turn_rewards_as_step_rewards must be a bool"):
+        MultiTurnConfig(turn_rewards_as_step_rewards=1)
+    with pytest.raises(TypeError, match="stop_strings must be a tuple"):
+        MultiTurnConfig(stop_strings=["</tool_call>"])
+    with pytest.raises(ValueError, match=r"completion_buckets\[1\] must be an int >= 1"):
+        MultiTurnConfig(completion_buckets=(64, 0))
+    with pytest.raises(TypeError, match="environment_factory must be callable"):
+        MultiTurnRollout(None, MultiTurnConfig())
     assert TOOL_CHAT_TEMPLATE

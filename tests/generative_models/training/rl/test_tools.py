@@ -141,6 +141,8 @@ def test_parse_llama3_calls() -> None:
     assert bad.error is not None
     with pytest.raises(ValueError, match="tool_format"):
         parse_tool_calls("x", "mistral")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="tool_format"):
+        parse_tool_calls("x", None)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------ execution
@@ -206,5 +208,7 @@ def test_runner_checks_its_arguments() -> None:
         ToolRunner([])
     with pytest.raises(ValueError, match="timeout"):
         ToolRunner([ok], timeout=0)
+    with pytest.raises(TypeError, match=r"ToolRunner.timeout must be a real number, got '5'"):
+        ToolRunner([ok], timeout="5")
     with pytest.raises(ValueError, match="two tools"):
         ToolRunner([ok, ok])
