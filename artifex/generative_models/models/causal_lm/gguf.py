@@ -414,13 +414,13 @@ def gguf_tokenizer(
     add_bos = bool(scalars.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
     add_eos = bool(scalars.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
-        first = f"{bos} " if add_bos else ""
-        last = f" {eos}" if add_eos else ""
-        ids = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+        head = [f"{bos}"] if add_bos else []
+        tail = [f"{eos}"] if add_eos else []
+        single = [*head, "$A", *tail]
+        pair = [*single, *(f"{t}:1" for t in head), "$B:1", *(f"{t}:1" for t in tail)]
+        specials = {t: vocab[t] for t in (*head, *tail)}
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{first}$A{last}",
-            pair=f"{first}$A{last} {first}$B:1{last}:1",
-            special_tokens=list(dict(ids).items()),
+            single=" ".join(single), pair=" ".join(pair), special_tokens=list(specials.items())
         )
     else:
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
