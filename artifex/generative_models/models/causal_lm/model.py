@@ -33,7 +33,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from artifex.generative_models.models.causal_lm import hf_io
 from artifex.generative_models.models.causal_lm.cache import KVCache
 from artifex.generative_models.models.causal_lm.config import (
     CausalLMConfig,
@@ -41,6 +40,12 @@ from artifex.generative_models.models.causal_lm.config import (
     resolve_dtype,
 )
 from artifex.generative_models.models.causal_lm.gguf import GGUFCheckpoint, is_gguf_file, read_gguf
+from artifex.generative_models.models.causal_lm.hf_io import (
+    load_hf_weights,
+    place_tensors,
+    read_hf_config,
+)
+from artifex.generative_models.models.causal_lm.hf_io import save_pretrained as _save_pretrained
 from artifex.generative_models.models.causal_lm.modules import DecoderLayer, Embed, Linear, RMSNorm
 from artifex.generative_models.models.causal_lm.rope import rope_cos_sin, rope_inv_frequencies
 from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
@@ -320,14 +325,14 @@ class CausalLM(nnx.Module):
                 raise TypeError(msg)
             checkpoint = read_gguf(source, dtype="float32" if dtype is None else dtype)
             return cls._from_gguf_checkpoint(checkpoint, source, mesh=mesh, rules=rules)
-        config = hf_io.read_hf_config(source)
+        config = read_hf_config(source)
         if rules is not None and mesh is None:
             msg = "from_pretrained: rules were given without a mesh; pass mesh= as well"
             raise TypeError(msg)
         dt = resolve_dtype(config.param_dtype if dtype is None else dtype)
         config = config.replace(param_dtype=dt.name)
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
-        hf_io.load_hf_weights(model, source, mesh=mesh, rules=rules)
+        load_hf_weights(model, source, mesh=mesh, rules=rules)
         return model
 
     @classmethod
@@ -341,7 +346,7 @@ class CausalLM(nnx.Module):
     ) -> CausalLM:
         config = checkpoint.config
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
-        hf_io.place_tensors(
+        place_tensors(
             model, checkpoint.tensors.items(), mesh=mesh, rules=rules, source=repr(source)
         )
         return model
@@ -358,7 +363,7 @@ class CausalLM(nnx.Module):
         Example:
             >>> model.save_pretrained("out")  # doctest: +SKIP
         """
-        hf_io.save_pretrained(self, path, max_shard_size=max_shard_size)
+        _save_pretrained(self, path, max_shard_size=max_shard_size)
 
 
 def from_pretrained(
