@@ -38,7 +38,7 @@ from artifex.generative_models.models.causal_lm.config import (
     RopeScaling,
     resolve_dtype,
 )
-from artifex.generative_models.models.causal_lm.hf_io import write_hf_checkpoint
+from artifex.generative_models.models.causal_lm.hf_io import hf_tensor_map, write_hf_checkpoint
 from artifex.generative_models.models.causal_lm.rope import rope_inv_frequencies
 from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
 from artifex.generative_models.utils.atomic import atomic_write_json
@@ -309,6 +309,16 @@ def _hf_name(name: str, path: str) -> str:
     raise ValueError(msg)
 
 
+def _gguf_name(hf_name: str) -> str:
+    """The llama.cpp name of a Hugging Face tensor name (the inverse of `_hf_name`)."""
+    for gguf_name, name in _GLOBAL_NAMES.items():
+        if name == hf_name:
+            return gguf_name
+    _, _, layer, rest = hf_name.split(".", 3)
+    suffix = next(k for k, v in _BLOCK_NAMES.items() if v == rest)
+    return f"blk.{layer}.{suffix}"
+
+
 def _pre_tokenizer(pre: str | None, path: str) -> Any:
     name = "default" if pre is None else pre
     if name in _GPT2_LIKE:
@@ -509,6 +519,15 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> 
         msg = f"{source}: missing tensor 'token_embd.weight'"
         raise ValueError(msg)
     config = _config(scalars, arrays, shapes, rope_factors, dt.name, source)
+    expected = hf_tensor_map(config)
+    unexpected = sorted(sources[n].name for n in set(sources) - set(expected))
+    if unexpected:
+        msg = f"{source}: unexpected tensor {unexpected[0]!r} for this {arch} model ({unexpected})"
+        raise ValueError(msg)
+    missing = sorted(_gguf_name(n) for n in set(expected) - set(sources))
+    if missing:
+        msg = f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing: {missing[:8]})"
+        raise ValueError(msg)
     target = np.dtype(ml_dtypes.bfloat16) if dt.name == "bfloat16" else np.dtype(np.float32)
     tensors: dict[str, np.ndarray] = {}
     for hf_name, t in sources.items():

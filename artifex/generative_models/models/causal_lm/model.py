@@ -319,7 +319,7 @@ class CausalLM(nnx.Module):
             >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # doctest: +SKIP
         """
         source = os.fspath(path)
-        if source.lower().endswith(".gguf") or is_gguf_file(source):
+        if not os.path.isdir(source) and (source.lower().endswith(".gguf") or is_gguf_file(source)):
             if rules is not None and mesh is None:
                 msg = "from_pretrained: rules were given without a mesh; pass mesh= as well"
                 raise TypeError(msg)

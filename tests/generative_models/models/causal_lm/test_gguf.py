@@ -365,6 +365,18 @@ def test_unknown_tensor_is_named(tmp_path):
         read_gguf(path)
 
 
+def test_missing_and_unexpected_tensors_are_named(tmp_path):
+    hf = load_file(str(FIXTURES / "qwen2_tiny" / "model.safetensors"))
+    del hf["model.layers.1.mlp.up_proj.weight"]
+    path = write_gguf(tmp_path / "m.gguf", "qwen2_tiny", tensors=hf)
+    with pytest.raises(ValueError, match=r"missing tensor 'blk\.1\.ffn_up\.weight'"):
+        read_gguf(path)
+    extra = {"blk.0.attn_output.bias": np.zeros(32, np.float32)}  # Qwen2 has no o_proj bias
+    path = write_gguf(tmp_path / "x.gguf", "qwen2_tiny", extra=extra)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'blk\.0\.attn_output\.bias'"):
+        read_gguf(path)
+
+
 def test_unsupported_tokenizers_are_named(tmp_path):
     spm = write_gguf(tmp_path / "spm.gguf", "qwen2_tiny", tokenizer_model="llama")
     with pytest.raises(ValueError, match="tokenizer model 'llama'"):
