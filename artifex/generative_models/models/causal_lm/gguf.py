@@ -94,6 +94,7 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
 _SPLITS = {
     "llama-bpe": _LLAMA3_SPLIT,
     "llama3": _LLAMA3_SPLIT,
@@ -348,7 +349,8 @@ def gguf_tokenizer(
 
     The vocabulary (`tokenizer.ggml.tokens`) and merges (`tokenizer.ggml.merges`) make a
     `tokenizers` BPE model; the pre-tokenizer follows `tokenizer.ggml.pre` (GPT-2's split,
-    SmolLM's digit-by-digit variant, Llama 3's or Qwen2's pattern); control tokens become special
+    SmolLM's digit-by-digit variant, Llama 3's or Qwen2's pattern; Llama 3 also takes a piece
+    that is a whole vocabulary entry as one token); control tokens become special
     added tokens and user-defined ones plain added tokens; `tokenizer.ggml.add_bos_token` makes
     `encode` prepend the bos token. The chat template is `tokenizer.chat_template`; eot/eom ids
     end generations too.
@@ -391,8 +393,11 @@ def gguf_tokenizer(
             msg = f"{path}: tokenizer.ggml.merges entry {merge!r} is not two tokens"
             raise ValueError(msg)
         pairs.append((parts[0], parts[1]))
-    backend = _HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    backend.pre_tokenizer = _pre_tokenizer(scalars.get("tokenizer.ggml.pre"), path)
+    pre = scalars.get("tokenizer.ggml.pre")
+    # Llama 3 takes a piece that is a whole vocabulary entry as one token, merges or not.
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE)
+    backend = _HFTokenizer(bpe)
+    backend.pre_tokenizer = _pre_tokenizer(pre, path)
     backend.decoder = decoders.ByteLevel()
     types = arrays.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):

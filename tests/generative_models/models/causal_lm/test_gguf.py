@@ -52,7 +52,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Byte-level BPE spells a space as U+0120 and a newline as U+010A.
 CHARS = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]
 MERGES = ["h e", "\u0120 t", "\u0120t he", "l l", "i s"]
-TOKENS = SPECIALS + CHARS + [m.replace(" ", "") for m in MERGES]
+TOKENS = [*SPECIALS, *CHARS, *(m.replace(" ", "") for m in MERGES), "xyz"]  # no merge makes xyz
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -274,6 +274,21 @@ def test_tokenizer_from_metadata(tmp_path):
     assert tok.decode(chat, skip_special_tokens=False) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_llama3_takes_whole_vocabulary_entries(tmp_path):
+    llama3 = read_gguf(write_gguf(tmp_path / "l.gguf", "qwen2_tiny", pre="llama-bpe")).tokenizer
+    qwen2 = read_gguf(write_gguf(tmp_path / "q.gguf", "qwen2_tiny", pre="qwen2")).tokenizer
+    assert [TOKENS[i] for i in llama3.encode("xyz")] == ["xyz"]
+    assert [TOKENS[i] for i in qwen2.encode("xyz")] == ["x", "y", "z"]
+    # digits: three at a time (Llama 3) or one by one (Qwen2)
+    pieces = [p for p, _ in llama3.backend.pre_tokenizer.pre_tokenize_str("the 1234")]
+    assert pieces == ["the", "\u0120", "123", "4"]
+    pieces = [p for p, _ in qwen2.backend.pre_tokenizer.pre_tokenize_str("the 1234")]
+    assert pieces == ["the", "\u0120", "1", "2", "3", "4"]
+    smollm = read_gguf(write_gguf(tmp_path / "s.gguf", "qwen2_tiny", pre="smollm")).tokenizer
+    pieces = [p for p, _ in smollm.backend.pre_tokenizer.pre_tokenize_str("the 1234")]
+    assert pieces == ["the", "\u0120", "1", "2", "3", "4"]
 
 
 def test_add_bos_token(tmp_path):
