@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -139,14 +139,16 @@ class GGUFCheckpoint:
     Args:
         config: The architecture, `param_dtype` set to the dtype the tensors were read in.
         tensors: `{hf_name: array}` under Hugging Face names and layouts ((out, in) for linear
-            weights), exactly the names of `hf_tensor_map(config)`.
+            weights), exactly the names of `hf_tensor_map(config)`. The mapping is lazy: each
+            access dequantizes the tensor from the memory-mapped file (so loading a model holds
+            one dequantized tensor at a time on the host).
         tokenizer: The tokenizer built from the file's metadata.
         metadata: The file's scalar and string metadata (`general.name`, `general.file_type`...);
             arrays (the vocabulary) are left out.
     """
 
     config: CausalLMConfig
-    tensors: dict[str, np.ndarray]
+    tensors: Mapping[str, np.ndarray]
     tokenizer: Tokenizer
     metadata: dict[str, Any]
 
@@ -455,6 +457,65 @@ def gguf_tokenizer(
     )
 
 
+def _dequantize(package: Any, t: Any, data: np.ndarray, source: str) -> np.ndarray:
+    try:
+        x = np.asarray(package.quants.dequantize(data, t.tensor_type))
+    except NotImplementedError as err:
+        msg = (
+            f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which the installed "
+            f"gguf package cannot dequantize ({err})"
+        )
+        raise ValueError(msg) from err
+    if not np.issubdtype(x.dtype, np.floating):
+        msg = (
+            f"{source}: tensor {t.name!r} has type {t.tensor_type.name}; weights must be "
+            "floating point or quantized"
+        )
+        raise ValueError(msg)
+    return x
+
+
+class _GGUFTensors(Mapping[str, np.ndarray]):
+    """Hugging Face name -> tensor, dequantized from the memory-mapped file on each access."""
+
+    def __init__(
+        self,
+        package: Any,
+        reader: Any,
+        sources: dict[str, Any],
+        shapes: dict[str, tuple[int, ...]],
+        config: CausalLMConfig,
+        dtype_name: str,
+        source: str,
+    ) -> None:
+        self._package = package
+        self._reader = reader  # keeps the memory map open
+        self._sources = sources
+        self._shapes = shapes
+        self._config = config
+        self._target = np.dtype(ml_dtypes.bfloat16 if dtype_name == "bfloat16" else np.float32)
+        self._source = source
+
+    def __getitem__(self, hf_name: str) -> np.ndarray:
+        t = self._sources[hf_name]
+        x = _dequantize(self._package, t, t.data, self._source).reshape(self._shapes[hf_name])
+        if self._config.model_type == "llama":
+            if ".self_attn.q_proj." in hf_name:
+                x = _unpermute_rotary(x, self._config.num_heads, t.name)
+            elif ".self_attn.k_proj." in hf_name:
+                x = _unpermute_rotary(x, self._config.num_kv_heads, t.name)
+        return x.astype(self._target, copy=False)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} GGUF tensors of {self._source}, dequantized on access>"
+
+
 def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> GGUFCheckpoint:
     """Reads a GGUF file (Llama, Qwen2, Qwen3) into a config, dequantized tensors and a tokenizer.
 
@@ -462,7 +523,8 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> 
     quantizations the installed `gguf` package implements: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, ...),
     renamed to its Hugging Face name, put back in Hugging Face layout (Llama q/k rows
     un-interleaved, see the module docstring) and cast to `dtype`. A file without `output.weight`
-    has tied embeddings.
+    has tied embeddings. Everything is validated here (names, types, shapes of the metadata);
+    the tensors themselves are dequantized when `GGUFCheckpoint.tensors` is read, one at a time.
 
     Args:
         path: The `.gguf` file.
@@ -533,30 +595,9 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> 
     if missing:
         msg = f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing: {missing[:8]})"
         raise ValueError(msg)
-    target = np.dtype(ml_dtypes.bfloat16) if dt.name == "bfloat16" else np.dtype(np.float32)
-    tensors: dict[str, np.ndarray] = {}
-    for hf_name, t in sources.items():
-        try:
-            x = package.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as err:
-            msg = (
-                f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which the installed "
-                f"gguf package cannot dequantize ({err})"
-            )
-            raise ValueError(msg) from err
-        x = np.asarray(x).reshape(shapes[hf_name])
-        if not np.issubdtype(x.dtype, np.floating):
-            msg = (
-                f"{source}: tensor {t.name!r} has type {t.tensor_type.name}; weights must be "
-                "floating point or quantized"
-            )
-            raise ValueError(msg)
-        if config.model_type == "llama":
-            if ".self_attn.q_proj." in hf_name:
-                x = _unpermute_rotary(x, config.num_heads, t.name)
-            elif ".self_attn.k_proj." in hf_name:
-                x = _unpermute_rotary(x, config.num_kv_heads, t.name)
-        tensors[hf_name] = x.astype(target, copy=False)
+    for t in sources.values():  # every type must dequantize: try each tensor's first row
+        _dequantize(package, t, t.data[:1], source)
+    tensors = _GGUFTensors(package, reader, sources, shapes, config, dt.name, source)
     tokenizer = gguf_tokenizer(scalars, arrays, source)
     return GGUFCheckpoint(config=config, tensors=tensors, tokenizer=tokenizer, metadata=scalars)
 

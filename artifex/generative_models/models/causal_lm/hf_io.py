@@ -527,7 +527,7 @@ def write_hf_checkpoint(
                 n: fname for fname, shard in zip(names, shards, strict=True) for n in shard
             }
             index = {
-                "metadata": {"total_size": int(sum(x.nbytes for x in tensors.values()))},
+                "metadata": {"total_size": int(sum(x.nbytes for s in shards for x in s.values()))},
                 "weight_map": dict(sorted(weight_map.items())),
             }
             tmp = temp_path(os.path.join(directory, _INDEX_NAME))

@@ -320,6 +320,16 @@ def test_convert_round_trip(tmp_path):
     assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
+def test_convert_sharded(tmp_path):
+    path = write_gguf(tmp_path / "q.gguf", "qwen3_tiny")
+    out = tmp_path / "hf"
+    convert_gguf(path, out, max_shard_size=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    checkpoint = read_gguf(path)
+    assert index["metadata"]["total_size"] == sum(x.nbytes for x in checkpoint.tensors.values())
+    assert_same_params(CausalLM.from_pretrained(out), load_gguf(path)[0])
+
+
 def test_from_pretrained_accepts_a_gguf_file(tmp_path):
     path = write_gguf(tmp_path / "q.gguf", "qwen3_tiny")
     assert is_gguf_file(path) and not is_gguf_file(FIXTURES / "qwen3_tiny")
