@@ -12,6 +12,9 @@
   with ``save_pretrained`` to ``--output``. For several hosts, run it once per host with
   ``--coordinator-address``, ``--num-processes``, ``--process-id`` (or ``--distributed`` for
   SLURM / Cloud TPU auto-detection) and the mesh sizes ``--mesh-fsdp``, ``--mesh-tensor``.
+- ``artifex-grpo convert FILE.gguf OUT_DIR [--dtype float32|bfloat16]``: a GGUF file (Llama,
+  Qwen2, Qwen3; quantized weights are dequantized) into a Hugging Face model directory that
+  ``train --model`` reads.
 """
 
 from __future__ import annotations
@@ -279,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_options(tr, GRPOConfig)
     _add_dataclass_options(tr, TrainConfig)
     _add_dataclass_options(tr, RolloutConfig)
+    _add_convert_parser(sub)
     for sub_parser in (demo, tr):
         sub_parser.add_argument(
             "--compilation-cache",
@@ -287,6 +291,31 @@ def build_parser() -> argparse.ArgumentParser:
             "$ARTIFEX_COMPILATION_CACHE or %(default)s)",
         )
     return parser
+
+
+def _add_convert_parser(sub: Any) -> None:
+    """The ``convert`` subcommand: a GGUF file into a Hugging Face model directory."""
+    conv = sub.add_parser(
+        "convert", help="convert a GGUF file (Llama / Qwen) into a Hugging Face model directory"
+    )
+    conv.add_argument("gguf_file", metavar="FILE.gguf", help="the GGUF file to read")
+    conv.add_argument("out_dir", metavar="OUT_DIR", help="the model directory to write")
+    conv.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the dequantized weights (default: %(default)s)",
+    )
+    conv.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+    conv.set_defaults(compilation_cache=None)  # nothing is compiled
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from artifex.generative_models.models.causal_lm import convert_gguf
+
+    out = convert_gguf(args.gguf_file, args.out_dir, dtype=args.dtype)
+    print(f"wrote the Hugging Face model directory {out} ({args.dtype})")
+    return 0
 
 
 # ------------------------------------------------------------------------------ multi-host
@@ -653,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
+        if args.command == "convert":
+            return _convert(args)
         return _train(args)
     except KeyboardInterrupt:
         if args.debug:

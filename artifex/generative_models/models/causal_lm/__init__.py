@@ -1,6 +1,7 @@
 """Decoder-only causal language models (Llama 3, Qwen2/2.5, Qwen3) in Flax NNX.
 
-Config, modules, KV cache, LoRA adapters, Hugging Face safetensors load/save and the tokenizer.
+Config, modules, KV cache, LoRA adapters, Hugging Face safetensors load/save, GGUF import and the
+tokenizer.
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ from artifex.generative_models.models.causal_lm.config import (
     RopeScaling,
 )
 
+# GGUF checkpoints
+from artifex.generative_models.models.causal_lm.gguf import (
+    GGUFCheckpoint,
+    convert_gguf,
+    read_gguf,
+)
+
 # Hugging Face checkpoints
 from artifex.generative_models.models.causal_lm.hf_io import (
-    from_pretrained,
     hf_tensor_map,
     param_path_str,
     save_pretrained,
@@ -38,6 +45,8 @@ from artifex.generative_models.models.causal_lm.lora import (
 )
 from artifex.generative_models.models.causal_lm.model import (
     CausalLM,
+    from_pretrained,
+    load_gguf,
     positions_from_mask,
     resolve_dtype,
 )
@@ -83,6 +92,11 @@ __all__ = [  # noqa: RUF022 - grouped by topic, sorted within each group
     "param_path_str",
     "save_pretrained",
     "to_hf_tensors",
+    # GGUF checkpoints
+    "GGUFCheckpoint",
+    "convert_gguf",
+    "load_gguf",
+    "read_gguf",
     # LoRA
     "BASE_FILTER",
     "LORA_FILTER",

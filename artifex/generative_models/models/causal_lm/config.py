@@ -11,7 +11,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMConfig", "RopeScaling"]
+import jax.numpy as jnp
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMConfig", "RopeScaling", "resolve_dtype"]
 
 #: model_type -> Hugging Face architecture class name.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
@@ -21,6 +23,34 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
 }
 
 _DTYPES = ("float32", "bfloat16")
+_DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype: Any) -> jnp.dtype:
+    """Turns "float32" / "bfloat16" / a NumPy or JAX dtype into a supported `jnp.dtype`.
+
+    Args:
+        dtype: The dtype or its name.
+
+    Returns:
+        `jnp.float32` or `jnp.bfloat16` as a `jnp.dtype`.
+
+    Raises:
+        ValueError: If the dtype is not float32 or bfloat16.
+
+    Example:
+        >>> resolve_dtype("bfloat16").name
+        'bfloat16'
+    """
+    try:
+        resolved = jnp.dtype(_DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+    except TypeError as err:
+        msg = f"dtype must be 'float32' or 'bfloat16', got {dtype!r}"
+        raise ValueError(msg) from err
+    if resolved not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        msg = f"dtype must be 'float32' or 'bfloat16', got {dtype!r}"
+        raise ValueError(msg)
+    return resolved
 
 
 def _require_positive_int(name: str, value: Any) -> None:

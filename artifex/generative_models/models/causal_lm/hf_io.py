@@ -1,9 +1,11 @@
-"""Hugging Face checkpoints in and out: config.json + safetensors <-> `CausalLM`.
+"""Hugging Face checkpoints in and out: config.json + safetensors <-> a model's parameters.
 
-`from_pretrained` builds the model abstractly (`nnx.eval_shape`, no random weights are drawn) and
-places each tensor of the checkpoint straight into its variable, optionally sharded over a mesh.
-`save_pretrained` writes the same file layout transformers writes (`model.safetensors`, or shards
-with `model.safetensors.index.json`), so either library reads the other's checkpoints.
+This module knows the checkpoint format, not the model class: `CausalLM.from_pretrained` (in
+`model.py`) builds the model abstractly (`nnx.eval_shape`, no random weights are drawn) and
+`load_hf_weights` / `place_tensors` put each tensor of the checkpoint straight into its variable,
+optionally sharded over a mesh. `save_pretrained` writes the same file layout transformers writes
+(`model.safetensors`, or shards with `model.safetensors.index.json`), so either library reads the
+other's checkpoints.
 
 Sharding hook: `rules(param_path, shape) -> PartitionSpec` receives the dotted parameter path
 (e.g. `"layers.0.attn.q_proj.kernel"`, see `model.py` for the table) and the parameter's shape in
@@ -17,7 +19,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -29,17 +31,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from artifex.generative_models.models.causal_lm.config import CausalLMConfig
-from artifex.generative_models.models.causal_lm.model import CausalLM, resolve_dtype
+from artifex.generative_models.models.causal_lm.config import CausalLMConfig, resolve_dtype
 from artifex.generative_models.utils.atomic import commit_file, remove_temp_files, temp_path
 
 __all__ = [
-    "from_pretrained",
     "hf_tensor_map",
+    "load_hf_weights",
     "param_path_str",
     "parse_size",
+    "place_tensors",
+    "read_hf_config",
     "save_pretrained",
     "to_hf_tensors",
+    "write_hf_checkpoint",
 ]
 
 PathParts = tuple[Any, ...]
@@ -110,7 +114,7 @@ def hf_tensor_map(config: CausalLMConfig) -> dict[str, tuple[PathParts, bool]]:
     return out
 
 
-def _variables(model: CausalLM) -> dict[PathParts, nnx.Variable]:
+def _variables(model: nnx.Module) -> dict[PathParts, nnx.Variable]:
     return {
         tuple(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)
     }
@@ -161,71 +165,85 @@ def _as_dtype(x: np.ndarray, dtype: jnp.dtype) -> np.ndarray:
     return x if x.dtype == target else x.astype(target)
 
 
-def from_pretrained(
-    path: str | os.PathLike[str],
-    dtype: str | jnp.dtype | None = None,
-    mesh: Mesh | None = None,
-    rules: Rules | None = None,
-) -> CausalLM:
-    """Loads a local Hugging Face checkpoint directory into a `CausalLM`.
-
-    Reads `config.json` (model_type llama, qwen2 or qwen3) and `model.safetensors` or the shards
-    listed in `model.safetensors.index.json`. Each tensor is read with `safetensors` (NumPy),
-    checked against the expected shape, cast to the parameter dtype, transposed for linear
-    weights, and placed into the abstract model: replicated / default device without `mesh`,
-    else `jax.device_put(x, NamedSharding(mesh, rules(path, shape)))`. Tied models need no
-    `lm_head.weight`; if present it must equal the embedding.
+def read_hf_config(path: str | os.PathLike[str]) -> CausalLMConfig:
+    """Reads the `config.json` of a Hugging Face checkpoint directory.
 
     Args:
         path: Checkpoint directory.
-        dtype: Parameter dtype ("float32" / "bfloat16"); None uses the checkpoint's
-            (`torch_dtype` bfloat16 -> bfloat16, anything else -> float32).
-        mesh: Optional `jax.sharding.Mesh` to place parameters on.
-        rules: Optional `rules(param_path, shape) -> PartitionSpec`, used with `mesh`
-            (default: replicated).
 
     Returns:
-        The loaded model.
+        The config (`CausalLMConfig.from_hf_config`).
 
     Raises:
-        FileNotFoundError: If config.json or the safetensors files are missing.
-        ValueError: Naming the tensor, for an unsupported model_type, a missing, unexpected or
-            misshapen tensor, or an untied `lm_head.weight` in a tied model.
-        TypeError: If `rules` is given without `mesh`.
+        FileNotFoundError: If there is no config.json in `path`.
+        ValueError: For an unsupported model_type or setting (see `CausalLMConfig.from_hf_config`).
+
+    Example:
+        >>> config = read_hf_config("tests/fixtures/qwen2_tiny")  # doctest: +SKIP
     """
     directory = os.fspath(path)
     config_path = os.path.join(directory, "config.json")
     if not os.path.exists(config_path):
         msg = f"no config.json in {directory!r}"
         raise FileNotFoundError(msg)
-    config = CausalLMConfig.from_hf_config(_read_json(config_path))
+    return CausalLMConfig.from_hf_config(_read_json(config_path))
+
+
+def place_tensors(
+    model: nnx.Module,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    *,
+    mesh: Mesh | None = None,
+    rules: Rules | None = None,
+    source: str = "the checkpoint",
+) -> None:
+    """Puts Hugging Face-named tensors into the variables of an abstract model, in place.
+
+    `model` is typically `nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))`, whose
+    variables hold shapes only. Every tensor of `hf_tensor_map(model.config)` must come exactly
+    once: it is checked against the expected shape, cast to the model's parameter dtype,
+    transposed for linear weights and placed (replicated / default device without `mesh`, else
+    `jax.device_put(x, NamedSharding(mesh, rules(path, shape)))`). A tied model may also receive
+    `lm_head.weight`, which must then equal the embedding.
+
+    Args:
+        model: The (abstract) model; it needs a `config` (a `CausalLMConfig`).
+        tensors: `(hf_name, array)` pairs, arrays in Hugging Face layout ((out, in) for linear
+            weights).
+        mesh: Optional `jax.sharding.Mesh` to place parameters on.
+        rules: Optional `rules(param_path, shape) -> PartitionSpec`, used with `mesh`.
+        source: Name of where the tensors come from, used in error messages.
+
+    Raises:
+        ValueError: Naming the tensor, for an unexpected, duplicated, missing or misshapen tensor,
+            or an `lm_head.weight` of a tied model that differs from the embedding.
+        TypeError: If `rules` is given without `mesh`.
+
+    Example:
+        >>> place_tensors(abstract_model, tensors.items(), source="model.gguf")  # doctest: +SKIP
+    """
     if rules is not None and mesh is None:
-        msg = "from_pretrained: rules were given without a mesh; pass mesh= as well"
+        msg = "rules were given without a mesh; pass mesh= as well"
         raise TypeError(msg)
-    dt = resolve_dtype(config.param_dtype if dtype is None else dtype)
-    config = config.replace(param_dtype=dt.name)
-
-    files = _weight_files(directory)
+    config: CausalLMConfig = model.config
+    dt = resolve_dtype(config.param_dtype)
     mapping = hf_tensor_map(config)
-    present = {name for names in files.values() for name in names}
-    extra = sorted(n for n in present - set(mapping) if not _IGNORED.match(n))
-    if config.tie_word_embeddings and "lm_head.weight" in extra:
-        extra.remove("lm_head.weight")
-    if extra:
-        msg = f"unexpected tensor {extra[0]!r} in {directory!r} ({len(extra)} unexpected: {extra})"
-        raise ValueError(msg)
-    missing = sorted(set(mapping) - present)
-    if missing:
-        msg = (
-            f"missing tensor {missing[0]!r} in {directory!r} "
-            f"({len(missing)} missing: {missing[:8]})"
-        )
-        raise ValueError(msg)
-
-    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
     variables = _variables(model)
-
-    def place(name: str, x: np.ndarray) -> None:
+    seen: set[str] = set()
+    tied_head: np.ndarray | None = None
+    for name, x in tensors:
+        if name in seen:
+            msg = f"tensor {name!r} appears twice in {source}"
+            raise ValueError(msg)
+        seen.add(name)
+        if name not in mapping:
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                tied_head = x
+                continue
+            if _IGNORED.match(name):
+                continue
+            msg = f"unexpected tensor {name!r} in {source}"
+            raise ValueError(msg)
         target_path, transpose = mapping[name]
         var = variables[target_path]
         shape = tuple(var.get_value().shape)
@@ -242,16 +260,10 @@ def from_pretrained(
             spec = PartitionSpec() if rules is None else rules(param_path_str(target_path), shape)
             arr = jax.device_put(x, NamedSharding(mesh, spec))
         var.set_value(arr)
-
-    tied_head: np.ndarray | None = None
-    for fname, names in files.items():
-        with safe_open(fname, framework="numpy") as f:
-            for name in names:
-                if name in mapping:
-                    place(name, f.get_tensor(name))
-                elif name == "lm_head.weight":
-                    tied_head = f.get_tensor(name)
-
+    missing = sorted(set(mapping) - seen)
+    if missing:
+        msg = f"missing tensor {missing[0]!r} in {source} ({len(missing)} missing: {missing[:8]})"
+        raise ValueError(msg)
     if tied_head is not None:
         embedding = np.asarray(jax.device_get(model.embed.embedding[...]))
         if tied_head.shape != embedding.shape or not np.array_equal(
@@ -264,12 +276,70 @@ def from_pretrained(
             raise ValueError(msg)
     for var_path, var in variables.items():
         if isinstance(var.get_value(), jax.ShapeDtypeStruct):
-            msg = f"parameter {param_path_str(var_path)!r} was not loaded from {directory!r}"
+            msg = f"parameter {param_path_str(var_path)!r} was not loaded from {source}"
             raise ValueError(msg)
-    return model
 
 
-def _lora_paths(model: CausalLM) -> Iterator[str]:
+def load_hf_weights(
+    model: nnx.Module,
+    path: str | os.PathLike[str],
+    *,
+    mesh: Mesh | None = None,
+    rules: Rules | None = None,
+) -> None:
+    """Loads the safetensors weights of a checkpoint directory into an abstract model, in place.
+
+    Reads `model.safetensors` or the shards listed in `model.safetensors.index.json` with
+    `safetensors` (NumPy) one tensor at a time and hands them to `place_tensors`. The set of
+    tensor names is checked against `hf_tensor_map(model.config)` before any is read.
+
+    Args:
+        model: The abstract model (see `place_tensors`).
+        path: Checkpoint directory.
+        mesh: Optional `jax.sharding.Mesh` to place parameters on.
+        rules: Optional `rules(param_path, shape) -> PartitionSpec`, used with `mesh`.
+
+    Raises:
+        FileNotFoundError: If the safetensors files are missing.
+        ValueError: Naming the tensor, for a missing, unexpected or misshapen tensor.
+        TypeError: If `rules` is given without `mesh`.
+
+    Example:
+        >>> load_hf_weights(abstract_model, "checkpoint_dir")  # doctest: +SKIP
+    """
+    directory = os.fspath(path)
+    if rules is not None and mesh is None:
+        msg = "from_pretrained: rules were given without a mesh; pass mesh= as well"
+        raise TypeError(msg)
+    files = _weight_files(directory)
+    config: CausalLMConfig = model.config
+    mapping = hf_tensor_map(config)
+    present = {name for names in files.values() for name in names}
+    extra = sorted(n for n in present - set(mapping) if not _IGNORED.match(n))
+    if config.tie_word_embeddings and "lm_head.weight" in extra:
+        extra.remove("lm_head.weight")
+    if extra:
+        msg = f"unexpected tensor {extra[0]!r} in {directory!r} ({len(extra)} unexpected: {extra})"
+        raise ValueError(msg)
+    missing = sorted(set(mapping) - present)
+    if missing:
+        msg = (
+            f"missing tensor {missing[0]!r} in {directory!r} "
+            f"({len(missing)} missing: {missing[:8]})"
+        )
+        raise ValueError(msg)
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        for fname, names in files.items():
+            with safe_open(fname, framework="numpy") as f:
+                for name in names:
+                    if not _IGNORED.match(name):
+                        yield name, f.get_tensor(name)
+
+    place_tensors(model, tensors(), mesh=mesh, rules=rules, source=repr(directory))
+
+
+def _lora_paths(model: nnx.Module) -> Iterator[str]:
     for path, var in _variables(model).items():
         if isinstance(var, nnx.LoRAParam):
             yield param_path_str(path)
@@ -288,7 +358,7 @@ def _gathered(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def to_hf_tensors(model: CausalLM) -> dict[str, np.ndarray]:
+def to_hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     """Returns the model's parameters as host NumPy arrays under Hugging Face names and layouts.
 
     Args:
@@ -359,7 +429,7 @@ def _save_file(tensors: dict[str, np.ndarray], tmp: str, final: str) -> None:
 
 
 def save_pretrained(
-    model: CausalLM, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None
+    model: nnx.Module, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None
 ) -> None:
     """Writes `model` as a Hugging Face checkpoint directory.
 
@@ -385,10 +455,45 @@ def save_pretrained(
         ValueError: If the model has LoRA adapters or `max_shard_size` is invalid.
         OSError: If writing fails (the previous export, if any, is left loadable).
     """
-    directory = os.fspath(path)
     tensors = to_hf_tensors(model)  # every process: parameters gathered across hosts
     if jax.process_index() != 0:
         return  # multi-host: process 0 writes the files, the others only took part in the gather
+    write_hf_checkpoint(tensors, model.config, path, max_shard_size=max_shard_size)
+
+
+def write_hf_checkpoint(
+    tensors: Mapping[str, np.ndarray],
+    config: CausalLMConfig,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str | None = None,
+) -> None:
+    """Writes Hugging Face-named tensors and `config.json` as a checkpoint directory.
+
+    The file layout and the atomicity are those of `save_pretrained` (which calls this after
+    gathering the model's parameters); use it directly for tensors that come from elsewhere (a
+    converted GGUF file).
+
+    Args:
+        tensors: `{hf_name: array}` in Hugging Face layout, exactly the names of
+            `hf_tensor_map(config)`.
+        config: The architecture, written as `config.json`.
+        path: Output directory, created if needed.
+        max_shard_size: Optional largest shard, bytes or a string like "2GB"; None writes one file.
+
+    Raises:
+        ValueError: If a tensor is missing or unexpected, or `max_shard_size` is invalid.
+        OSError: If writing fails (the previous export, if any, is left loadable).
+
+    Example:
+        >>> write_hf_checkpoint(to_hf_tensors(model), model.config, "out")  # doctest: +SKIP
+    """
+    expected = set(hf_tensor_map(config))
+    if set(tensors) != expected:
+        wrong = sorted(set(tensors) ^ expected)
+        msg = f"tensors: expected exactly the names of hf_tensor_map(config); mismatch: {wrong[:8]}"
+        raise ValueError(msg)
+    directory = os.fspath(path)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     os.makedirs(directory, exist_ok=True)
     remove_temp_files(directory)  # left by an earlier save that was killed
@@ -422,7 +527,7 @@ def save_pretrained(
                 n: fname for fname, shard in zip(names, shards, strict=True) for n in shard
             }
             index = {
-                "metadata": {"total_size": int(sum(x.nbytes for x in tensors.values()))},
+                "metadata": {"total_size": int(sum(x.nbytes for s in shards for x in s.values()))},
                 "weight_map": dict(sorted(weight_map.items())),
             }
             tmp = temp_path(os.path.join(directory, _INDEX_NAME))
@@ -434,7 +539,7 @@ def save_pretrained(
         tmp = temp_path(os.path.join(directory, "config.json"))
         written.append((tmp, "config.json"))
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(model.config.to_hf_config(), f, indent=2, sort_keys=True)
+            json.dump(config.to_hf_config(), f, indent=2, sort_keys=True)
             f.write("\n")
     except BaseException:
         for tmp, _ in written:

@@ -24,49 +24,35 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 from artifex.generative_models.models.causal_lm.cache import KVCache
-from artifex.generative_models.models.causal_lm.config import CausalLMConfig, RopeScaling
+from artifex.generative_models.models.causal_lm.config import (
+    CausalLMConfig,
+    RopeScaling,
+    resolve_dtype,
+)
+from artifex.generative_models.models.causal_lm.gguf import GGUFCheckpoint, is_gguf_file, read_gguf
+from artifex.generative_models.models.causal_lm.hf_io import (
+    load_hf_weights,
+    place_tensors,
+    read_hf_config,
+)
+from artifex.generative_models.models.causal_lm.hf_io import save_pretrained as _save_pretrained
 from artifex.generative_models.models.causal_lm.modules import DecoderLayer, Embed, Linear, RMSNorm
 from artifex.generative_models.models.causal_lm.rope import rope_cos_sin, rope_inv_frequencies
+from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
+__all__ = ["CausalLM", "from_pretrained", "load_gguf", "positions_from_mask", "resolve_dtype"]
 
-    from jax.sharding import Mesh, PartitionSpec
-
-__all__ = ["CausalLM", "positions_from_mask", "resolve_dtype"]
-
-_DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def resolve_dtype(dtype: Any) -> jnp.dtype:
-    """Turns "float32" / "bfloat16" / a NumPy or JAX dtype into a supported `jnp.dtype`.
-
-    Args:
-        dtype: The dtype or its name.
-
-    Returns:
-        `jnp.float32` or `jnp.bfloat16` as a `jnp.dtype`.
-
-    Raises:
-        ValueError: If the dtype is not float32 or bfloat16.
-    """
-    try:
-        resolved = jnp.dtype(_DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
-    except TypeError as err:
-        msg = f"dtype must be 'float32' or 'bfloat16', got {dtype!r}"
-        raise ValueError(msg) from err
-    if resolved not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        msg = f"dtype must be 'float32' or 'bfloat16', got {dtype!r}"
-        raise ValueError(msg)
-    return resolved
+Rules = Callable[[str, tuple[int, ...]], PartitionSpec]
 
 
 def positions_from_mask(attention_mask: jax.Array, offset: jax.Array | int = 0) -> jax.Array:
@@ -290,7 +276,7 @@ class CausalLM(nnx.Module):
             dtype=self.dtype if dtype is None else jnp.dtype(dtype),
         )
 
-    # ------------------------------------------------------------------ Hugging Face I/O
+    # ------------------------------------------------------------------ checkpoints
 
     @classmethod
     def from_pretrained(
@@ -298,22 +284,72 @@ class CausalLM(nnx.Module):
         path: str | os.PathLike[str],
         dtype: str | jnp.dtype | None = None,
         mesh: Mesh | None = None,
-        rules: Callable[[str, tuple[int, ...]], PartitionSpec] | None = None,
+        rules: Rules | None = None,
     ) -> CausalLM:
-        """Loads a Hugging Face checkpoint directory; see `hf_io.from_pretrained`.
+        """Loads a Hugging Face checkpoint directory or a GGUF file.
+
+        A directory holds `config.json` (model_type llama, qwen2 or qwen3) and
+        `model.safetensors` or the shards listed in `model.safetensors.index.json`; a `.gguf`
+        file is read with `read_gguf` (dequantized). The model is built abstractly
+        (`nnx.eval_shape`, no random weights are drawn) and each tensor, checked against the
+        expected shape, cast to the parameter dtype and transposed for linear weights, is placed
+        into its variable: on the default device without `mesh`, else with
+        `jax.device_put(x, NamedSharding(mesh, rules(path, shape)))`. Tied models need no
+        `lm_head.weight`; if present it must equal the embedding.
 
         Args:
-            path: Directory with config.json and model.safetensors (or a sharded index).
-            dtype: Parameter dtype; None keeps the checkpoint's (bfloat16 or float32).
-            mesh: Optional mesh to place each parameter on.
-            rules: Optional `rules(param_path, shape) -> PartitionSpec` (with `mesh`).
+            path: Checkpoint directory or `.gguf` file.
+            dtype: Parameter dtype ("float32" / "bfloat16"); None uses the checkpoint's
+                (`torch_dtype` bfloat16 -> bfloat16, anything else, GGUF included, -> float32).
+            mesh: Optional `jax.sharding.Mesh` to place parameters on.
+            rules: Optional `rules(param_path, shape) -> PartitionSpec`, used with `mesh`
+                (default: replicated).
 
         Returns:
-            The model.
-        """
-        from artifex.generative_models.models.causal_lm.hf_io import from_pretrained
+            The loaded model.
 
-        return from_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
+        Raises:
+            FileNotFoundError: If config.json, the safetensors files or the GGUF file are missing.
+            ValueError: Naming the tensor, for an unsupported model_type, a missing, unexpected
+                or misshapen tensor, or an untied `lm_head.weight` in a tied model; for GGUF,
+                naming the unsupported architecture or tensor type.
+            TypeError: If `rules` is given without `mesh`.
+
+        Example:
+            >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # doctest: +SKIP
+        """
+        source = os.fspath(path)
+        if not os.path.isdir(source) and (source.lower().endswith(".gguf") or is_gguf_file(source)):
+            if rules is not None and mesh is None:
+                msg = "from_pretrained: rules were given without a mesh; pass mesh= as well"
+                raise TypeError(msg)
+            checkpoint = read_gguf(source, dtype="float32" if dtype is None else dtype)
+            return cls._from_gguf_checkpoint(checkpoint, source, mesh=mesh, rules=rules)
+        config = read_hf_config(source)
+        if rules is not None and mesh is None:
+            msg = "from_pretrained: rules were given without a mesh; pass mesh= as well"
+            raise TypeError(msg)
+        dt = resolve_dtype(config.param_dtype if dtype is None else dtype)
+        config = config.replace(param_dtype=dt.name)
+        model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+        load_hf_weights(model, source, mesh=mesh, rules=rules)
+        return model
+
+    @classmethod
+    def _from_gguf_checkpoint(
+        cls,
+        checkpoint: GGUFCheckpoint,
+        source: str,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules | None = None,
+    ) -> CausalLM:
+        config = checkpoint.config
+        model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+        place_tensors(
+            model, checkpoint.tensors.items(), mesh=mesh, rules=rules, source=repr(source)
+        )
+        return model
 
     def save_pretrained(
         self, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None
@@ -323,7 +359,75 @@ class CausalLM(nnx.Module):
         Args:
             path: Output directory (created if needed).
             max_shard_size: Optional shard size limit in bytes (or "5GB"-style string).
-        """
-        from artifex.generative_models.models.causal_lm.hf_io import save_pretrained
 
-        save_pretrained(self, path, max_shard_size=max_shard_size)
+        Example:
+            >>> model.save_pretrained("out")  # doctest: +SKIP
+        """
+        _save_pretrained(self, path, max_shard_size=max_shard_size)
+
+
+def from_pretrained(
+    path: str | os.PathLike[str],
+    dtype: str | jnp.dtype | None = None,
+    mesh: Mesh | None = None,
+    rules: Rules | None = None,
+) -> CausalLM:
+    """Loads a Hugging Face checkpoint directory or a GGUF file; see `CausalLM.from_pretrained`.
+
+    Args:
+        path: Checkpoint directory or `.gguf` file.
+        dtype: Parameter dtype ("float32" / "bfloat16"); None keeps the checkpoint's.
+        mesh: Optional `jax.sharding.Mesh` to place parameters on.
+        rules: Optional `rules(param_path, shape) -> PartitionSpec`, used with `mesh`.
+
+    Returns:
+        The loaded model.
+
+    Raises:
+        FileNotFoundError: If the checkpoint files are missing.
+        ValueError: Naming the tensor or setting that cannot be loaded.
+        TypeError: If `rules` is given without `mesh`.
+
+    Example:
+        >>> model = from_pretrained("tests/fixtures/qwen2_tiny", dtype="float32")  # doctest: +SKIP
+    """
+    return CausalLM.from_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
+
+
+def load_gguf(
+    path: str | os.PathLike[str],
+    *,
+    dtype: str | jnp.dtype = "float32",
+    mesh: Mesh | None = None,
+    rules: Rules | None = None,
+) -> tuple[CausalLM, Tokenizer]:
+    """Loads the model and the tokenizer of a GGUF file (Llama, Qwen2, Qwen3).
+
+    The file is read once (`read_gguf`): tensors dequantized to `dtype`, Llama's q/k rows put
+    back in Hugging Face order, the tokenizer and chat template built from the metadata.
+
+    Args:
+        path: The `.gguf` file.
+        dtype: Parameter dtype, "float32" (default) or "bfloat16".
+        mesh: Optional `jax.sharding.Mesh` to place parameters on.
+        rules: Optional `rules(param_path, shape) -> PartitionSpec`, used with `mesh`.
+
+    Returns:
+        `(model, tokenizer)`.
+
+    Raises:
+        FileNotFoundError: If `path` does not exist.
+        ImportError: If the `gguf` package is not installed.
+        ValueError: Naming the unsupported architecture, tensor type or tokenizer.
+        TypeError: If `rules` is given without `mesh`.
+
+    Example:
+        >>> model, tokenizer = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
+    """
+    if rules is not None and mesh is None:
+        msg = "load_gguf: rules were given without a mesh; pass mesh= as well"
+        raise TypeError(msg)
+    source = os.fspath(path)
+    checkpoint = read_gguf(source, dtype=dtype)
+    model = CausalLM._from_gguf_checkpoint(checkpoint, source, mesh=mesh, rules=rules)
+    return model, checkpoint.tokenizer

@@ -1,0 +1,653 @@
+"""GGUF checkpoints in: llama.cpp's single-file format -> config, tensors and tokenizer.
+
+A GGUF file holds the architecture as metadata (`llama.block_count`, ...), the weights under
+llama.cpp's tensor names (`blk.0.attn_q.weight`, ...), often quantized (Q4_1, Q8_0, ...), and the
+tokenizer (vocabulary, merges, special token ids, chat template) as metadata too. `read_gguf`
+turns it into what the rest of the package already speaks: a `CausalLMConfig`, tensors under
+Hugging Face names and layouts, dequantized to float32 or bfloat16 with `gguf.quants.dequantize`,
+and a `Tokenizer`. `convert_gguf` writes them as a Hugging Face directory that
+`CausalLM.from_pretrained` and transformers read; `CausalLM.from_pretrained` and `load_gguf` (in
+`model.py`) also accept the `.gguf` file itself.
+
+Two conversions undo what llama.cpp's converter did to Llama checkpoints:
+
+- Llama's q and k projections are stored with the rows of each head interleaved for llama.cpp's
+  "normal" rotary layout: row `2j + c` of a head in the file is row `c * H/2 + j` of the Hugging
+  Face weight (`c` in {0, 1}, `j < H/2`). `read_gguf` puts them back (per query head for q, per
+  key/value head for k). Qwen2 and Qwen3 use the rotate-half layout in both and are not permuted.
+- Llama 3.1 / 3.2 RoPE scaling is stored as a `rope_freqs.weight` tensor of per-frequency divisors;
+  it is matched against the scalings those releases use.
+
+Reading needs the `gguf` package (`pip install "artifex-grpo[gguf]"`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizer
+
+from artifex.generative_models.models.causal_lm.config import (
+    CausalLMConfig,
+    RopeScaling,
+    resolve_dtype,
+)
+from artifex.generative_models.models.causal_lm.hf_io import hf_tensor_map, write_hf_checkpoint
+from artifex.generative_models.models.causal_lm.rope import rope_inv_frequencies
+from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
+from artifex.generative_models.utils.atomic import atomic_write_json
+
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "GGUFCheckpoint",
+    "convert_gguf",
+    "gguf_tokenizer",
+    "is_gguf_file",
+    "read_gguf",
+]
+
+#: GGUF `general.architecture` -> `CausalLMConfig.model_type`.
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_MAGIC = b"GGUF"
+_TOKEN_CONTROL = 3  # llama.cpp token types: 3 control (special), 4 user-defined (added)
+_TOKEN_USER_DEFINED = 4
+
+#: llama.cpp block tensor suffix -> Hugging Face name inside `model.layers.{i}.`.
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_ROPE_FREQS = "rope_freqs.weight"
+
+# Pre-tokenizer split patterns of the byte-level BPE vocabularies (llama.cpp's
+# `tokenizer.ggml.pre`): Llama 3 groups up to three digits, Qwen2 splits every digit.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
+_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+#: Pre-tokenizers that are GPT-2's byte-level split, optionally after isolating each digit.
+_GPT2_LIKE = {"default": False, "gpt2": False, "gpt-2": False, "smollm": True}
+
+#: Llama 3.1 / 3.2 RoPE scalings, matched against a file's `rope_freqs.weight`.
+_LLAMA3_SCALINGS = (
+    RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    ),
+    RopeScaling(
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+)
+
+
+def _gguf_package() -> Any:
+    """The `gguf` package, or an ImportError that says how to install it."""
+    try:
+        import gguf as package
+    except ImportError as err:
+        msg = (
+            "reading GGUF files needs the gguf package: pip install 'artifex-grpo[gguf]' "
+            "(or pip install gguf)"
+        )
+        raise ImportError(msg) from err
+    return package
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GGUFCheckpoint:
+    """What a GGUF file holds, in this package's terms.
+
+    Args:
+        config: The architecture, `param_dtype` set to the dtype the tensors were read in.
+        tensors: `{hf_name: array}` under Hugging Face names and layouts ((out, in) for linear
+            weights), exactly the names of `hf_tensor_map(config)`. The mapping is lazy: each
+            access dequantizes the tensor from the memory-mapped file (so loading a model holds
+            one dequantized tensor at a time on the host).
+        tokenizer: The tokenizer built from the file's metadata.
+        metadata: The file's scalar and string metadata (`general.name`, `general.file_type`...);
+            arrays (the vocabulary) are left out.
+    """
+
+    config: CausalLMConfig
+    tensors: Mapping[str, np.ndarray]
+    tokenizer: Tokenizer
+    metadata: dict[str, Any]
+
+
+def is_gguf_file(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is an existing file that starts with the GGUF magic bytes.
+
+    Args:
+        path: Any path.
+
+    Returns:
+        True for a GGUF file, False otherwise (directories, missing files, other files).
+
+    Example:
+        >>> is_gguf_file("tests/fixtures/qwen2_tiny")
+        False
+    """
+    p = os.fspath(path)
+    if not os.path.isfile(p):
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == _MAGIC
+
+
+def _metadata(reader: Any) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """`(scalars, arrays)`: the file's metadata fields by key."""
+    package = _gguf_package()
+    scalars: dict[str, Any] = {}
+    arrays: dict[str, list[Any]] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if field.types and field.types[0] == package.GGUFValueType.ARRAY:
+            arrays[key] = list(value)
+        else:
+            scalars[key] = value
+    return scalars, arrays
+
+
+def _unpermute_rotary(w: np.ndarray, num_heads: int, name: str) -> np.ndarray:
+    """Undoes llama.cpp's per-head row interleaving of a Llama q/k weight or bias."""
+    rows = w.shape[0]
+    if rows % (2 * num_heads):
+        msg = f"tensor {name!r}: {rows} rows cannot be split into {num_heads} rotary heads"
+        raise ValueError(msg)
+    half = rows // num_heads // 2
+    x = w.reshape(num_heads, half, 2, *w.shape[1:])
+    return np.ascontiguousarray(x.swapaxes(1, 2).reshape(w.shape))
+
+
+def _match_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, path: str) -> RopeScaling:
+    """The Llama 3.x scaling whose frequency divisors are `factors` (`rope_freqs.weight`)."""
+    base = rope_inv_frequencies(head_dim, theta, None)
+    factors = np.asarray(factors, np.float64).reshape(-1)
+    if factors.shape == base.shape:
+        for scaling in _LLAMA3_SCALINGS:
+            scaled = rope_inv_frequencies(head_dim, theta, scaling)
+            if np.allclose(base / scaled, factors, rtol=1e-3, atol=1e-4):
+                return scaling
+    msg = (
+        f"{path}: tensor {_ROPE_FREQS!r} holds RoPE frequency factors that match no supported "
+        "scaling (Llama 3.1 / 3.2 'llama3' rope scaling); convert the original checkpoint instead"
+    )
+    raise ValueError(msg)
+
+
+def _get(scalars: Mapping[str, Any], key: str, path: str, default: Any = None) -> Any:
+    if key in scalars:
+        return scalars[key]
+    if default is None:
+        msg = f"{path}: missing GGUF metadata key {key!r}"
+        raise ValueError(msg)
+    return default
+
+
+def _config(
+    scalars: Mapping[str, Any],
+    arrays: Mapping[str, list[Any]],
+    shapes: Mapping[str, tuple[int, ...]],
+    rope_factors: np.ndarray | None,
+    dtype_name: str,
+    path: str,
+) -> CausalLMConfig:
+    arch = scalars["general.architecture"]
+    hidden = int(_get(scalars, f"{arch}.embedding_length", path))
+    num_heads = int(_get(scalars, f"{arch}.attention.head_count", path))
+    kv_key = f"{arch}.attention.head_count_kv"
+    kv = arrays.get(kv_key, scalars.get(kv_key))
+    if isinstance(kv, list):  # per-layer counts: only uniform ones are supported
+        if len(set(kv)) != 1:
+            msg = f"{path}: {arch}.attention.head_count_kv differs between layers ({kv[:8]})"
+            raise ValueError(msg)
+        kv = kv[0]
+    num_kv = num_heads if kv is None else int(kv)
+    head_dim = int(scalars.get(f"{arch}.attention.key_length", hidden // num_heads))
+    value_dim = int(scalars.get(f"{arch}.attention.value_length", head_dim))
+    if value_dim != head_dim:
+        msg = (
+            f"{path}: {arch}.attention.value_length={value_dim} differs from key_length="
+            f"{head_dim}; only equal key and value widths are supported"
+        )
+        raise ValueError(msg)
+    rotary = int(scalars.get(f"{arch}.rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        msg = (
+            f"{path}: {arch}.rope.dimension_count={rotary} is not the head width {head_dim}; "
+            "partial rotary embeddings are not supported"
+        )
+        raise ValueError(msg)
+    scaling_type = scalars.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", ""):
+        msg = (
+            f"{path}: {arch}.rope.scaling.type={scaling_type!r} is not supported (only Llama 3.x "
+            "scaling, stored as rope_freqs.weight)"
+        )
+        raise ValueError(msg)
+    if f"{arch}.expert_count" in scalars:
+        msg = f"{path}: mixture-of-experts models ({arch}.expert_count) are not supported"
+        raise ValueError(msg)
+    theta = float(scalars.get(f"{arch}.rope.freq_base", 10_000.0))
+    rope_scaling = (
+        None if rope_factors is None else _match_rope_scaling(rope_factors, head_dim, theta, path)
+    )
+    vocab_size = shapes["model.embed_tokens.weight"][0]
+    eos = scalars.get("tokenizer.ggml.eos_token_id")
+    return CausalLMConfig(
+        model_type=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(_get(scalars, f"{arch}.feed_forward_length", path)),
+        num_layers=int(_get(scalars, f"{arch}.block_count", path)),
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(_get(scalars, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+        tie_word_embeddings="lm_head.weight" not in shapes,
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in shapes,
+        qk_norm=arch == "qwen3",
+        max_position_embeddings=int(scalars.get(f"{arch}.context_length", 2048)),
+        bos_token_id=_opt_int(scalars.get("tokenizer.ggml.bos_token_id")),
+        eos_token_id=_opt_int(eos),
+        pad_token_id=_opt_int(scalars.get("tokenizer.ggml.padding_token_id")),
+        param_dtype=dtype_name,
+    )
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _hf_name(name: str, path: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
+    msg = f"{path}: unsupported tensor {name!r} (not part of a Llama / Qwen2 / Qwen3 model)"
+    raise ValueError(msg)
+
+
+def _gguf_name(hf_name: str) -> str:
+    """The llama.cpp name of a Hugging Face tensor name (the inverse of `_hf_name`)."""
+    for gguf_name, name in _GLOBAL_NAMES.items():
+        if name == hf_name:
+            return gguf_name
+    _, _, layer, rest = hf_name.split(".", 3)
+    suffix = next(k for k, v in _BLOCK_NAMES.items() if v == rest)
+    return f"blk.{layer}.{suffix}"
+
+
+def _pre_tokenizer(pre: str | None, path: str) -> Any:
+    name = "default" if pre is None else pre
+    if name in _GPT2_LIKE:
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if not _GPT2_LIKE[name]:
+            return byte_level
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if name in _SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[name]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    supported = sorted({*_GPT2_LIKE, *_SPLITS})
+    msg = (
+        f"{path}: unsupported GGUF pre-tokenizer {name!r} (tokenizer.ggml.pre); "
+        f"supported: {supported}"
+    )
+    raise ValueError(msg)
+
+
+def gguf_tokenizer(
+    scalars: Mapping[str, Any], arrays: Mapping[str, list[Any]], path: str = "GGUF file"
+) -> Tokenizer:
+    """Builds the byte-level BPE tokenizer that a GGUF file's metadata describes.
+
+    The vocabulary (`tokenizer.ggml.tokens`) and merges (`tokenizer.ggml.merges`) make a
+    `tokenizers` BPE model; the pre-tokenizer follows `tokenizer.ggml.pre` (GPT-2's split,
+    SmolLM's digit-by-digit variant, Llama 3's or Qwen2's pattern; Llama 3 also takes a piece
+    that is a whole vocabulary entry as one token); control tokens become special
+    added tokens and user-defined ones plain added tokens; `tokenizer.ggml.add_bos_token` makes
+    `encode` prepend the bos token. The chat template is `tokenizer.chat_template`; eot/eom ids
+    end generations too.
+
+    Args:
+        scalars: The file's scalar metadata.
+        arrays: The file's array metadata.
+        path: Name of the file, for error messages.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        ValueError: For a tokenizer other than byte-level BPE (`tokenizer.ggml.model` "gpt2"), an
+            unsupported pre-tokenizer, or missing or inconsistent vocabulary metadata.
+
+    Example:
+        >>> tokenizer = gguf_tokenizer(scalars, arrays, "model.gguf")  # doctest: +SKIP
+    """
+    kind = scalars.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        msg = (
+            f"{path}: unsupported GGUF tokenizer model {kind!r} (tokenizer.ggml.model); only "
+            "byte-level BPE ('gpt2', as in Llama 3, Qwen2, Qwen3, SmolLM2) is supported"
+        )
+        raise ValueError(msg)
+    tokens = arrays.get("tokenizer.ggml.tokens")
+    merges = arrays.get("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        msg = f"{path}: missing tokenizer.ggml.tokens or tokenizer.ggml.merges metadata"
+        raise ValueError(msg)
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        msg = f"{path}: tokenizer.ggml.tokens has duplicate entries"
+        raise ValueError(msg)
+    pairs = []
+    for merge in merges:
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            msg = f"{path}: tokenizer.ggml.merges entry {merge!r} is not two tokens"
+            raise ValueError(msg)
+        pairs.append((parts[0], parts[1]))
+    pre = scalars.get("tokenizer.ggml.pre")
+    # Llama 3 takes a piece that is a whole vocabulary entry as one token, merges or not.
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE)
+    backend = _HFTokenizer(bpe)
+    backend.pre_tokenizer = _pre_tokenizer(pre, path)
+    backend.decoder = decoders.ByteLevel()
+    types = arrays.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        msg = f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+        raise ValueError(msg)
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, types, strict=True)
+        if k == _TOKEN_CONTROL
+    ]
+    added = [
+        AddedToken(t, special=False, normalized=False)
+        for t, k in zip(tokens, types, strict=True)
+        if k == _TOKEN_USER_DEFINED
+    ]
+    backend.add_special_tokens(special)
+    backend.add_tokens(added)
+
+    def token(key: str) -> str | None:
+        index = scalars.get(f"tokenizer.ggml.{key}")
+        if index is None:
+            return None
+        if not 0 <= int(index) < len(tokens):
+            msg = f"{path}: tokenizer.ggml.{key}={index} is outside the vocabulary"
+            raise ValueError(msg)
+        return tokens[int(index)]
+
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    add_bos = bool(scalars.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(scalars.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        head = [f"{bos}"] if add_bos else []
+        tail = [f"{eos}"] if add_eos else []
+        single = [*head, "$A", *tail]
+        pair = [*single, *(f"{t}:1" for t in head), "$B:1", *(f"{t}:1" for t in tail)]
+        specials = {t: vocab[t] for t in (*head, *tail)}
+        backend.post_processor = processors.TemplateProcessing(
+            single=" ".join(single), pair=" ".join(pair), special_tokens=list(specials.items())
+        )
+    else:
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    extra = [
+        int(scalars[f"tokenizer.ggml.{k}"])
+        for k in ("eot_token_id", "eom_token_id")
+        if f"tokenizer.ggml.{k}" in scalars
+    ]
+    return Tokenizer(
+        backend,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=token("padding_token_id"),
+        unk_token=token("unknown_token_id"),
+        chat_template=scalars.get("tokenizer.chat_template"),
+        extra_eos_ids=extra,
+    )
+
+
+def _dequantize(package: Any, t: Any, data: np.ndarray, source: str) -> np.ndarray:
+    try:
+        x = np.asarray(package.quants.dequantize(data, t.tensor_type))
+    except NotImplementedError as err:
+        msg = (
+            f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which the installed "
+            f"gguf package cannot dequantize ({err})"
+        )
+        raise ValueError(msg) from err
+    if not np.issubdtype(x.dtype, np.floating):
+        msg = (
+            f"{source}: tensor {t.name!r} has type {t.tensor_type.name}; weights must be "
+            "floating point or quantized"
+        )
+        raise ValueError(msg)
+    return x
+
+
+class _GGUFTensors(Mapping[str, np.ndarray]):
+    """Hugging Face name -> tensor, dequantized from the memory-mapped file on each access."""
+
+    def __init__(
+        self,
+        package: Any,
+        reader: Any,
+        sources: dict[str, Any],
+        shapes: dict[str, tuple[int, ...]],
+        config: CausalLMConfig,
+        dtype_name: str,
+        source: str,
+    ) -> None:
+        self._package = package
+        self._reader = reader  # keeps the memory map open
+        self._sources = sources
+        self._shapes = shapes
+        self._config = config
+        self._target = np.dtype(ml_dtypes.bfloat16 if dtype_name == "bfloat16" else np.float32)
+        self._source = source
+
+    def __getitem__(self, hf_name: str) -> np.ndarray:
+        t = self._sources[hf_name]
+        x = _dequantize(self._package, t, t.data, self._source).reshape(self._shapes[hf_name])
+        if self._config.model_type == "llama":
+            if ".self_attn.q_proj." in hf_name:
+                x = _unpermute_rotary(x, self._config.num_heads, t.name)
+            elif ".self_attn.k_proj." in hf_name:
+                x = _unpermute_rotary(x, self._config.num_kv_heads, t.name)
+        return x.astype(self._target, copy=False)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} GGUF tensors of {self._source}, dequantized on access>"
+
+
+def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> GGUFCheckpoint:
+    """Reads a GGUF file (Llama, Qwen2, Qwen3) into a config, dequantized tensors and a tokenizer.
+
+    Every tensor is dequantized with `gguf.quants.dequantize` (F32, F16, BF16 and the block
+    quantizations the installed `gguf` package implements: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, ...),
+    renamed to its Hugging Face name, put back in Hugging Face layout (Llama q/k rows
+    un-interleaved, see the module docstring) and cast to `dtype`. A file without `output.weight`
+    has tied embeddings. Everything is validated here (names, types, shapes of the metadata);
+    the tensors themselves are dequantized when `GGUFCheckpoint.tensors` is read, one at a time.
+
+    Args:
+        path: The `.gguf` file.
+        dtype: "float32" (default) or "bfloat16": the dtype of the returned tensors and the
+            config's `param_dtype`.
+
+    Returns:
+        A `GGUFCheckpoint`.
+
+    Raises:
+        FileNotFoundError: If `path` does not exist.
+        ImportError: If the `gguf` package is not installed.
+        ValueError: For a file that is not GGUF, an unsupported architecture (naming it), an
+            unsupported tensor type (naming the tensor and the type), an unknown tensor, missing
+            metadata, or an unsupported tokenizer.
+
+    Example:
+        >>> checkpoint = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
+        >>> checkpoint.config.model_type  # doctest: +SKIP
+        'llama'
+    """
+    source = os.fspath(path)
+    if not os.path.isfile(source):
+        msg = f"GGUF file not found: {source!r}"
+        raise FileNotFoundError(msg)
+    dt = resolve_dtype(dtype)
+    package = _gguf_package()
+    if not is_gguf_file(source):
+        msg = f"{source}: not a GGUF file (it does not start with the GGUF magic bytes)"
+        raise ValueError(msg)
+    try:
+        reader = package.GGUFReader(source, "r")
+    except (ValueError, IndexError, KeyError) as err:
+        msg = f"{source}: cannot read the GGUF file ({err})"
+        raise ValueError(msg) from err
+    scalars, arrays = _metadata(reader)
+    arch = scalars.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        msg = (
+            f"{source}: unsupported GGUF architecture {arch!r} (general.architecture); "
+            f"supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+        raise ValueError(msg)
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    sources: dict[str, Any] = {}
+    rope_factors: np.ndarray | None = None
+    for t in reader.tensors:
+        if t.name == _ROPE_FREQS:
+            rope_factors = np.asarray(package.quants.dequantize(t.data, t.tensor_type))
+            continue
+        hf_name = _hf_name(t.name, source)
+        if hf_name in sources:
+            msg = f"{source}: tensor {t.name!r} appears twice"
+            raise ValueError(msg)
+        sources[hf_name] = t
+        shapes[hf_name] = tuple(int(n) for n in reversed(t.shape.tolist()))
+    if "model.embed_tokens.weight" not in shapes:
+        msg = f"{source}: missing tensor 'token_embd.weight'"
+        raise ValueError(msg)
+    config = _config(scalars, arrays, shapes, rope_factors, dt.name, source)
+    expected = hf_tensor_map(config)
+    unexpected = sorted(sources[n].name for n in set(sources) - set(expected))
+    if unexpected:
+        msg = f"{source}: unexpected tensor {unexpected[0]!r} for this {arch} model ({unexpected})"
+        raise ValueError(msg)
+    missing = sorted(_gguf_name(n) for n in set(expected) - set(sources))
+    if missing:
+        msg = f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing: {missing[:8]})"
+        raise ValueError(msg)
+    for t in sources.values():  # every type must dequantize: try each tensor's first row
+        _dequantize(package, t, t.data[:1], source)
+    tensors = _GGUFTensors(package, reader, sources, shapes, config, dt.name, source)
+    tokenizer = gguf_tokenizer(scalars, arrays, source)
+    return GGUFCheckpoint(config=config, tensors=tensors, tokenizer=tokenizer, metadata=scalars)
+
+
+def convert_gguf(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str | Any = "float32",
+    max_shard_size: int | str | None = None,
+) -> str:
+    """Converts a GGUF file into a Hugging Face checkpoint directory.
+
+    Writes `config.json` and `model.safetensors` (dequantized to `dtype`), `generation_config.json`
+    (bos / eos / pad ids) and the tokenizer files (`tokenizer.json`, `tokenizer_config.json` with
+    the chat template and special tokens), which `CausalLM.from_pretrained`,
+    `Tokenizer.from_pretrained` and transformers read.
+
+    Args:
+        path: The `.gguf` file.
+        out_dir: Output directory (created if needed).
+        dtype: "float32" (default) or "bfloat16".
+        max_shard_size: Optional largest safetensors shard ("2GB"...); None writes one file.
+
+    Returns:
+        The output directory.
+
+    Raises:
+        FileNotFoundError: If `path` does not exist.
+        ValueError: As `read_gguf`, or if `out_dir` exists and is not a directory.
+
+    Example:
+        >>> convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")  # doctest: +SKIP
+        'smollm2'
+    """
+    directory = os.fspath(out_dir)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        msg = f"output {directory!r} exists and is not a directory"
+        raise ValueError(msg)
+    checkpoint = read_gguf(path, dtype=dtype)
+    config = checkpoint.config
+    write_hf_checkpoint(checkpoint.tensors, config, directory, max_shard_size=max_shard_size)
+    eos = config.eos_token_ids + tuple(
+        e for e in checkpoint.tokenizer.eos_ids if e not in config.eos_token_ids
+    )
+    generation = {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(eos) if len(eos) > 1 else (eos[0] if eos else None),
+        "pad_token_id": config.pad_token_id,
+    }
+    atomic_write_json(os.path.join(directory, "generation_config.json"), generation)
+    checkpoint.tokenizer.save_pretrained(directory)
+    return directory
