@@ -6,9 +6,13 @@
 - ``artifex-grpo demo --task flow``: Flow-GRPO on images (a tiny flow-matching model of 8x8
   digits, a classifier reward); writes before/after images and the reward and KL curves.
 - ``artifex-grpo train --model DIR --data FILE.jsonl --reward math ...``: GRPO on a local
-  Hugging Face model (Llama / Qwen) with a local JSONL or Parquet dataset. Every field of
-  ``GRPOConfig``, ``TrainConfig`` and ``RolloutConfig`` is an option (``--beta 0.04``,
-  ``--loss-aggregation token_mean``, ``--num-iterations 2``...); the trained policy is written
+  Hugging Face model (Llama / Qwen) with a local JSONL, JSON or Parquet dataset, or a directory
+  written by ``datasets``' ``save_to_disk`` (``--split`` for a DatasetDict). Prompts are plain
+  text or chat messages. ``--reward`` is repeatable and takes a built-in name or your own
+  function as ``module:function``. Every field of ``GRPOConfig``, ``TrainConfig`` and
+  ``RolloutConfig`` is an option (``--beta 0.04``, ``--loss-aggregation token_mean``,
+  ``--log-completions-every 10``...), and ``--config run.yaml`` (or ``.json``) reads any option
+  from a file that the command line overrides. The trained policy is written
   with ``save_pretrained`` to ``--output``. For several hosts, run it once per host with
   ``--coordinator-address``, ``--num-processes``, ``--process-id`` (or ``--distributed`` for
   SLURM / Cloud TPU auto-detection) and the mesh sizes ``--mesh-fsdp``, ``--mesh-tensor``.
