@@ -419,7 +419,8 @@ class CompletionLog:
         ...     rewards={"math": [1.0, 0.0]},
         ...     advantages=[0.707, -0.707],
         ... )
-        >>> records[1]["advantage"], records[1]["rewards"]
+        >>> last = records[1]
+        >>> last["advantage"], last["rewards"]
         (-0.707, {'math': 0.0})
         >>> print(out.getvalue().splitlines()[0])
         completions at step 3 (2 of 2):

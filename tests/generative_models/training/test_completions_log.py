@@ -184,3 +184,20 @@ def test_loop_with_signal_says_nothing_and_logs_real_advantages(tmp_path, caplog
     centred = rewards - rewards.mean(axis=1, keepdims=True)
     expected = centred / (rewards.std(axis=1, ddof=1, keepdims=True) + 1e-4)
     np.testing.assert_allclose(adv, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_without_completion_logging_no_file_but_still_the_diagnosis(tmp_path, caplog, capsys):
+    trainer, tok = _trainer()
+    rows, _ = addition_dataset(seed=0, num_eval=4)
+
+    def zero(prompts, completions, **columns):
+        return [0.0] * len(completions)
+
+    config = TrainConfig(num_steps=1, prompts_per_step=2, progress=False, log_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        train(trainer, tok, rows[:8], [zero], config, RolloutConfig(max_new_tokens=4))
+    notes = [r.getMessage() for r in caplog.records if "no reward signal" in r.getMessage()]
+    assert len(notes) == 1 and "every reward is 0 (8 completions of 2 prompts)" in notes[0]
+    assert (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "completions.jsonl").exists()
+    assert "completions at step" not in capsys.readouterr().out

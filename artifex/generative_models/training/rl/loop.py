@@ -804,7 +804,9 @@ def train(
         progress_initial=start_step,
     )
     samples = CompletionLog(
-        None if config.log_dir is None else os.path.join(config.log_dir, "completions.jsonl"),
+        os.path.join(config.log_dir, "completions.jsonl")
+        if config.log_dir is not None and config.log_completions_every
+        else None,
         print_rows=config.completions_to_print,
         keep_until=start_step if start_step > 0 or config.overwrite else None,
     )
