@@ -380,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--eval-data", default=None, help="held-out rows for pass@1 (same formats)")
     tr.add_argument(
-        "--eval-split", default=None, help="split of a DatasetDict --eval-data directory"
+        "--eval-split",
+        default=None,
+        help="split of a DatasetDict --eval-data directory (default: test, else validation)",
     )
     tr.add_argument(
         "--apply-chat-template",
@@ -825,7 +827,7 @@ def _train(args: argparse.Namespace) -> int:
     rows = _prompts_as_chat(load_rows(args.data, args.split), column, args.apply_chat_template)
     eval_rows = None
     if args.eval_data is not None:
-        eval_rows = load_rows(args.eval_data, args.eval_split)
+        eval_rows = load_rows(args.eval_data, args.eval_split or _eval_split(args.eval_data))
         eval_rows = _prompts_as_chat(eval_rows, column, args.apply_chat_template)
     tokenizer = _load(Tokenizer.from_pretrained, args.model, what="tokenizer")
     _check_chat_template(tokenizer, rows, column, args.model, "--data")
@@ -892,6 +894,21 @@ def _train(args: argparse.Namespace) -> int:
         print(f"held-out pass@1: {first['eval/pass@1']:.3f} -> {last['eval/pass@1']:.3f}")
     print(f"saved the trained model to {args.output}")
     return 0
+
+
+def _eval_split(path: str) -> str | None:
+    """The default split of a DatasetDict ``--eval-data``: test, else validation."""
+    dict_file = os.path.join(path, "dataset_dict.json")
+    if not os.path.isfile(dict_file):
+        return None
+    splits = _read_json_file(dict_file).get("splits") or []
+    found = [s for s in ("test", "validation") if s in splits]
+    if found:
+        return found[0]
+    if len(splits) == 1:
+        return splits[0]
+    msg = f"--eval-data {path} holds the splits {splits}: choose one with --eval-split"
+    raise ValueError(msg)
 
 
 def _prompts_as_chat(rows: list[dict[str, Any]], column: str, apply: bool) -> list[dict[str, Any]]:

@@ -220,6 +220,20 @@ def test_load_rows_reads_a_split_of_a_dataset_dict(tmp_path):
         load_rows(two)
 
 
+def test_eval_data_defaults_to_the_test_or_validation_split(tmp_path):
+    from artifex.cli import _eval_split
+
+    for splits, expected in [(("train", "test"), "test"), (("train", "validation"), "validation"),
+                             (("only",), "only")]:  # fmt: skip
+        path = tmp_path / "_".join(splits)
+        _save_dataset_dict(str(path), dict.fromkeys(splits, ROWS))
+        assert _eval_split(str(path)) == expected
+    _save_dataset_dict(str(tmp_path / "ab"), {"a": ROWS, "b": ROWS})
+    with pytest.raises(ValueError, match="choose one with --eval-split"):
+        _eval_split(str(tmp_path / "ab"))
+    assert _eval_split(str(tmp_path / "rows.jsonl")) is None
+
+
 def test_load_rows_rejects_other_directories_and_names_bad_lines(tmp_path):
     with pytest.raises(ValueError, match="not a dataset written by datasets' save_to_disk"):
         load_rows(str(tmp_path))
@@ -278,7 +292,7 @@ def test_train_from_a_dataset_dict_with_chat_prompts_and_a_custom_reward(
         tmp_path / "run.yaml",
         f"reward: ['{reward_module}:exact_match']\nsplit: train\nbeta: 0.0\n",
     )
-    rc, records = _run(tmp_path, chat_model_dir, data, "--config", config)
+    rc, records = _run(tmp_path, chat_model_dir, data, "--config", config, "--eval-data", data)
     assert rc == 0
     assert len(records) == 4 and all(set(r["rewards"]) == {"exact_match"} for r in records)
     contents = {m[0]["content"] + "=" for m in (row["prompt"] for row in chat)}
