@@ -309,7 +309,12 @@ def _load_saved_dataset(path: str, split: str | None) -> list[dict[str, Any]]:
             raise FileNotFoundError(msg)
         try:
             with open(file, "rb") as fh:
-                rows += ipc.open_stream(fh).read_all().to_pylist()
+                try:  # datasets writes the Arrow IPC stream format
+                    table = ipc.open_stream(fh).read_all()
+                except Exception:  # the Arrow IPC file format, as a fallback
+                    fh.seek(0)
+                    table = ipc.open_file(fh).read_all()
+            rows += table.to_pylist()
         except Exception as err:  # pyarrow's errors do not name the file
             msg = f"{file}: cannot read the Arrow file ({err}): check the file"
             raise ValueError(msg) from err

@@ -207,6 +207,18 @@ def test_load_rows_reads_a_saved_dataset_with_chat_messages(tmp_path):
         load_rows(path, split="train")
 
 
+def test_load_rows_also_reads_the_arrow_file_format(tmp_path):
+    path = tmp_path / "ds"
+    _save_dataset(str(path), ROWS)
+    table = pa.Table.from_pylist(ROWS)
+    with pa.ipc.new_file(str(path / "data-00000-of-00001.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    assert load_rows(str(path)) == ROWS
+    (path / "data-00000-of-00001.arrow").write_bytes(b"not arrow")
+    with pytest.raises(ValueError, match=r"data-00000-of-00001.arrow: cannot read the Arrow"):
+        load_rows(str(path))
+
+
 def test_load_rows_reads_a_split_of_a_dataset_dict(tmp_path):
     path = str(tmp_path / "dd")
     _save_dataset_dict(path, {"train": ROWS, "test": ROWS[:1]})

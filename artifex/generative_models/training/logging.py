@@ -456,6 +456,7 @@ class CompletionLog:
         advantages: Sequence[float] | Any,
         total_rewards: Sequence[float | None] | Any = None,
         group_size: int | None = None,
+        first_index: int = 0,
     ) -> list[dict[str, Any]]:
         """Appends one step's completions to the file and prints the first rows as a table.
 
@@ -467,6 +468,8 @@ class CompletionLog:
             advantages: Each row's advantage.
             total_rewards: Each row's combined reward (``None``: not recorded).
             group_size: Completions per prompt, for the ``group`` key (``None``: left out).
+            first_index: The batch row of the first completion (a process's rows of a batch
+                spread over several processes start further on).
 
         Returns:
             The records (one dict per row), also on processes that write nothing.
@@ -484,9 +487,10 @@ class CompletionLog:
                 raise ValueError(msg)
         records = []
         for i in range(n):
-            record: dict[str, Any] = {"step": int(step), "index": i}
+            index = int(first_index) + i
+            record: dict[str, Any] = {"step": int(step), "index": index}
             if group_size:
-                record["group"] = i // int(group_size)
+                record["group"] = index // int(group_size)
             record["prompt"] = str(prompts[i])
             record["completion"] = str(completions[i])
             record["rewards"] = {k: _json_reward(v[i]) for k, v in rewards.items()}

@@ -86,6 +86,14 @@ def test_resume_keeps_the_records_up_to_the_checkpoint(tmp_path):
     assert steps == [1, 1, 2, 2]
 
 
+def test_first_index_numbers_rows_and_groups_of_a_later_slice():
+    records = CompletionLog(None, print_rows=0).log(
+        1, prompts=["a", "b"], completions=["c", "d"], rewards={"r": [1.0, 0.0]},
+        advantages=[0.0, 0.0], group_size=2, first_index=6,
+    )  # fmt: skip
+    assert [(r["index"], r["group"]) for r in records] == [(6, 3), (7, 3)]
+
+
 def test_mismatched_lengths_are_an_error():
     with pytest.raises(ValueError, match="'math' has 1 entries for 2 completions"):
         CompletionLog(None).log(

@@ -956,4 +956,5 @@ def _log_completions(
         advantages=adv[rows],
         total_rewards=host_array(ro.batch.rewards)[rows],
         group_size=g,
+        first_index=lo,
     )
