@@ -581,6 +581,8 @@ def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str
     if pos is None:
         return argv
     sub = commands.choices[argv[pos]]
+    if "--config" not in sub._option_string_actions:
+        return argv  # a subcommand without config files: argparse reports --config
     files: list[str] = []
     kept: list[str] = []
     rest = argv[pos + 1 :]
