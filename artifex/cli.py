@@ -6,9 +6,13 @@
 - ``artifex-grpo demo --task flow``: Flow-GRPO on images (a tiny flow-matching model of 8x8
   digits, a classifier reward); writes before/after images and the reward and KL curves.
 - ``artifex-grpo train --model DIR --data FILE.jsonl --reward math ...``: GRPO on a local
-  Hugging Face model (Llama / Qwen) with a local JSONL or Parquet dataset. Every field of
-  ``GRPOConfig``, ``TrainConfig`` and ``RolloutConfig`` is an option (``--beta 0.04``,
-  ``--loss-aggregation token_mean``, ``--num-iterations 2``...); the trained policy is written
+  Hugging Face model (Llama / Qwen) with a local JSONL, JSON or Parquet dataset, or a directory
+  written by ``datasets``' ``save_to_disk`` (``--split`` for a DatasetDict). Prompts are plain
+  text or chat messages. ``--reward`` is repeatable and takes a built-in name or your own
+  function as ``module:function``. Every field of ``GRPOConfig``, ``TrainConfig`` and
+  ``RolloutConfig`` is an option (``--beta 0.04``, ``--loss-aggregation token_mean``,
+  ``--log-completions-every 10``...), and ``--config run.yaml`` (or ``.json``) reads any option
+  from a file that the command line overrides. The trained policy is written
   with ``save_pretrained`` to ``--output``. For several hosts, run it once per host with
   ``--coordinator-address``, ``--num-processes``, ``--process-id`` (or ``--distributed`` for
   SLURM / Cloud TPU auto-detection) and the mesh sizes ``--mesh-fsdp``, ``--mesh-tensor``.
@@ -33,6 +37,20 @@ from typing import Any
 __all__ = ["build_parser", "import_object", "load_rows", "main"]
 
 _REWARDS = ("math", "format", "overlong")
+
+
+def _reward_spec(text: str) -> str:
+    """An argparse type for ``--reward``: a built-in name or a ``module:function`` path."""
+    if text in _REWARDS:
+        return text
+    module, sep, attr = text.partition(":")
+    if sep and module.strip() and attr.strip():
+        return text
+    msg = (
+        f"unknown reward {text!r}: use a built-in one ({', '.join(_REWARDS)}) or an import "
+        "path module:function"
+    )
+    raise argparse.ArgumentTypeError(msg)
 
 
 def _field_type(tp: Any) -> tuple[Any, tuple[str, ...] | None]:
@@ -88,6 +106,19 @@ def _non_negative(kind: type) -> Any:
     return parse
 
 
+def _finite_float(text: str) -> float:
+    """An argparse type: a finite float."""
+    try:
+        value = float(text)
+    except ValueError as err:
+        msg = f"expected a number, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from err
+    if not math.isfinite(value):
+        msg = f"must be a finite number, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
 def _add_dataclass_options(
     parser: argparse.ArgumentParser, cls: type, *, skip: Sequence[str] = ()
 ) -> None:
@@ -116,23 +147,50 @@ def _collect(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     return {k[len(prefix) :]: v for k, v in vars(args).items() if k.startswith(prefix)}
 
 
-def load_rows(path: str) -> list[dict[str, Any]]:
-    """Reads a local JSONL (one JSON object per line) or Parquet file into rows.
+def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
+    r"""Reads a local dataset into rows: JSONL, JSON, Parquet, or a ``save_to_disk`` directory.
+
+    - ``.jsonl``: one JSON object per line (blank lines skipped);
+    - ``.json``: one array of objects;
+    - ``.parquet``: a Parquet file (needs ``pyarrow``);
+    - a directory written by Hugging Face ``datasets``' ``Dataset.save_to_disk`` (Arrow files
+      listed in its ``state.json``) or ``DatasetDict.save_to_disk`` (a ``dataset_dict.json``
+      and one such directory per split). It is read with ``pyarrow``; the ``datasets``
+      package is not needed.
+
+    A prompt column may hold plain text or chat messages (a list of ``{"role", "content"}``
+    objects); both come back as they are.
 
     Args:
-        path: The file.
+        path: The file or directory.
+        split: The split of a ``DatasetDict`` directory. ``None``: ``"train"`` when there is
+            one, else the only split. Only for ``DatasetDict`` directories.
 
     Returns:
         The rows.
 
     Raises:
-        FileNotFoundError: If the file does not exist.
-        ValueError: On a line that is not a JSON object, or an unknown extension.
-        ImportError: For Parquet without ``pyarrow`` installed.
+        FileNotFoundError: If the file or directory does not exist.
+        ValueError: On a line that is not a JSON object (the file and line are named), an
+            unknown extension, a directory that is not a saved dataset, or a missing split.
+        ImportError: For Parquet or Arrow without ``pyarrow`` installed.
+
+    Example:
+        >>> import json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "rows.jsonl")
+        >>> with open(path, "w") as fh:
+        ...     _ = fh.write(json.dumps({"prompt": "1+2=", "answer": "3"}) + "\n")
+        >>> load_rows(path)
+        [{'prompt': '1+2=', 'answer': '3'}]
     """
+    if os.path.isdir(path):
+        return _load_saved_dataset(path, split)
     if not os.path.isfile(path):
         msg = f"dataset file not found: {path}"
         raise FileNotFoundError(msg)
+    if split is not None:
+        msg = f"--split {split!r} applies to a DatasetDict directory, but {path} is a file"
+        raise ValueError(msg)
     if path.endswith(".json"):
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
@@ -152,8 +210,13 @@ def load_rows(path: str) -> list[dict[str, Any]]:
         return data
     if path.endswith(".jsonl"):
         rows = []
-        with open(path, encoding="utf-8") as fh:
-            for i, line in enumerate(fh, 1):
+        with open(path, "rb") as fh:  # decoded line by line, so a bad byte names its line
+            for i, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+                except UnicodeDecodeError as err:
+                    msg = f"{path}:{i}: not UTF-8 text ({err.reason} at byte {err.start})"
+                    raise ValueError(msg) from None
                 if not line.strip():
                     continue
                 try:
@@ -170,18 +233,102 @@ def load_rows(path: str) -> list[dict[str, Any]]:
                 rows.append(row)
         return rows
     if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as err:
-            msg = "reading Parquet needs pyarrow: pip install pyarrow (or the [parquet] extra)"
-            raise ImportError(msg) from err
+        pq = _pyarrow("Parquet", "parquet")
         try:
             return pq.read_table(path).to_pylist()
         except Exception as err:  # pyarrow's errors do not name the file
             msg = f"{path}: cannot read the Parquet file ({err}): check the file"
             raise ValueError(msg) from err
-    msg = f"unknown dataset format {path!r}: use .jsonl, .json or .parquet"
+    msg = (
+        f"unknown dataset format {path!r}: use .jsonl, .json, .parquet or a directory written "
+        "by datasets' save_to_disk"
+    )
     raise ValueError(msg)
+
+
+def _pyarrow(what: str, module: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(f"pyarrow.{module}")
+    except ImportError as err:
+        msg = f"reading {what} needs pyarrow: pip install pyarrow (or the [parquet] extra)"
+        raise ImportError(msg) from err
+
+
+def _read_json_file(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as err:
+        msg = f"{path}:{err.lineno}: invalid JSON ({err.msg}, column {err.colno})"
+        raise ValueError(msg) from None
+
+
+def _load_saved_dataset(path: str, split: str | None) -> list[dict[str, Any]]:
+    """Rows of a ``Dataset``/``DatasetDict`` directory written by ``save_to_disk``."""
+    dict_file = os.path.join(path, "dataset_dict.json")
+    if os.path.isfile(dict_file):
+        splits = _read_json_file(dict_file).get("splits")
+        if not isinstance(splits, list) or not splits:
+            msg = f"{dict_file}: expected {{'splits': [names]}}, got no split names"
+            raise ValueError(msg)
+        if split is None:
+            if "train" not in splits and len(splits) > 1:
+                msg = f"{path} holds the splits {splits}: choose one with --split"
+                raise ValueError(msg)
+            split = "train" if "train" in splits else splits[0]
+        if split not in splits:
+            msg = f"{path} has no split {split!r} (--split); its splits are {splits}"
+            raise ValueError(msg)
+        return _load_saved_dataset(os.path.join(path, split), None)
+    state_file = os.path.join(path, "state.json")
+    if not os.path.isfile(state_file):
+        msg = (
+            f"{path} is a directory but not a dataset written by datasets' save_to_disk (no "
+            "state.json or dataset_dict.json): pass a .jsonl, .json or .parquet file"
+        )
+        raise ValueError(msg)
+    if split is not None:
+        msg = f"--split {split!r} applies to a DatasetDict directory, but {path} is one dataset"
+        raise ValueError(msg)
+    state = _read_json_file(state_file)
+    files = [f.get("filename") for f in state.get("_data_files", []) if isinstance(f, dict)]
+    if not files or not all(isinstance(f, str) for f in files):
+        msg = f"{state_file}: '_data_files' lists no Arrow files"
+        raise ValueError(msg)
+    if state.get("_indices_data_files"):
+        msg = (
+            f"{path} holds an indices mapping (a selected or shuffled view): save it again "
+            "after dataset.flatten_indices()"
+        )
+        raise ValueError(msg)
+    ipc = _pyarrow("a saved dataset", "ipc")
+    rows: list[dict[str, Any]] = []
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            msg = f"{state_file} lists {name}, which is missing from {path}"
+            raise FileNotFoundError(msg)
+        try:
+            with open(file, "rb") as fh:
+                try:  # datasets writes the Arrow IPC stream format
+                    table = ipc.open_stream(fh).read_all()
+                except Exception:  # the Arrow IPC file format, as a fallback
+                    fh.seek(0)
+                    table = ipc.open_file(fh).read_all()
+            rows += table.to_pylist()
+        except Exception as err:  # pyarrow's errors do not name the file
+            msg = f"{file}: cannot read the Arrow file ({err}): check the file"
+            raise ValueError(msg) from err
+    return rows
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (the full usage is in ``--help``)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     from artifex.generative_models.training.rl.loop import TrainConfig
     from artifex.generative_models.training.rl.rollout import RolloutConfig
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="artifex-grpo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -221,17 +368,57 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(
             "--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks"
         )
+    for sp in (demo, tr):
+        sp.add_argument(
+            "--config",
+            default=None,
+            metavar="FILE",
+            help="read options from a .yaml/.yml or .json file: keys are the long option names "
+            "(num_steps or num-steps); options on the command line override the file",
+        )
     tr.add_argument("--model", required=True, help="Hugging Face model directory")
-    tr.add_argument("--data", required=True, help="training rows: .jsonl or .parquet")
-    tr.add_argument("--eval-data", default=None, help="held-out rows for pass@1")
+    tr.add_argument(
+        "--data",
+        required=True,
+        help="training rows: .jsonl, .json, .parquet, or a directory written by datasets' "
+        "save_to_disk (a Dataset, or a DatasetDict with --split)",
+    )
+    tr.add_argument(
+        "--split", default=None, help="split of a DatasetDict --data directory (default: train)"
+    )
+    tr.add_argument("--eval-data", default=None, help="held-out rows for pass@1 (same formats)")
+    tr.add_argument(
+        "--eval-split",
+        default=None,
+        help="split of a DatasetDict --eval-data directory (default: test, else validation)",
+    )
+    tr.add_argument(
+        "--apply-chat-template",
+        type=_parse_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="BOOL",
+        help="render plain-text prompts as one user message with the tokenizer's chat template "
+        "(prompts that are lists of chat messages always are; default: plain text as is)",
+    )
     tr.add_argument(
         "--reward",
         action="append",
-        choices=_REWARDS,
+        type=_reward_spec,
         required=True,
-        help="reward function (repeatable): math answer, format, DAPO overlong",
+        metavar="NAME|MODULE:FUNCTION",
+        help="reward function (repeatable): math (answer), format, overlong (DAPO), or your "
+        "own f(prompts, completions, **columns) by import path, e.g. my_rewards:exact_match",
     )
-    tr.add_argument("--reward-weights", type=float, nargs="+", default=None)
+    tr.add_argument(
+        "--reward-weights",
+        type=_finite_float,
+        nargs="+",
+        default=None,
+        metavar="W",
+        help="one weight per --reward, in order (default: all 1)",
+    )
     tr.add_argument("--reward-mode", choices=("sum", "normalized"), default="sum")
     tr.add_argument("--answer-column", default="answer")
     tr.add_argument("--format-pattern", default=None, help="regex for the format reward")
@@ -316,6 +503,164 @@ def _convert(args: argparse.Namespace) -> int:
     out = convert_gguf(args.gguf_file, args.out_dir, dtype=args.dtype)
     print(f"wrote the Hugging Face model directory {out} ({args.dtype})")
     return 0
+
+
+# ------------------------------------------------------------------------------ config files
+def _read_config(path: str) -> dict[str, Any]:
+    """The mapping of a ``--config`` file (.yaml/.yml or .json); errors name the file and line."""
+    if not os.path.isfile(path):
+        msg = f"config file not found: {path} (--config)"
+        raise FileNotFoundError(msg)
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError as err:
+            msg = f"reading {path} needs PyYAML: pip install pyyaml (or use a .json file)"
+            raise ImportError(msg) from err
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            msg = f"{path}{line}: invalid YAML ({problem}): fix the file"
+            raise ValueError(msg) from None
+    elif path.endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            msg = f"{path}:{err.lineno}: invalid JSON ({err.msg}, column {err.colno}): fix the file"
+            raise ValueError(msg) from None
+    else:
+        msg = f"unknown config file format {path!r} (--config): use .yaml, .yml or .json"
+        raise ValueError(msg)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        msg = f"{path}: expected a mapping of option names to values, got a {type(data).__name__}"
+        raise ValueError(msg)
+    return data
+
+
+def _config_text(value: Any, where: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float | str):
+        return str(value)
+    msg = f"{where}: expected a number, a string or true/false, got {type(value).__name__}"
+    raise ValueError(msg)
+
+
+def _config_tokens(action: argparse.Action, option: str, value: Any, where: str) -> list[str]:
+    """Command-line tokens for one config entry, checked with the option's own parser."""
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            msg = f"{where}: expected true or false, got {value!r}"
+            raise ValueError(msg)
+        return [option] if value else []
+    if value is None:
+        if action.default is None:
+            return []
+        try:
+            none = action.type("none") if action.type is not None else "none"
+        except (argparse.ArgumentTypeError, ValueError, TypeError):
+            none = "none"
+        if none is None:
+            return [f"{option}=none"]
+        msg = f"{where}: null is not a value of {option}; leave the key out for its default"
+        raise ValueError(msg)
+    many = isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*")
+    if isinstance(value, list) and not many:
+        msg = f"{where}: {option} takes one value, got a list"
+        raise ValueError(msg)
+    texts = [_config_text(v, where) for v in (value if isinstance(value, list) else [value])]
+    if not texts:
+        msg = f"{where}: {option} needs at least one value, got an empty list"
+        raise ValueError(msg)
+    for text in texts:
+        try:
+            parsed = text if action.type is None else action.type(text)
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as err:
+            kind = getattr(action.type, "__name__", "value")
+            detail = str(err) if isinstance(err, argparse.ArgumentTypeError) else f"not a {kind}"
+            msg = f"{where}: {detail} (got {text!r})"
+            raise ValueError(msg) from None
+        if action.choices is not None and parsed not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            msg = f"{where}: {text!r} is not one of {choices}"
+            raise ValueError(msg)
+    if isinstance(action, argparse._AppendAction):
+        return [f"{option}={t}" for t in texts]
+    if action.nargs in ("+", "*"):
+        return [option, *texts]
+    return [f"{option}={texts[0]}"]
+
+
+def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Replaces ``--config FILE`` by the options the file holds, before the command line's own.
+
+    Every key is a long option of the subcommand (``-`` or ``_``). Options given on the command
+    line override the file; for repeatable options (``--reward``) the command line's values
+    replace the file's instead of adding to them.
+    """
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    pos = next((i for i, t in enumerate(argv) if t in commands.choices), None)
+    if pos is None:
+        return argv
+    sub = commands.choices[argv[pos]]
+    if "--config" not in sub._option_string_actions:
+        return argv  # a subcommand without config files: argparse reports --config
+    files: list[str] = []
+    kept: list[str] = []
+    rest = argv[pos + 1 :]
+    i = 0
+    while i < len(rest):
+        token = rest[i]
+        if token == "--":
+            kept += rest[i:]
+            break
+        name, eq, value = token.partition("=")
+        is_config = len(name) >= 5 and "--config".startswith(name)  # argparse takes --conf too
+        if is_config and not eq and i + 1 < len(rest):
+            files.append(rest[i + 1])
+            i += 2
+            continue
+        if is_config and eq:
+            files.append(value)
+        else:
+            kept.append(token)
+        i += 1
+    if not files:
+        return argv
+    if len(files) > 1:
+        msg = f"--config is given {len(files)} times ({', '.join(files)}): give one file"
+        raise ValueError(msg)
+    path = files[0]
+    given = set()
+    for token in kept:
+        action = sub._option_string_actions.get(token.partition("=")[0])
+        if token.startswith("--") and action is not None:
+            given.add(action.dest)
+    options = sorted(o for o in sub._option_string_actions if o.startswith("--"))
+    tokens: list[str] = []
+    for key, value in _read_config(path).items():
+        option = "--" + str(key).replace("_", "-")
+        action = sub._option_string_actions.get(option)
+        if action is None or option in ("--help", "--config"):
+            import difflib
+
+            close = difflib.get_close_matches(option, options, n=1)
+            hint = f" (did you mean {close[0][2:]!r}?)" if close else ""
+            msg = (
+                f"{path}: unknown key {key!r}{hint}: the keys are the long options of "
+                f"'artifex-grpo {argv[pos]}' (see --help)"
+            )
+            raise ValueError(msg)
+        if action.dest not in given:
+            tokens += _config_tokens(action, option, value, f"{path}: key {key!r}")
+    return [*argv[: pos + 1], *tokens, *kept]
 
 
 # ------------------------------------------------------------------------------ multi-host
@@ -434,15 +779,48 @@ def _build_rewards(args: argparse.Namespace, num_generations: int, max_new_token
             funcs.append(rw.math_answer_reward(answer_column=args.answer_column))
         elif name == "format":
             funcs.append(rw.format_reward(args.format_pattern))
-        else:
+        elif name == "overlong":
             cache = args.overlong_cache or max(max_new_tokens // 4, 1)
             funcs.append(rw.soft_overlong_penalty(max_new_tokens, cache))
+        else:
+            funcs.append(_import_reward(name))
+    if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
+        msg = (
+            f"--reward-weights has {len(args.reward_weights)} values for {len(funcs)} --reward "
+            f"functions ({', '.join(args.reward)}): give one weight per --reward, in order"
+        )
+        raise ValueError(msg)
     return rw.RewardCombiner(
         funcs,
         weights=args.reward_weights,
         mode=args.reward_mode,
         group_size=num_generations if args.reward_mode == "normalized" else None,
     )
+
+
+def _import_reward(path: str) -> Any:
+    """A reward function given as ``--reward module:function``; errors name the flag."""
+    try:
+        func = import_object(path)
+    except ValueError as err:
+        msg = f"--reward {path!r}: {err}"
+        raise ValueError(msg) from err
+    except ImportError as err:  # ModuleNotFoundError included
+        msg = (
+            f"--reward {path!r}: cannot import module {path.partition(':')[0]!r} ({err}): run "
+            "from the directory that holds it, or put it on PYTHONPATH"
+        )
+        raise ImportError(msg) from err
+    except Exception as err:  # the module itself raised (a syntax error, a failing import)
+        msg = f"--reward {path!r}: importing it failed with {type(err).__name__}: {err}"
+        raise ImportError(msg) from err
+    if not callable(func):
+        msg = (
+            f"--reward {path!r} is a {type(func).__name__}, not a function "
+            "f(prompts, completions, **columns) -> list[float | None]"
+        )
+        raise TypeError(msg)
+    return func
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -481,9 +859,15 @@ def _train(args: argparse.Namespace) -> int:
 
     # Pre-flight: every output location is checked before anything expensive happens.
     check_writable_dir(args.output, "--output")
-    rows = load_rows(args.data)
-    eval_rows = None if args.eval_data is None else load_rows(args.eval_data)
+    column = rollout_config.prompt_column
+    rows = _prompts_as_chat(load_rows(args.data, args.split), column, args.apply_chat_template)
+    eval_rows = None
+    if args.eval_data is not None:
+        eval_rows = load_rows(args.eval_data, args.eval_split or _eval_split(args.eval_data))
+        eval_rows = _prompts_as_chat(eval_rows, column, args.apply_chat_template)
     tokenizer = _load(Tokenizer.from_pretrained, args.model, what="tokenizer")
+    _check_chat_template(tokenizer, rows, column, args.model, "--data")
+    _check_chat_template(tokenizer, eval_rows or [], column, args.model, "--eval-data")
     model = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
     check_tokenizer_fits(tokenizer, model)
 
@@ -546,6 +930,50 @@ def _train(args: argparse.Namespace) -> int:
         print(f"held-out pass@1: {first['eval/pass@1']:.3f} -> {last['eval/pass@1']:.3f}")
     print(f"saved the trained model to {args.output}")
     return 0
+
+
+def _eval_split(path: str) -> str | None:
+    """The default split of a DatasetDict ``--eval-data``: test, else validation."""
+    dict_file = os.path.join(path, "dataset_dict.json")
+    if not os.path.isfile(dict_file):
+        return None
+    splits = _read_json_file(dict_file).get("splits") or []
+    found = [s for s in ("test", "validation") if s in splits]
+    if found:
+        return found[0]
+    if len(splits) == 1:
+        return splits[0]
+    msg = f"--eval-data {path} holds the splits {splits}: choose one with --eval-split"
+    raise ValueError(msg)
+
+
+def _prompts_as_chat(rows: list[dict[str, Any]], column: str, apply: bool) -> list[dict[str, Any]]:
+    """With ``--apply-chat-template``, each plain-text prompt becomes one user message."""
+    if not apply:
+        return rows
+    return [
+        {**row, column: [{"role": "user", "content": row[column]}]}
+        if isinstance(row.get(column), str)
+        else row
+        for row in rows
+    ]
+
+
+def _check_chat_template(
+    tokenizer: Any, rows: list[dict[str, Any]], column: str, where: str, flag: str
+) -> None:
+    """Chat-message prompts need the tokenizer's chat template: say so before loading the model."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    for i, row in enumerate(rows):
+        if isinstance(row.get(column), list):
+            msg = (
+                f"{flag} row {i}: column {column!r} holds chat messages, but the tokenizer in "
+                f"{where} has no chat template: use a model directory whose "
+                "tokenizer_config.json has one, or plain-text prompts without "
+                "--apply-chat-template"
+            )
+            raise ValueError(msg)
 
 
 #: Exit status of a run stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL:
@@ -667,6 +1095,7 @@ def _multi_turn_hooks(args: argparse.Namespace, rollout_config: Any) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``artifex-grpo`` command.
 
+    ``--config FILE`` (YAML or JSON) supplies any option; the command line overrides it.
     Every error prints one line (what was wrong, the file involved, what to do) and exits with
     status 2 (1 for unexpected internal errors); ``--debug`` shows the full traceback instead.
     A run stopped by SIGTERM or SIGINT saves a checkpoint and exits with status 75.
@@ -677,7 +1106,16 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The process exit status.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        argv = _expand_config(parser, argv)
+    except Exception as err:
+        if "--debug" in argv:
+            raise
+        print(_error_line(err), file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     enable_compilation_cache(args.compilation_cache)
     try:
         if args.command == "demo":

@@ -45,7 +45,12 @@ from artifex.generative_models.training.checkpointing import (
     CheckpointManager,
     training_fingerprint,
 )
-from artifex.generative_models.training.logging import MetricLogger, is_primary_process
+from artifex.generative_models.training.logging import (
+    CompletionLog,
+    MetricLogger,
+    is_primary_process,
+    reward_signal_diagnosis,
+)
 from artifex.generative_models.training.rl.advantages import nonconstant_groups
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.objective import _reward_metrics, compute_advantages
@@ -122,6 +127,10 @@ class TrainConfig:
             in the checkpoint's fingerprint) differs from the checkpointed run's.
         handle_signals: On SIGTERM or SIGINT, finish the current step, save a checkpoint and
             return (``TrainResult.interrupted``) instead of dying mid-step (main thread only).
+        log_completions_every: Every this many steps, append the step's sample completions
+            (prompt, completion, each reward function's value, the advantage) to
+            ``log_dir/completions.jsonl`` and print the first ones as a table (0: never).
+        completions_to_print: Rows of that console table (0: the file only).
     """
 
     num_steps: int
@@ -144,6 +153,8 @@ class TrainConfig:
     overwrite: bool = False
     allow_dataset_change: bool = False
     handle_signals: bool = True
+    log_completions_every: int = 0
+    completions_to_print: int = 4
 
     def __post_init__(self) -> None:
         for name in (
@@ -172,7 +183,14 @@ class TrainConfig:
             "keep_checkpoints",
         ):
             _positive_int(name, getattr(self, name))
-        for name in ("max_resample_rounds", "eval_every", "checkpoint_every", "seed"):
+        for name in (
+            "max_resample_rounds",
+            "eval_every",
+            "checkpoint_every",
+            "seed",
+            "log_completions_every",
+            "completions_to_print",
+        ):
             _positive_int(name, getattr(self, name), minimum=0)
         if not isinstance(self.pass_threshold, int | float) or not math.isfinite(
             self.pass_threshold
@@ -778,6 +796,13 @@ def train(
         progress_total=config.num_steps if config.progress else None,
         progress_initial=start_step,
     )
+    samples = CompletionLog(
+        os.path.join(config.log_dir, "completions.jsonl")
+        if config.log_dir is not None and config.log_completions_every
+        else None,
+        print_rows=config.completions_to_print,
+        keep_until=start_step if start_step > 0 or config.overwrite else None,
+    )
     history: list[dict[str, float]] = []
     evaluations: list[tuple[int, dict[str, float]]] = []
 
@@ -831,6 +856,19 @@ def train(
             batch = trainer.place_batch(batch)
             batch = batch.replace(advantages=_advantages(batch, trainer.config))
             batch_metrics = _batch_metrics(batch)
+            if step == start_step + 1:  # a run that cannot learn is told so at once
+                note = reward_signal_diagnosis(host_array(ro.batch.rewards), ro.batch.group_size)
+                if note is not None and is_primary_process():
+                    _log.warning(note)
+            if config.log_completions_every and step % config.log_completions_every == 0:
+                # The first rollout's rows (with dynamic sampling the batch holds other rows).
+                logged = batch if ro.batch is batch or not config.dynamic_sampling else None
+                adv = (
+                    logged.advantages
+                    if logged is not None
+                    else _advantages(trainer.place_batch(ro.batch), trainer.config)
+                )
+                _log_completions(samples, step, ro, adv, policy.mesh, config)
             updates: list[dict[str, float]] = []
             rows = batch.batch_size
             for it in range(config.num_iterations):
@@ -887,8 +925,37 @@ def train(
     finally:
         stop.uninstall()
         logger.close()
+        samples.close()
         if manager is not None:
             manager.close()
     return TrainResult(
         history=history, evaluations=evaluations, start_step=start_step, interrupted=interrupted
+    )
+
+
+def _log_completions(
+    log: CompletionLog,
+    step: int,
+    ro: Rollout,
+    advantages: jax.Array,
+    mesh: Any,
+    config: TrainConfig,
+) -> None:
+    """Logs this process's rows of the step's (first) rollout with their advantages."""
+    g = ro.batch.group_size
+    adv = host_array(advantages)
+    if adv.ndim == 2:  # per-token advantages: their mean over the completion tokens
+        mask = host_array(ro.batch.completion_mask)
+        adv = (adv * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1)
+    lo = process_row_range(config.prompts_per_step, mesh)[0] * g if spans_processes(mesh) else 0
+    rows = slice(lo, lo + len(ro.completions))
+    log.log(
+        step,
+        prompts=[p for p in ro.prompts for _ in range(g)],
+        completions=ro.completions,
+        rewards={n: ro.rewards_per_function[rows, j] for j, n in enumerate(ro.reward_names)},
+        advantages=adv[rows],
+        total_rewards=host_array(ro.batch.rewards)[rows],
+        group_size=g,
+        first_index=lo,
     )
