@@ -790,12 +790,9 @@ def _build_rewards(args: argparse.Namespace, num_generations: int, max_new_token
             f"functions ({', '.join(args.reward)}): give one weight per --reward, in order"
         )
         raise ValueError(msg)
-    return rw.RewardCombiner(
-        funcs,
-        weights=args.reward_weights,
-        mode=args.reward_mode,
-        group_size=num_generations if args.reward_mode == "normalized" else None,
-    )
+    # The group size is not set here: the rollout passes it when it calls the combiner (the
+    # one source is GRPOConfig.num_generations).
+    return rw.RewardCombiner(funcs, weights=args.reward_weights, mode=args.reward_mode)
 
 
 def _import_reward(path: str) -> Any:

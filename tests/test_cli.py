@@ -200,7 +200,9 @@ def test_normalized_reward_mode_standardizes_within_each_prompts_group():
     # Prompt 0's group is all correct-or-wrong pairs: (1, 0); prompt 1's group: (1, 1).
     prompts = ["p0", "p0", "p1", "p1"]
     completions = ["\\boxed{3}", "\\boxed{4}", "\\boxed{5}", "\\boxed{5}"]
-    out = rewards(prompts, completions, answer=["3", "3", "5", "5"])
+    # The rollout passes the group size (GRPOConfig.num_generations) when it calls the
+    # combiner (test_rollout.py checks that it does).
+    out = rewards(prompts, completions, group_size=2, answer=["3", "3", "5", "5"])
     total = np.asarray(out.total, np.float64)
     # Within groups: (1, 0) standardizes to (+s, -s); the constant group (1, 1) gives zeros.
     # Over the whole batch (the old behaviour) the constant group would get positive values.

@@ -80,7 +80,6 @@ from flax.nnx import spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from artifex.generative_models.training.logging import is_primary_process
-from artifex.generative_models.training.rl.batch import GRPOBatch
 
 __all__ = [
     "CAUSAL_LM_RULES",
@@ -737,7 +736,8 @@ def shard_batch(
     the whole batch.
 
     Args:
-        batch: A :class:`GRPOBatch` or any pytree of row-major arrays ``(B, ...)``.
+        batch: Any pytree of row-major arrays ``(B, ...)`` (e.g. a ``GRPOBatch``; a batch with
+            a ``group_size`` attribute keeps its groups whole).
         mesh: The mesh.
         process_local: Whether ``batch`` holds only this process's rows.
         data_axes: Axes the rows are split over (default: ``("data", "fsdp")`` as present).
@@ -746,8 +746,8 @@ def shard_batch(
         The same pytree with sharded ``jax.Array`` leaves.
 
     Raises:
-        ValueError: The rows (or, for a ``GRPOBatch``, the groups) cannot be split evenly over
-            the data shards; the message names both numbers. Leaves disagree on the rows, or
+        ValueError: The rows (or, for a batch with a ``group_size``, the groups) cannot be
+            split evenly over the data shards; the message names both numbers. Leaves disagree on the rows, or
             ``data_axes`` names an unknown axis.
         TypeError: ``mesh`` is not a ``Mesh``.
     """
@@ -781,8 +781,8 @@ def shard_batch(
             f"a batch of {global_rows} rows cannot be split evenly over {shards} data shards "
             f"({_axes_desc(mesh, data_axes)}); use a multiple of {shards} rows"
         )
-        if isinstance(batch, GRPOBatch) and batch.group_ids is None and batch.group_size > 0:
-            g = batch.group_size
+        g = getattr(batch, "group_size", 0)  # a batch type with fixed-size groups (duck-typed)
+        if getattr(batch, "group_ids", None) is None and isinstance(g, int) and g > 0:
             msg += f" (e.g. a multiple of {shards // math.gcd(shards, g)} groups of {g})"
         raise ValueError(msg)
 

@@ -25,6 +25,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as _HFTokenizer
 
 from artifex.generative_models.utils.atomic import atomic_write_json, commit_file, temp_path
+from artifex.generative_models.utils.tool_schema import tool_schema
 
 __all__ = ["Tokenizer", "render_chat_template"]
 
@@ -549,8 +550,6 @@ class Tokenizer:
         tools = variables.get("tools")
         if tools is not None and any(callable(t) for t in tools):
             # Plain Python functions become JSON schemas, as transformers does.
-            from artifex.generative_models.training.rl.tools import tool_schema
-
             variables["tools"] = [tool_schema(t) if callable(t) else t for t in tools]
         out = []
         for conversation in conversations:

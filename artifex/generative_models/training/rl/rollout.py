@@ -506,7 +506,7 @@ def rollout(
         mesh=sampler_mesh,
     )
     out = sampled.output
-    combined = rewards(sampled.prompts, sampled.completions, **sampled.columns)
+    combined = rewards(sampled.prompts, sampled.completions, group_size=k, **sampled.columns)
     batch = GRPOBatch(
         prompt_ids=out.prompt_ids,
         prompt_mask=out.prompt_mask,

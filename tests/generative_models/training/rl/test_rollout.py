@@ -77,6 +77,33 @@ def scored(trainer, batch, model):
     return np.asarray(fn(model, batch)[0])
 
 
+def test_rollout_normalizes_rewards_within_each_prompts_group():
+    """The combiner gets the group size from the policy's GRPOConfig (GDPO normalization)."""
+    trainer, tok = make_trainer()
+    calls = []
+
+    def by_prompt(prompts, completions, **columns):
+        calls.append(len(prompts))
+        # Prompt 0: rewards 0..3 (varied); prompt 1: all 5 (a constant group); prompt 2: 0..3.
+        return [5.0 if p == "7+8=" else float(i % 4) for i, p in enumerate(prompts)]
+
+    ro = rollout(
+        trainer,
+        tok,
+        ROWS,
+        RewardCombiner([by_prompt], mode="normalized"),
+        RolloutConfig(max_new_tokens=3),
+        key=jax.random.key(0),
+    )
+    r = np.asarray(ro.batch.rewards).reshape(3, 4)
+    # Within groups the constant group standardizes to 0 and each group sums to 0; over the
+    # whole batch (one group of 12) the constant group would be far above the mean.
+    np.testing.assert_allclose(r[1], 0.0, atol=1e-6)
+    np.testing.assert_allclose(r.sum(axis=1), 0.0, atol=1e-5)
+    np.testing.assert_allclose(r[0], r[2], rtol=1e-6)
+    assert calls == [12]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_old_log_probs_from_sampler_equal_recomputed(temperature):
     trainer, tok = make_trainer(beta=0.1, temperature=temperature)

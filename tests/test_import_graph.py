@@ -1,0 +1,134 @@
+"""The library's modules import each other one way only: no cycles, lazy imports included.
+
+The graph has one node per module of ``artifex`` (a package's ``__init__`` is the package's
+node). Every ``import`` counts, at module level or inside a function; only imports under
+``if TYPE_CHECKING:`` (annotations, never executed) are left out. ``from pkg import name``
+is an edge to the submodule ``pkg.name`` when there is one, else to ``pkg`` (its ``__init__``).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LIBRARY = ROOT / "artifex"
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the import nodes inside ``if TYPE_CHECKING:`` blocks."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+            if name == "TYPE_CHECKING":
+                for inner in node.body:
+                    skipped.update(id(n) for n in ast.walk(inner))
+    return skipped
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in LIBRARY.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skipped = _type_checking_nodes(tree)
+        is_package = path.name == "__init__.py"
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in paths)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    anchor = name if is_package else name.rsplit(".", 1)[0]
+                    for _ in range(node.level - 1):
+                        anchor = anchor.rsplit(".", 1)[0]
+                    base = f"{anchor}.{base}" if base else anchor
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in paths:
+                        deps.add(f"{base}.{alias.name}")
+                    elif base in paths:
+                        deps.add(base)
+        deps.discard(name)
+        graph[name] = deps
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return [*path, node, dep]
+            if dep not in state and (cycle := visit(dep, [*path, node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return None
+
+
+def imports_of(graph: dict[str, set[str]], module: str) -> set[str]:
+    return graph["artifex.generative_models." + module]
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_sees_function_level_imports():
+    graph = import_graph()
+    # cli.py imports the loop inside functions: those edges are in the graph.
+    assert "artifex.generative_models.training.rl.loop" in graph["artifex.cli"]
+
+
+def test_no_import_cycles_in_the_library():
+    graph = import_graph()
+    assert len(graph) > 40
+    assert find_cycle(graph) is None
+
+
+def test_layers_import_downward_only():
+    graph = import_graph()
+    training = "artifex.generative_models.training"
+    # Language models and the text sampler know nothing of training. (The Flow-GRPO image
+    # pieces do: their sampler packs trajectories into a GRPOBatch for the log-prob hook, and
+    # their rewards combine through the reward combiner.)
+    flow = ("models.flow", "inference.flow_sampling")
+    for module, deps in graph.items():
+        if module.startswith(("artifex.generative_models.models", "artifex.generative_models.inf")):
+            if any(module.startswith(f"artifex.generative_models.{f}") for f in flow):
+                continue
+            assert not {d for d in deps if d.startswith(training)}, module
+    # The generic training modules know no RL types.
+    for generic in ("sharding", "checkpointing", "logging"):
+        deps = imports_of(graph, f"training.{generic}")
+        assert not {d for d in deps if d.startswith(f"{training}.rl")}, generic
+    # configs/batch -> maths -> step -> rollout -> loop -> the trainer shell -> CLI.
+    rl = f"{training}.rl"
+    assert f"{rl}.state" not in imports_of(graph, "training.rl.rollout")
+    assert f"{rl}.grpo" not in imports_of(graph, "training.rl.rollout")
+    assert f"{rl}.grpo" not in imports_of(graph, "training.rl.loop")
+    assert f"{rl}.loop" not in imports_of(graph, "training.rl.state")
+    assert f"{rl}.state" not in imports_of(graph, "training.rl.objective")
+    for maths in ("advantages", "losses", "logprobs", "objective"):
+        assert not {f"{rl}.{m}" for m in ("state", "rollout", "loop", "grpo")} & imports_of(
+            graph, f"training.rl.{maths}"
+        ), maths
