@@ -747,8 +747,8 @@ def shard_batch(
 
     Raises:
         ValueError: The rows (or, for a batch with a ``group_size``, the groups) cannot be
-            split evenly over the data shards; the message names both numbers. Leaves disagree on the rows, or
-            ``data_axes`` names an unknown axis.
+            split evenly over the data shards; the message names both numbers. Leaves
+            disagree on the rows, or ``data_axes`` names an unknown axis.
         TypeError: ``mesh`` is not a ``Mesh``.
     """
     _check_mesh(mesh, "shard_batch")
