@@ -731,6 +731,14 @@ def train(
             "equal microbatches"
         )
         raise ValueError(msg)
+    length = policy.config.max_completion_length
+    if rollout_fn is None and length is not None and length != rcfg.max_new_tokens:
+        msg = (
+            f"GRPOConfig.max_completion_length={length} and RolloutConfig.max_new_tokens="
+            f"{rcfg.max_new_tokens} describe one length (the completions' width): leave "
+            "max_completion_length unset (it is derived from the batch) or make them equal"
+        )
+        raise ValueError(msg)
     prompt_column = rcfg.prompt_column
     for i, row in enumerate(dataset):
         if not isinstance(row, Mapping) or prompt_column not in row:

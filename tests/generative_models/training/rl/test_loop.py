@@ -267,3 +267,10 @@ def test_minibatch_metrics_describe_the_whole_generation_batch():
     # rows the std is that value times sqrt(1/2) (the old per-minibatch average gave 0.45-0.57).
     a = 0.5 / (np.sqrt(1 / 3) + 1e-4)
     np.testing.assert_allclose(m["advantage_std"], a * np.sqrt(0.5), rtol=1e-5)
+
+
+def test_one_completion_length_setting():
+    """max_completion_length, when set, must be the rollout's max_new_tokens (one length)."""
+    trainer, tok = make_trainer(max_completion_length=8)
+    with pytest.raises(ValueError, match=r"max_completion_length=8 and .*max_new_tokens=4"):
+        train(trainer, tok, TRAIN, [REWARD], TrainConfig(num_steps=1, **LOOP), ROLLOUT)

@@ -1,0 +1,138 @@
+"""Per-step host overhead of the training loop on library-built batches.
+
+Runs ``rl.loop.train`` for ``--steps`` steps on the built-in addition task (the demo's tiny
+model and character tokenizer, where host work weighs most), then times the compiled update
+alone on a batch of the same shape. Per step:
+
+    host overhead = step_time - rollout_time - compiled update
+
+``step_time`` and ``rollout_time`` are the loop's own metrics; the compiled update is the
+jitted step called directly (median of ``--repeats`` calls, blocked). What remains is the host
+work the loop does around the update for a batch it built itself: validation, copies to the
+host, sharding, advantages, metrics.
+
+It runs against this checkout, or against an older one to compare (the same command, with
+``PYTHONPATH`` pointing at that checkout: its step is found as ``GRPOTrainer.compiled_step()``
+or, before the functional train state, ``GRPOTrainer._step_fn``)::
+
+    python benchmarks/host_overhead.py --steps 12
+    git worktree add /tmp/before <commit> && PYTHONPATH=/tmp/before \\
+        python benchmarks/host_overhead.py --steps 12
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import artifex
+from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl.loop import TrainConfig, train
+from artifex.generative_models.training.rl.rewards import math_answer_reward
+from artifex.generative_models.training.rl.rollout import RolloutConfig, rollout
+
+
+def compiled_update_seconds(trainer: GRPOTrainer, batch, repeats: int) -> float:
+    """Median wall time of the compiled update alone on ``batch`` (no host work)."""
+    if hasattr(trainer, "compiled_step"):  # the functional train state
+        batch = trainer.place_batch(batch)
+        step = trainer.compiled_step()
+
+        def call():
+            state, metrics = step(trainer.state, batch)
+            jax.block_until_ready(metrics)
+            trainer.load_state(state)
+
+    else:  # the trainer before it (model and optimizer states as arguments)
+        batch = trainer.prepare_batch(batch)
+        ref = None if trainer.reference_model is None else nnx.state(trainer.reference_model)
+
+        def call():
+            out = trainer._step_fn(
+                nnx.state(trainer.model), nnx.state(trainer.optimizer), ref, batch, 1
+            )
+            jax.block_until_ready(out[2])
+            nnx.update(trainer.model, out[0])
+            nnx.update(trainer.optimizer, out[1])
+
+    call()  # compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+
+    tok = demo_tokenizer()
+    model, ref = demo_model(tok, seed=0), demo_model(tok, seed=1)
+    config = GRPOConfig(num_generations=args.generations, beta=0.04)
+    trainer = GRPOTrainer(
+        model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param), config, reference_model=ref
+    )
+    rows, _ = addition_dataset(seed=0, num_eval=8)
+    reward = math_answer_reward(last_number_fallback=True)
+    rcfg = RolloutConfig(max_new_tokens=args.max_new_tokens)
+    loop = TrainConfig(num_steps=args.steps, prompts_per_step=args.prompts, progress=False)
+    result = train(trainer, tok, rows, [reward], loop, rcfg)
+    # The first steps compile (sampler, step); the rest are steady state.
+    steady = result.history[2:]
+    train_side = [m["step_time"] - m["rollout_time"] for m in steady]
+    ro = rollout(
+        trainer, tok, rows[: args.prompts], reward_combiner(reward), rcfg, key=jax.random.key(1)
+    )
+    update = compiled_update_seconds(trainer, ro.batch, args.repeats)
+    overhead = [t - update for t in train_side]
+    print(
+        json.dumps(
+            {
+                "checkout": os.path.dirname(os.path.dirname(os.path.abspath(artifex.__file__))),
+                "steps_measured": len(steady),
+                "step_time_median_s": statistics.median(m["step_time"] for m in steady),
+                "rollout_time_median_s": statistics.median(m["rollout_time"] for m in steady),
+                "train_side_median_s": statistics.median(train_side),
+                "compiled_update_median_s": update,
+                "host_overhead_median_s": statistics.median(overhead),
+                "host_overhead_min_s": min(overhead),
+                "host_overhead_max_s": max(overhead),
+                "host_overhead_fraction_of_step": statistics.median(overhead)
+                / statistics.median(m["step_time"] for m in steady),
+                "batch_rows": args.prompts * args.generations,
+                "jax": jax.__version__,
+                "numpy": np.__version__,
+            }
+        )
+    )
+
+
+def reward_combiner(reward):
+    from artifex.generative_models.training.rl.rewards import RewardCombiner
+
+    return RewardCombiner([reward])
+
+
+if __name__ == "__main__":
+    main()
