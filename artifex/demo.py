@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import time
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.grpo import GRPOTrainer
 from artifex.generative_models.training.rl.loop import TrainConfig, TrainResult, evaluate, train
 from artifex.generative_models.training.rl.rewards import RewardCombiner, math_answer_reward
-from artifex.generative_models.training.rl.rollout import RolloutConfig
+from artifex.generative_models.training.rl.rollout import Policy, RolloutConfig
 
 __all__ = [
     "DemoConfig",
@@ -287,7 +286,7 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
     reward = math_answer_reward(last_number_fallback=True)
     rollout_config = RolloutConfig(max_new_tokens=4)
     val_rows = train_rows[-200:]
-    holder = types.SimpleNamespace(model=model)
+    holder = Policy(model, GRPOConfig())  # evaluation samples with the model as it is
 
     def accurate_enough() -> bool:
         acc = evaluate(holder, tokenizer, val_rows, reward, rollout_config)["eval/pass@1"]

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import time
-import types
 from typing import Any
 
 import jax
@@ -44,7 +43,7 @@ from artifex.generative_models.training.rl.multiturn import (
     run_episodes,
 )
 from artifex.generative_models.training.rl.rewards import math_answer_reward
-from artifex.generative_models.training.rl.rollout import RolloutConfig
+from artifex.generative_models.training.rl.rollout import Policy, RolloutConfig
 from artifex.generative_models.training.rl.tools import tool_schema
 
 __all__ = [
@@ -293,7 +292,7 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
     )
     losses = tool_warmup(model, tokenizer, warm, steps=cfg.warmup_steps, seed=cfg.seed)
     t_warmup = time.perf_counter() - t0
-    holder = types.SimpleNamespace(model=model)
+    holder = Policy(model, GRPOConfig())  # evaluation samples with the model as it is
     factory = rollout_fn.environment_factory
 
     def sampled(m: CausalLM) -> dict[str, float]:

@@ -82,11 +82,21 @@ from artifex.generative_models.training.rl.rewards import (
 )
 from artifex.generative_models.training.rl.rollout import (
     Completions,
+    Policy,
     Rollout,
     RolloutConfig,
     encode_prompts,
     rollout,
     sample_completions,
+)
+
+# The functional step: the train state and the pure update
+from artifex.generative_models.training.rl.state import (
+    GRPOTrainState,
+    init_train_state,
+    make_grpo_log_probs,
+    make_grpo_train_step,
+    write_train_state,
 )
 from artifex.generative_models.training.rl.tools import (
     ToolCall,
@@ -104,12 +114,14 @@ __all__ = [
     "Episodes",
     "GRPOBatch",
     "GRPOConfig",
+    "GRPOTrainState",
     "GRPOTrainer",
     "GroupStats",
     "MultiTurnConfig",
     "MultiTurnRollout",
     "MultiTurnRolloutResult",
     "NonFiniteUpdateError",
+    "Policy",
     "RewardCombiner",
     "RewardFunction",
     "RewardFunctionError",
@@ -146,10 +158,13 @@ __all__ = [
     "group_advantages",
     "group_stats",
     "grpo_objective",
+    "init_train_state",
     "kl_divergence",
     "log_importance_ratio",
     "loss_normalizer",
+    "make_grpo_log_probs",
     "make_grpo_loss",
+    "make_grpo_train_step",
     "masked_mean",
     "math_answer_reward",
     "normalize_number",
@@ -168,6 +183,7 @@ __all__ = [
     "tool_schema",
     "train",
     "turn_step_rewards",
+    "write_train_state",
 ]
 
 # 2025-2026 GRPO variants (see docs/algorithm.md, "Variants as settings").

@@ -115,6 +115,16 @@ def _uncommitted_key(key: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(local))
 
 
+def _replicated_key(key: jax.Array, mesh: Mesh) -> jax.Array:
+    """``key`` replicated over ``mesh`` (which may span several processes)."""
+    sharding = NamedSharding(mesh, PartitionSpec())
+    if getattr(key, "sharding", None) == sharding:
+        return key
+    data = np.asarray(jax.random.key_data(key))
+    arr = jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
+    return jax.random.wrap_key_data(arr, impl=jax.random.key_impl(key))
+
+
 def _unshare_buffers(reference: nnx.Module, model: nnx.Module) -> None:
     """Gives ``reference`` its own copy of any array it shares with ``model``.
 
@@ -176,6 +186,8 @@ class GRPOTrainer:
             in the inputs' layout (so donation reuses the buffers).
         partition_rules: :class:`~artifex.generative_models.training.sharding.PartitionRules`
             (or ``(regex, PartitionSpec)`` pairs) for ``mesh``; default ``PartitionRules()``.
+        rng: The run's PRNG key, carried in the train state (default ``jax.random.key(0)``;
+            the training loop sets it from ``TrainConfig.seed``).
     """
 
     def __init__(
@@ -274,7 +286,7 @@ class GRPOTrainer:
         """
         rng = self.rng
         if self.mesh is not None:  # every leaf of the state on the mesh (one device set)
-            rng = jax.device_put(rng, NamedSharding(self.mesh, PartitionSpec()))
+            rng = _replicated_key(rng, self.mesh)
         return init_train_state(
             self.model, self.optimizer, reference_model=self.reference_model, rng=rng
         )
