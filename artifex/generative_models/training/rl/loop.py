@@ -67,6 +67,7 @@ from artifex.generative_models.training.rl.rollout import (
 )
 from artifex.generative_models.training.rl.state import NonFiniteUpdateError
 from artifex.generative_models.training.sharding import host_array, process_row_range
+from artifex.generative_models.utils.validation import check_int
 
 if TYPE_CHECKING:  # annotations only: the trainer's module sits above the loop
     from artifex.generative_models.training.rl.grpo import GRPOTrainer
@@ -87,9 +88,7 @@ __all__ = [
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        msg = f"TrainConfig.{name} must be an int >= {minimum}, got {value!r}"
-        raise ValueError(msg)
+    check_int(f"TrainConfig.{name}", value, minimum=minimum)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

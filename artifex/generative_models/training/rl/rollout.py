@@ -36,6 +36,12 @@ from artifex.generative_models.training.sharding import (
     rows_to_global,
     shard_batch,
 )
+from artifex.generative_models.utils.validation import (
+    check_choice,
+    check_float,
+    check_int,
+    check_str,
+)
 
 __all__ = [
     "Completions",
@@ -147,36 +153,13 @@ class RolloutConfig:
     old_log_probs: OldLogProbs = "auto"
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.max_new_tokens, bool)
-            or not isinstance(self.max_new_tokens, int)
-            or (self.max_new_tokens < 1)
-        ):
-            msg = f"RolloutConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}"
-            raise ValueError(msg)
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            msg = f"RolloutConfig.top_k must be an int >= 1 or None, got {self.top_k!r}"
-            raise ValueError(msg)
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
-            msg = f"RolloutConfig.top_p must be in (0, 1], got {self.top_p!r}"
-            raise ValueError(msg)
-        if not isinstance(self.prompt_column, str) or not self.prompt_column:
-            msg = f"RolloutConfig.prompt_column must be a non-empty str, got {self.prompt_column!r}"
-            raise ValueError(msg)
-        if self.max_prompt_length is not None and (
-            not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1
-        ):
-            msg = (
-                "RolloutConfig.max_prompt_length must be an int >= 1 or None, "
-                f"got {self.max_prompt_length!r}"
-            )
-            raise ValueError(msg)
-        if self.old_log_probs not in ("auto", "sampler", "recompute"):
-            msg = (
-                "RolloutConfig.old_log_probs must be 'auto', 'sampler' or 'recompute', "
-                f"got {self.old_log_probs!r}"
-            )
-            raise ValueError(msg)
+        f = "RolloutConfig."
+        check_int(f + "max_new_tokens", self.max_new_tokens, minimum=1)
+        check_int(f + "top_k", self.top_k, minimum=1, allow_none=True)
+        check_float(f + "top_p", self.top_p, greater_than=0.0, maximum=1.0)
+        check_str(f + "prompt_column", self.prompt_column)
+        check_int(f + "max_prompt_length", self.max_prompt_length, minimum=1, allow_none=True)
+        check_choice(f + "old_log_probs", self.old_log_probs, ("auto", "sampler", "recompute"))
 
 
 @dataclasses.dataclass

@@ -274,3 +274,13 @@ def test_one_completion_length_setting():
     trainer, tok = make_trainer(max_completion_length=8)
     with pytest.raises(ValueError, match=r"max_completion_length=8 and .*max_new_tokens=4"):
         train(trainer, tok, TRAIN, [REWARD], TrainConfig(num_steps=1, **LOOP), ROLLOUT)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [("num_steps", 0, ValueError), ("num_steps", 2.0, TypeError), ("seed", -1, ValueError)],
+)
+def test_train_config_errors_follow_the_one_rule(field, value, error):
+    kwargs = {"num_steps": 1, field: value}
+    with pytest.raises(error, match=f"TrainConfig.{field}"):
+        TrainConfig(**kwargs)

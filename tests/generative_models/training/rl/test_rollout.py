@@ -268,3 +268,25 @@ def test_sampler_log_probs_feed_the_mismatch_correction():
     plain, _ = make_trainer()
     ro = rollout(plain, tok, ROWS, rewards, RolloutConfig(max_new_tokens=5), key=jax.random.key(2))
     assert ro.batch.sampler_log_probs is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("max_new_tokens", 0, ValueError),
+        ("max_new_tokens", 4.0, TypeError),
+        ("max_new_tokens", True, TypeError),
+        ("top_k", 0, ValueError),
+        ("top_p", 0.0, ValueError),
+        ("top_p", 1.5, ValueError),
+        ("top_p", "0.9", TypeError),
+        ("prompt_column", "", ValueError),
+        ("prompt_column", 3, TypeError),
+        ("max_prompt_length", 0, ValueError),
+        ("old_log_probs", "maybe", ValueError),
+    ],
+)
+def test_rollout_config_errors_follow_the_one_rule(field, value, error):
+    """Wrong type -> TypeError, right type out of range -> ValueError; the field is named."""
+    with pytest.raises(error, match=f"RolloutConfig.{field}"):
+        RolloutConfig(**{field: value})
