@@ -250,7 +250,8 @@ class CheckpointManager:
         Args:
             step: The training step (checkpoint name).
             state: The pytree of arrays to save (e.g. a ``GRPOTrainState`` without its
-                reference: ``trainer.state.replace(reference=None)``).
+                reference: ``trainer.state.replace(reference=None)``), or an object with a
+                ``checkpoint_state()`` method (a ``GRPOTrainer``), whose result is saved.
             metadata: JSON-able record (data position, fingerprint...).
 
         Raises:
@@ -267,6 +268,8 @@ class CheckpointManager:
                 f"{latest}; resume from it, delete it, or use another directory"
             )
             raise ValueError(msg)
+        if hasattr(state, "checkpoint_state"):
+            state = state.checkpoint_state()
         state = _saveable(state)
         digests = array_digests(state)
         bad = [name for name, d in digests.items() if not d["finite"]]
@@ -344,14 +347,18 @@ class CheckpointManager:
 
         Args:
             target: A pytree like the saved state (its arrays give the shapes, dtypes and
-                shardings to restore into; they are not modified).
+                shardings to restore into; they are not modified). Or an object with
+                ``checkpoint_state()`` and ``load_checkpoint_state(state)`` (a
+                ``GRPOTrainer``): the checkpoint is loaded into it and only the record is
+                returned, as earlier versions did.
             step: Which checkpoint; the newest readable one by default.
             fingerprint: What the checkpoint's ``metadata["fingerprint"]`` must equal
                 (see :func:`training_fingerprint`); ``None`` skips the check.
             ignore: Top-level fingerprint keys not compared (e.g. ``("dataset",)``).
 
         Returns:
-            ``(state, record)``: the restored pytree and the checkpoint's JSON record.
+            ``(state, record)``: the restored pytree and the checkpoint's JSON record (the
+            record alone when ``target`` is an object that loads the state itself).
 
         Raises:
             FileNotFoundError: If there is no such checkpoint.
@@ -359,6 +366,12 @@ class CheckpointManager:
             CorruptCheckpointError: If the checkpoint (with ``step``), or every checkpoint
                 (without), is unreadable or fails verification.
         """
+        if hasattr(target, "load_checkpoint_state"):
+            restored, record = self.restore(
+                target.checkpoint_state(), step, fingerprint=fingerprint, ignore=ignore
+            )
+            target.load_checkpoint_state(restored)
+            return record
         if step is not None:
             return self._restore_step(target, int(step), fingerprint, ignore)
         steps = sorted(self._manager.all_steps(), reverse=True)

@@ -307,3 +307,16 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_previous_one(tmp_path):
     assert restore(manager, fresh)["step"] == 1
     assert_state(fresh, state(make_trainer()))
     manager.close()
+
+
+def test_the_trainer_form_of_earlier_versions_still_saves_and_restores(tmp_path):
+    trainer = make_trainer()
+    bump(trainer, 3)
+    manager = CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, trainer, {"step": 1})  # a trainer, as earlier versions took
+    expected = state(trainer)
+    fresh = make_trainer(seed=5)
+    meta = manager.restore(fresh)  # loads into the trainer and returns the record
+    assert meta["step"] == 1
+    assert_state(fresh, expected)
+    manager.close()

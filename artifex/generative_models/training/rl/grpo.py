@@ -300,6 +300,22 @@ class GRPOTrainer:
         write_train_state(state, self.model, self.optimizer, self.reference_model)
         self.rng = _uncommitted_key(state.rng)
 
+    def checkpoint_state(self) -> GRPOTrainState:
+        """The part of the train state a checkpoint holds: everything but the reference.
+
+        Returns:
+            ``self.state`` with ``reference=None`` (a frozen reference is rebuilt, not saved).
+        """
+        return self.state.replace(reference=None)
+
+    def load_checkpoint_state(self, state: GRPOTrainState) -> None:
+        """Loads a restored :meth:`checkpoint_state`, keeping the current reference.
+
+        Args:
+            state: The restored state (without a reference).
+        """
+        self.load_state(state.replace(reference=self.state.reference))
+
     def policy(self) -> Policy:
         """The rollout stage's view of this trainer: model, config, mesh and scorer.
 

@@ -784,13 +784,12 @@ def train(
             )
             raise FileExistsError(msg)
         elif existing:
-            current = trainer.state
             restored, meta = manager.restore(
-                current.replace(reference=None),
+                trainer.checkpoint_state(),
                 fingerprint=fingerprint,
                 ignore=("dataset",) if config.allow_dataset_change else (),
             )
-            trainer.load_state(restored.replace(reference=current.reference))
+            trainer.load_checkpoint_state(restored)
             start_step = int(meta["step"])
             data.restore(meta["data"])
 
@@ -833,7 +832,7 @@ def train(
             return
         manager.save(
             step,
-            trainer.state.replace(reference=None),
+            trainer.checkpoint_state(),
             {"step": step, "data": data.state(), "fingerprint": fingerprint},
         )
 

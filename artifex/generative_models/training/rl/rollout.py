@@ -17,6 +17,7 @@ batch the trainer computes them inside its compiled step instead.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -111,7 +112,8 @@ def as_policy(policy: Policy | SupportsPolicy) -> Policy:
         The :class:`Policy`.
 
     Raises:
-        TypeError: Neither.
+        TypeError: Neither (an object with only a ``model`` attribute is still read as
+            ``Policy(model, GRPOConfig())``, with a ``DeprecationWarning``).
     """
     if isinstance(policy, Policy):
         return policy
@@ -119,6 +121,14 @@ def as_policy(policy: Policy | SupportsPolicy) -> Policy:
         view = policy.policy()
         if isinstance(view, Policy):
             return view
+    if hasattr(policy, "model"):  # an object holding a model (the form earlier versions took)
+        warnings.warn(
+            "pass a rollout Policy (Policy(model, config)) or a GRPOTrainer; objects that merely "
+            "hold a .model are read as Policy(model, GRPOConfig()) for compatibility",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return Policy(model=policy.model, config=GRPOConfig(), mesh=getattr(policy, "mesh", None))
     msg = (
         "policy must be a rollout Policy or have a policy() method returning one (a "
         f"GRPOTrainer), got {type(policy).__name__}"

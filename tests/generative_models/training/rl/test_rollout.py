@@ -290,3 +290,17 @@ def test_rollout_config_errors_follow_the_one_rule(field, value, error):
     """Wrong type -> TypeError, right type out of range -> ValueError; the field is named."""
     with pytest.raises(error, match=f"RolloutConfig.{field}"):
         RolloutConfig(**{field: value})
+
+
+def test_an_object_holding_a_model_still_works_with_a_deprecation_warning():
+    import types
+
+    from artifex.generative_models.training.rl.rollout import Policy, as_policy
+
+    trainer, _ = make_trainer()
+    assert as_policy(trainer).model is trainer.model  # a trainer presents its own Policy
+    with pytest.warns(DeprecationWarning, match="rollout Policy"):
+        policy = as_policy(types.SimpleNamespace(model=trainer.model))
+    assert isinstance(policy, Policy) and policy.model is trainer.model
+    with pytest.raises(TypeError, match="policy must be a rollout Policy"):
+        as_policy(object())
