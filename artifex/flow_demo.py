@@ -64,7 +64,7 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class FlowDemoConfig:
-    """Settings of the Flow-GRPO demo (the defaults run in about two minutes on 2 CPU cores).
+    """Settings of the Flow-GRPO demo (the defaults run in about a minute on 2 CPU cores).
 
     Attributes:
         seed: Seeds everything.
