@@ -117,7 +117,7 @@ def test_sampler_and_log_prob_hook_accept_the_dit():
     traj = FlowSampler(sde)(model, np.array([0, 1]), 2, jax.random.key(0))
     assert traj.states.shape == (4, 4, 16) and traj.log_probs.shape == (4, 3)
     batch = to_grpo_batch(traj, np.arange(4.0), group_size=2, config=sde)
-    log_probs, _ = flow_log_prob_fn(sde)(model, batch)
+    log_probs, _ = nnx.jit(flow_log_prob_fn(sde))(model, batch)
     np.testing.assert_allclose(np.asarray(log_probs), np.asarray(traj.log_probs), rtol=1e-4)
 
 
@@ -132,9 +132,9 @@ def test_pretraining_lowers_the_flow_matching_loss_on_digits():
         model,
         images,
         labels,
-        FlowTrainConfig(num_steps=80, batch_size=64, learning_rate=4e-3, seed=1),
+        FlowTrainConfig(num_steps=60, batch_size=32, learning_rate=4e-3, seed=1),
     )
-    assert len(losses) == 80 and np.all(np.isfinite(losses))
+    assert len(losses) == 60 and np.all(np.isfinite(losses))
     assert np.mean(losses[-20:]) < 0.8 * np.mean(losses[:5])
 
 
