@@ -27,6 +27,11 @@ from artifex.generative_models.models.flow import (
     unpatchify,
 )
 
+# One small shape for the tests that call the network, so they share its compilations.
+_CFG = FlowDiTConfig(
+    image_shape=(8, 8), num_classes=3, hidden_dim=16, num_blocks=1, num_heads=2, time_features=8
+)
+
 
 @jax.jit
 def _jitter(params: nnx.State, key: jax.Array) -> nnx.State:
@@ -82,9 +87,8 @@ def test_sincos_position_embeddings_against_numpy():
 
 
 def test_shapes_and_adaln_zero_init():
-    cfg = FlowDiTConfig(image_shape=(8, 8), num_classes=3, hidden_dim=16, num_blocks=2)
-    assert (cfg.data_dim, cfg.num_tokens, cfg.patch_dim) == (64, 16, 4)
-    model = FlowDiT(cfg, rngs=nnx.Rngs(0))
+    assert (_CFG.data_dim, _CFG.num_tokens, _CFG.patch_dim) == (64, 16, 4)
+    model = FlowDiT(_CFG, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (5, 64))
     t = jnp.linspace(0.1, 0.9, 5)
     labels = jnp.array([0, 1, 2, 0, 1])
@@ -97,13 +101,12 @@ def test_shapes_and_adaln_zero_init():
 
 
 def test_output_depends_on_class_time_and_only_its_own_row():
-    cfg = FlowDiTConfig(image_shape=(4, 4, 2), num_classes=3, hidden_dim=16, num_blocks=1)
-    model = _perturbed(cfg)
-    x = jax.random.normal(jax.random.key(1), (4, 32))
+    model = _perturbed(_CFG)
+    x = jax.random.normal(jax.random.key(1), (4, 64))
     t = jnp.array([0.2, 0.4, 0.6, 0.8])
     v = np.asarray(_velocity(model, x, t, jnp.array([0, 1, 2, 0])))
     v2 = np.asarray(_velocity(model, x, t, jnp.array([1, 1, 2, 0])))
-    assert v.shape == (4, 32) and np.all(np.isfinite(v))
+    assert v.shape == (4, 64) and np.all(np.isfinite(v))
     assert not np.allclose(v[0], v2[0], atol=1e-3)  # the class matters
     np.testing.assert_allclose(v[1:], v2[1:], rtol=1e-5, atol=1e-6)  # rows are independent
     v3 = np.asarray(_velocity(model, x, t.at[0].set(0.9), jnp.array([0, 1, 2, 0])))
@@ -111,11 +114,10 @@ def test_output_depends_on_class_time_and_only_its_own_row():
 
 
 def test_sampler_and_log_prob_hook_accept_the_dit():
-    cfg = FlowDiTConfig(image_shape=(4, 4), num_classes=2, hidden_dim=16, num_blocks=1)
-    model = _perturbed(cfg)
+    model = _perturbed(_CFG)
     sde = SDEConfig(num_steps=3, noise_level=0.7)
     traj = FlowSampler(sde)(model, np.array([0, 1]), 2, jax.random.key(0))
-    assert traj.states.shape == (4, 4, 16) and traj.log_probs.shape == (4, 3)
+    assert traj.states.shape == (4, 4, 64) and traj.log_probs.shape == (4, 3)
     batch = to_grpo_batch(traj, np.arange(4.0), group_size=2, config=sde)
     log_probs, _ = nnx.jit(flow_log_prob_fn(sde))(model, batch)
     np.testing.assert_allclose(np.asarray(log_probs), np.asarray(traj.log_probs), rtol=1e-4)
