@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from artifex.flow_demo import FlowDemoConfig, run_flow_demo
+from artifex.flow_demo import FlowDemoConfig, build_flow_model, run_flow_demo
+from artifex.generative_models.models.flow import FlowDiT, FlowModel
 
 
 @pytest.mark.slow
@@ -39,8 +40,24 @@ def test_short_flow_demo_writes_results(tmp_path):
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(classes=(10,)), dict(num_generations=1), dict(noise_level=-1.0), dict(beta=-0.1)],
+    [
+        dict(classes=(10,)),
+        dict(num_generations=1),
+        dict(noise_level=-1.0),
+        dict(beta=-0.1),
+        dict(architecture="unet"),
+        dict(pretrain_learning_rate=0.0),
+    ],
 )
 def test_flow_demo_config_validation(bad):
     with pytest.raises(ValueError):
         FlowDemoConfig(**bad)
+
+
+def test_build_flow_model_picks_the_architecture():
+    dit = build_flow_model(FlowDemoConfig(hidden_dim=16, num_blocks=1, num_heads=2))
+    assert isinstance(dit, FlowDiT)
+    assert (dit.config.hidden_dim, dit.config.num_heads, dit.config.num_tokens) == (16, 2, 16)
+    mlp = build_flow_model(FlowDemoConfig(architecture="mlp", hidden_dim=16, num_blocks=1))
+    assert isinstance(mlp, FlowModel) and mlp.config.hidden_dim == 16
+    assert dit.config.data_dim == mlp.config.data_dim == 64

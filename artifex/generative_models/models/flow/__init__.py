@@ -1,5 +1,12 @@
-"""A small flow-matching image model, its pretraining, and image rewards (for Flow-GRPO)."""
+"""Small flow-matching image models (a DiT, a residual MLP), pretraining, image rewards."""
 
+from artifex.generative_models.models.flow.dit import (
+    FlowDiT,
+    FlowDiTConfig,
+    patchify,
+    sincos_position_embeddings,
+    unpatchify,
+)
 from artifex.generative_models.models.flow.model import (
     FlowModel,
     FlowModelConfig,
@@ -23,6 +30,8 @@ from artifex.generative_models.models.flow.training import (
 
 __all__ = [
     "DigitClassifier",
+    "FlowDiT",
+    "FlowDiTConfig",
     "FlowModel",
     "FlowModelConfig",
     "FlowTrainConfig",
@@ -33,7 +42,10 @@ __all__ = [
     "compressibility_reward",
     "flow_matching_loss",
     "load_digits_images",
+    "patchify",
+    "sincos_position_embeddings",
     "timestep_features",
     "train_classifier",
     "train_flow_matching",
+    "unpatchify",
 ]

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from artifex.generative_models.models.flow.dit import FlowDiT
 from artifex.generative_models.models.flow.model import FlowModel
 
 __all__ = [
@@ -57,7 +58,7 @@ def load_digits_images() -> tuple[np.ndarray, np.ndarray]:
 
 
 def flow_matching_loss(
-    model: FlowModel,
+    model: FlowDiT | FlowModel,
     x0: jax.Array,
     labels: jax.Array,
     noise: jax.Array,
@@ -68,7 +69,7 @@ def flow_matching_loss(
     ``mean_b mean_d (v_theta((1 - t_b) x0_b + t_b x1_b, t_b, y_b) - (x1_b - x0_b))_d^2``.
 
     Args:
-        model: The velocity network.
+        model: The velocity network ``model(x, t, labels)`` on flattened images.
         x0: ``(B, ...)`` data images (flattened inside).
         labels: ``(B,)`` int class labels.
         noise: ``(B, ...)`` standard normal noise ``x_1`` (shape of ``x0``).
@@ -117,7 +118,7 @@ class FlowTrainConfig:
 
 
 def train_flow_matching(
-    model: FlowModel,
+    model: FlowDiT | FlowModel,
     images: np.ndarray | jax.Array,
     labels: np.ndarray | jax.Array,
     config: FlowTrainConfig | None = None,
