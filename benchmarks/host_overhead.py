@@ -28,15 +28,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import artifex
 from artifex.demo import addition_dataset, demo_model, demo_tokenizer
@@ -47,27 +45,30 @@ from artifex.generative_models.training.rl.rollout import RolloutConfig, rollout
 
 
 def compiled_update_seconds(trainer: GRPOTrainer, batch, repeats: int) -> float:
-    """Median wall time of the compiled update alone on ``batch`` (no host work)."""
+    """Median wall time of the compiled update alone on ``batch``.
+
+    The compiled function is called on its own outputs (the state it returned), so no host
+    work at all is timed: no validation, no model/optimizer bookkeeping.
+    """
     if hasattr(trainer, "compiled_step"):  # the functional train state
         batch = trainer.place_batch(batch)
         step = trainer.compiled_step()
+        carry = [jax.tree.map(jnp.copy, trainer.state)]  # own buffers (the step donates)
 
         def call():
-            state, metrics = step(trainer.state, batch)
+            carry[0], metrics = step(carry[0], batch)
             jax.block_until_ready(metrics)
-            trainer.load_state(state)
 
     else:  # the trainer before it (model and optimizer states as arguments)
         batch = trainer.prepare_batch(batch)
         ref = None if trainer.reference_model is None else nnx.state(trainer.reference_model)
+        own = jax.tree.map(jnp.copy, (nnx.state(trainer.model), nnx.state(trainer.optimizer)))
+        carry = list(own)  # own buffers (the step donates)
 
         def call():
-            out = trainer._step_fn(
-                nnx.state(trainer.model), nnx.state(trainer.optimizer), ref, batch, 1
-            )
+            out = trainer._step_fn(carry[0], carry[1], ref, batch, 1)
             jax.block_until_ready(out[2])
-            nnx.update(trainer.model, out[0])
-            nnx.update(trainer.optimizer, out[1])
+            carry[0], carry[1] = out[0], out[1]
 
     call()  # compile
     times = []
@@ -76,6 +77,68 @@ def compiled_update_seconds(trainer: GRPOTrainer, batch, repeats: int) -> float:
         call()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def direct_host_seconds(trainer: GRPOTrainer, batch, repeats: int) -> dict[str, float]:
+    """The loop's per-batch training path minus the compiled update, timed interleaved.
+
+    The loop's path for a batch it built: before the functional train state,
+    ``trainer.train_step(batch)`` (host validation, then the update); after it, the batch's
+    advantages and reward metrics once, then ``trainer.apply_prepared(batch)``. Each repetition
+    times that path and the bare compiled update back to back, so drifts of the machine's
+    speed hit both alike; the medians of both and of their differences are returned.
+    """
+    if hasattr(trainer, "apply_prepared"):
+        from artifex.generative_models.training.rl import loop as loop_lib
+
+        def path():
+            b = trainer.place_batch(batch)
+            b = b.replace(advantages=loop_lib._advantages(b, trainer.config))
+            metrics = jax.device_get(loop_lib._batch_metrics(b))
+            return trainer.apply_prepared(b), metrics
+
+        step = trainer.compiled_step()
+        placed = trainer.place_batch(batch)
+        carry = [jax.tree.map(jnp.copy, trainer.state)]  # own buffers: both paths donate
+
+        def bare():
+            carry[0], metrics = step(carry[0], placed)
+            jax.block_until_ready(metrics)
+
+    else:
+
+        def path():
+            return trainer.train_step(batch)
+
+        prepared = trainer.prepare_batch(batch)
+        ref = None if trainer.reference_model is None else nnx.state(trainer.reference_model)
+        own = jax.tree.map(jnp.copy, (nnx.state(trainer.model), nnx.state(trainer.optimizer)))
+        carry = list(own)  # own buffers: both paths donate
+
+        def bare():
+            out = trainer._step_fn(carry[0], carry[1], ref, prepared, 1)
+            jax.block_until_ready(out[2])
+            carry[0], carry[1] = out[0], out[1]
+
+    path()
+    bare()
+    paths, bares = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        path()
+        t1 = time.perf_counter()
+        bare()
+        t2 = time.perf_counter()
+        paths.append(t1 - t0)
+        bares.append(t2 - t1)
+    diffs = [a - b for a, b in zip(paths, bares, strict=True)]
+    return {
+        "direct_path_median_s": statistics.median(paths),
+        "direct_compiled_median_s": statistics.median(bares),
+        "direct_host_median_s": statistics.median(diffs),
+        "direct_host_q25_s": statistics.quantiles(diffs, n=4)[0],
+        "direct_host_q75_s": statistics.quantiles(diffs, n=4)[2],
+    }
 
 
 def main() -> None:
@@ -101,11 +164,13 @@ def main() -> None:
     # The first steps compile (sampler, step); the rest are steady state.
     steady = result.history[2:]
     train_side = [m["step_time"] - m["rollout_time"] for m in steady]
+    # A batch of the loop's shape (same prompts as its first step, so the same prompt bucket).
     ro = rollout(
         trainer, tok, rows[: args.prompts], reward_combiner(reward), rcfg, key=jax.random.key(1)
     )
     update = compiled_update_seconds(trainer, ro.batch, args.repeats)
     overhead = [t - update for t in train_side]
+    direct = direct_host_seconds(trainer, ro.batch, 3 * args.repeats)
     print(
         json.dumps(
             {
@@ -120,6 +185,7 @@ def main() -> None:
                 "host_overhead_max_s": max(overhead),
                 "host_overhead_fraction_of_step": statistics.median(overhead)
                 / statistics.median(m["step_time"] for m in steady),
+                **direct,
                 "batch_rows": args.prompts * args.generations,
                 "jax": jax.__version__,
                 "numpy": np.__version__,

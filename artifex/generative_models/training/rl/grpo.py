@@ -115,6 +115,46 @@ def _uncommitted_key(key: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(local))
 
 
+class _CompiledStep:
+    """A trainer's compiled step as ``(state, batch) -> (state, metrics)``.
+
+    It splits the state into what the update changes (parameters, optimizer state, step:
+    donated) and what it reads (frozen variables, PRNG key, reference: not donated).
+    """
+
+    def __init__(self, jitted: Any):
+        self._jitted = jitted
+
+    @staticmethod
+    def _parts(state: GRPOTrainState) -> tuple[tuple, tuple]:
+        return (state.params, state.opt_state, state.step), (
+            state.frozen,
+            state.rng,
+            state.reference,
+        )
+
+    def __call__(
+        self, state: GRPOTrainState, batch: GRPOBatch
+    ) -> tuple[GRPOTrainState, dict[str, jax.Array]]:
+        (params, opt_state, step), metrics = self._jitted(*self._parts(state), batch)
+        return state.replace(params=params, opt_state=opt_state, step=step), metrics
+
+    def lower(self, state: GRPOTrainState, batch: GRPOBatch) -> Any:
+        """XLA's lowering of the step for ``state`` and ``batch`` (``.compile()`` it).
+
+        Args:
+            state: A train state.
+            batch: A batch.
+
+        Returns:
+            The ``jax.stages.Lowered`` step.
+        """
+        return self._jitted.lower(*self._parts(state), batch)
+
+    def _cache_size(self) -> int:
+        return self._jitted._cache_size()
+
+
 def _replicated_key(key: jax.Array, mesh: Mesh) -> jax.Array:
     """``key`` replicated over ``mesh`` (which may span several processes)."""
     sharding = NamedSharding(mesh, PartitionSpec())
@@ -244,6 +284,12 @@ class GRPOTrainer:
         self.reference_model = reference_model
         self.wrt = optimizer.wrt
         self.rng = jax.random.key(0) if rng is None else rng
+        self._placed_rng: tuple[jax.Array, jax.Array] | None = None  # rng on the mesh, cached
+        # The reference is frozen and never donated: its arrays are read once, here (reload
+        # them with ``load_state`` after changing the reference model's weights).
+        self._reference_state = (
+            None if reference_model is None else nnx.as_pure(nnx.state(reference_model))
+        )
         self.log_prob_fn = (
             default_log_prob_fn(model, temperature=config.temperature)
             if log_prob_fn is None
@@ -286,9 +332,14 @@ class GRPOTrainer:
         """
         rng = self.rng
         if self.mesh is not None:  # every leaf of the state on the mesh (one device set)
-            rng = _replicated_key(rng, self.mesh)
-        return init_train_state(
-            self.model, self.optimizer, reference_model=self.reference_model, rng=rng
+            if self._placed_rng is None or self._placed_rng[0] is not rng:
+                self._placed_rng = (rng, _replicated_key(rng, self.mesh))
+            rng = self._placed_rng[1]
+        state = init_train_state(self.model, self.optimizer, rng=rng)
+        return (
+            state
+            if self._reference_state is None
+            else state.replace(reference=self._reference_state)
         )
 
     def load_state(self, state: GRPOTrainState) -> None:
@@ -298,6 +349,8 @@ class GRPOTrainer:
             state: A state of this trainer's model (e.g. from the pure step in a user's loop).
         """
         write_train_state(state, self.model, self.optimizer, self.reference_model)
+        if self.reference_model is not None:
+            self._reference_state = nnx.as_pure(nnx.state(self.reference_model))
         self.rng = _uncommitted_key(state.rng)
 
     def checkpoint_state(self) -> GRPOTrainState:
@@ -347,14 +400,19 @@ class GRPOTrainer:
             batch = batch.replace(ref_log_probs=ref_log_probs)
         return batch
 
-    def compiled_step(self, num_microbatches: int = 1) -> Any:
-        """The jitted, state-donating ``grpo_train_step(state, batch) -> (state, metrics)``.
+    def compiled_step(self, num_microbatches: int = 1) -> _CompiledStep:
+        """The compiled ``grpo_train_step(state, batch) -> (state, metrics)`` of this trainer.
+
+        The trainable parameters, optimizer state and step count are donated (updated in
+        place); the frozen variables, the PRNG key and the reference are read, not donated, so
+        they stay valid and are never written back.
 
         Args:
             num_microbatches: Gradient-accumulation slices bound into the step.
 
         Returns:
-            The compiled pure step (cached per ``num_microbatches``).
+            The compiled pure step (cached per ``num_microbatches``); ``.lower(state, batch)``
+            gives XLA's lowering for cost and memory analysis.
         """
         if num_microbatches not in self._steps:
             pure = make_grpo_train_step(
@@ -365,16 +423,23 @@ class GRPOTrainer:
                 **self._bound,
             )
 
-            def counted(state: GRPOTrainState, batch: GRPOBatch):
+            def split_step(dynamic: tuple, fixed: tuple, batch: GRPOBatch):
                 self._num_traces += 1
-                return pure(state, batch)
+                (params, opt_state, step), (frozen, rng, reference) = dynamic, fixed
+                state = GRPOTrainState(params, frozen, opt_state, step, rng, reference)
+                new, metrics = pure(state, batch)
+                return (new.params, new.opt_state, new.step), metrics
 
             shardings = {}
             if self.mesh is not None:
                 # The new state keeps its input's layout: the donated buffers are reused.
-                layout = jax.tree.map(lambda x: x.sharding, self.state)
+                state = self.state
+                layout = jax.tree.map(
+                    lambda x: x.sharding, (state.params, state.opt_state, state.step)
+                )
                 shardings["out_shardings"] = (layout, NamedSharding(self.mesh, PartitionSpec()))
-            self._steps[num_microbatches] = jax.jit(counted, donate_argnums=0, **shardings)
+            jitted = jax.jit(split_step, donate_argnums=0, **shardings)
+            self._steps[num_microbatches] = _CompiledStep(jitted)
         return self._steps[num_microbatches]
 
     # ----------------------------------------------------------------- the step
@@ -489,7 +554,11 @@ class GRPOTrainer:
         """
         step_fn = self.compiled_step(num_microbatches)
         state, metrics = step_fn(self.state, batch)
-        self.load_state(state)
+        # Only what the step changed goes back (the frozen variables, the key and the
+        # reference were read, not donated).
+        nnx.update(self.model, state.params)
+        nnx.update(self.optimizer.opt_state, nnx.state(state.opt_state))
+        self.optimizer.step.set_value(state.step)
         host = {k: float(v) for k, v in jax.device_get(metrics).items()}
         ok = host.pop("finite_update") > 0
         finite_params = host.pop("finite_params") > 0

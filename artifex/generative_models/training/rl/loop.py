@@ -902,7 +902,7 @@ def train(
             metrics.update({k: float(v) for k, v in jax.device_get(batch_metrics).items()})
             metrics.update(ro.metrics())
             metrics.update(info)
-            lr = _learning_rate(trainer.state.opt_state)
+            lr = _learning_rate(trainer.optimizer.opt_state)
             if lr is not None:
                 metrics["learning_rate"] = lr
             metrics["rollout_time"] = t_rollout
