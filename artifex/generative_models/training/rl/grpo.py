@@ -183,6 +183,7 @@ class GRPOTrainer:
             in the inputs' layout (so donation reuses the buffers).
         partition_rules: :class:`~artifex.generative_models.training.sharding.PartitionRules`
             (or ``(regex, PartitionSpec)`` pairs) for ``mesh``; default ``PartitionRules()``.
+        rng: The run's PRNG key, carried in the train state (default ``jax.random.key(0)``).
     """
 
     def __init__(
