@@ -344,6 +344,11 @@ class Episodes:
         model_tokens: ``(R,)`` tokens the model generated.
         turn_ends: ``(R, max_turns)`` completion index of the last model token of each turn
             (-1: no such turn).
+
+    Example:
+        >>> import dataclasses
+        >>> [f.name for f in dataclasses.fields(Episodes)][:5]
+        ['prompt_ids', 'prompt_mask', 'completion_ids', 'completion_mask', 'log_probs']
     """
 
     prompt_ids: np.ndarray
@@ -721,6 +726,11 @@ class MultiTurnRolloutResult(Rollout):
         reward_names: The functions' names.
         truncated: ``(B,)`` episodes stopped by the turn or token limit.
         episodes: The :class:`Episodes` (turns, tool calls, limits, per-turn rewards).
+
+    Example:
+        >>> from artifex.generative_models.training.rl.rollout import Rollout
+        >>> issubclass(MultiTurnRolloutResult, Rollout)  # the loop reads it like a Rollout
+        True
     """
 
     episodes: Episodes | None = None
@@ -750,6 +760,34 @@ class MultiTurnRollout:
     Args:
         environment_factory: Builds one :class:`Environment` per episode.
         config: The :class:`MultiTurnConfig`.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training.rl import (
+        ...     GRPOConfig, RewardCombiner, RolloutConfig)
+        >>> from artifex.generative_models.training.rl.rollout import Policy
+        >>> template = "{% for m in messages %}{{ m.content }}={% endfor %}"
+        >>> tok = Tokenizer.for_characters("0123456789+=goaein", chat_template=template)
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> policy = Policy(CausalLM(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=2))
+        >>> class OneTurn:
+        ...     def reset(self, row):
+        ...         return [{"role": "user", "content": row["prompt"]}]
+        ...     def step(self, text):
+        ...         return None, 1.0, True
+        >>> rollout_fn = MultiTurnRollout(OneTurn, MultiTurnConfig(max_turns=1, max_new_tokens=2,
+        ...                                                        max_completion_tokens=8))
+        >>> rewards = RewardCombiner([environment_reward])
+        >>> result = rollout_fn(policy, tok, [{"prompt": "go"}], rewards, RolloutConfig(),
+        ...                     key=jax.random.key(0))
+        >>> type(result).__name__, result.batch.batch_size, result.episodes.turns.tolist()
+        ('MultiTurnRolloutResult', 2, [1, 1])
+        >>> result.metrics()["multiturn/turns_mean"]
+        1.0
     """
 
     def __init__(self, environment_factory: Callable[[], Environment], config: MultiTurnConfig):
