@@ -193,7 +193,9 @@ def read_hf_config(path: str | os.PathLike[str]) -> CausalLMConfig:
         ValueError: For an unsupported model_type or setting (see `CausalLMConfig.from_hf_config`).
 
     Example:
-        >>> config = read_hf_config("tests/fixtures/qwen2_tiny")  # doctest: +SKIP
+        >>> config = read_hf_config("tests/fixtures/qwen2_tiny")  # from the repository root
+        >>> config.model_type, config.num_layers, config.hidden_size
+        ('qwen2', 2, 32)
     """
     directory = os.fspath(path)
     config_path = os.path.join(directory, "config.json")
@@ -319,7 +321,14 @@ def load_hf_weights(
         TypeError: If `rules` is given without `mesh`.
 
     Example:
-        >>> load_hf_weights(abstract_model, "checkpoint_dir")  # doctest: +SKIP
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM
+        >>> path = "tests/fixtures/qwen2_tiny"  # from the repository root
+        >>> config = read_hf_config(path)
+        >>> abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))  # no memory
+        >>> load_hf_weights(abstract, path)
+        >>> abstract.embed.embedding[...].shape
+        (128, 32)
     """
     directory = os.fspath(path)
     if rules is not None and mesh is None:
@@ -528,7 +537,13 @@ def write_hf_checkpoint(
         OSError: If writing fails (the previous export, if any, is left loadable).
 
     Example:
-        >>> write_hf_checkpoint(to_hf_tensors(model), model.config, "out")  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> from artifex.generative_models.models.causal_lm import CausalLM
+        >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # repository root
+        >>> out = tempfile.mkdtemp()
+        >>> write_hf_checkpoint(to_hf_tensors(model), model.config, out)
+        >>> sorted(os.listdir(out))
+        ['config.json', 'model.safetensors']
     """
     expected = set(hf_tensor_map(config))
     if set(tensors) != expected:

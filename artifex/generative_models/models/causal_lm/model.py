@@ -409,7 +409,10 @@ def from_pretrained(
         TypeError: If `rules` is given without `mesh`.
 
     Example:
-        >>> model = from_pretrained("tests/fixtures/qwen2_tiny", dtype="float32")  # doctest: +SKIP
+        >>> import jax.numpy as jnp
+        >>> model = from_pretrained("tests/fixtures/qwen2_tiny", dtype="float32")  # repo root
+        >>> model.config.model_type, model(jnp.array([[1, 2, 3]])).shape
+        ('qwen2', (1, 3, 128))
     """
     return CausalLM.from_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
 
