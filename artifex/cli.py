@@ -336,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     Returns:
         The parser.
+
+    Example:
+        >>> args = build_parser().parse_args(["demo", "--steps", "10", "--task", "tools"])
+        >>> args.command, args.steps, args.task
+        ('demo', 10, 'tools')
     """
     from artifex.generative_models.training.rl.configs import GRPOConfig
     from artifex.generative_models.training.rl.loop import TrainConfig
@@ -1035,6 +1040,14 @@ def import_object(path: str) -> Any:
     Raises:
         ValueError: The path has no ``:`` or names a missing attribute.
         ImportError: The module cannot be imported.
+
+    Example:
+        >>> import_object("math:sqrt")(16.0)
+        4.0
+        >>> import_object("math")
+        Traceback (most recent call last):
+            ...
+        ValueError: expected an import path 'module:attribute', got 'math'
     """
     import importlib
 
@@ -1102,6 +1115,10 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         The process exit status.
+
+    Example:
+        >>> main(["train", "--config", "no-such-file.yaml"])  # one line on stderr, status 2
+        2
     """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)

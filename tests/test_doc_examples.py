@@ -1,9 +1,14 @@
-"""The examples in the library's docstrings run (doctest), module by module."""
+"""The examples in the library's docstrings run (doctest), module by module.
+
+Every module of the package is collected (``pkgutil.walk_packages``), and every public function
+and class (the names in each module's ``__all__``) must have an example.
+"""
 
 from __future__ import annotations
 
 import doctest
 import importlib
+import inspect
 import pkgutil
 
 import pytest
@@ -29,3 +34,35 @@ def test_docstring_examples_run(module_name):
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {module_name}"
+
+
+def _public_objects() -> dict[str, object]:
+    """Dotted path (where defined) -> object, for every function and class in an ``__all__``."""
+    found: dict[str, object] = {}
+    for module_name in _modules():
+        module = importlib.import_module(module_name)
+        for name in getattr(module, "__all__", ()):
+            obj = inspect.unwrap(getattr(module, name))
+            is_code = inspect.isclass(obj) or inspect.isfunction(obj)
+            if is_code and getattr(obj, "__module__", "").startswith("artifex"):
+                found[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    return found
+
+
+def _has_example(obj: object) -> bool:
+    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+    if inspect.isclass(obj) and "__init__" in obj.__dict__:
+        doc = (doc or "") + (obj.__init__.__doc__ or "")
+    return bool(doctest.DocTestParser().get_examples(doc or ""))
+
+
+def test_every_module_is_collected():
+    assert "artifex.generative_models.training.rl.objective" in _modules()
+    assert len(_modules()) > 40
+
+
+def test_every_public_function_and_class_has_an_example():
+    missing = sorted(path for path, obj in _public_objects().items() if not _has_example(obj))
+    assert not missing, f"{len(missing)} public objects without a >>> example:\n" + "\n".join(
+        missing
+    )

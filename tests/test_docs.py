@@ -141,6 +141,29 @@ def test_nav_and_pages_exist():
     assert not missing, f"nav pages missing from docs/: {missing}"
 
 
+def test_every_public_module_is_in_a_group_of_the_api_navigation():
+    modules = {info.name for info in api_pages.public_modules(ROOT)}
+    placed = [m for group in api_pages.GROUPS for m in group.modules]
+    assert len(placed) == len(set(placed)), "a module is in two groups"
+    assert not modules - set(placed), f"modules in no group: {sorted(modules - set(placed))}"
+    assert not set(placed) - modules, f"groups name unknown modules: {set(placed) - modules}"
+
+
+def test_api_navigation_is_grouped_with_an_index_page():
+    config = {"nav": [{"Home": "index.md"}]}
+    api_pages.on_config(config)
+    ((title, entries),) = config["nav"][-1].items()
+    assert title == "API reference"
+    assert entries[0] == {"Overview": "api/index.md"}
+    groups = [next(iter(e)) for e in entries[1:]]
+    assert groups == [g.title for g in api_pages.GROUPS]
+    index = api_pages.api_pages(ROOT)["api/index.md"]
+    for group in api_pages.GROUPS:
+        assert f"## {group.title}" in index
+        for module in group.modules:
+            assert f"[`{module}`]({module}.md)" in index
+
+
 class _IgnoreTags(yaml.SafeLoader):
     """Reads mkdocs.yml, whose ``!!python/name:`` tags a safe loader would refuse."""
 

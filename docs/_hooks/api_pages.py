@@ -23,6 +23,134 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _ROLE_RE = re.compile(r":(?:py:)?[a-z]+:`~?([^`]+)`")
 
+_GM = "artifex.generative_models"
+_RL = f"{_GM}.training.rl"
+_LM = f"{_GM}.models.causal_lm"
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A concept of the API reference: a navigation section and a table on the overview page.
+
+    Attributes:
+        title: Section title.
+        about: One sentence on what the group is for.
+        modules: Dotted names of its modules, in reading order.
+    """
+
+    title: str
+    about: str
+    modules: tuple[str, ...]
+
+
+GROUPS: tuple[Group, ...] = (
+    Group(
+        "The GRPO core",
+        "The loss as pure functions of arrays: advantages, surrogate and KL pieces, the "
+        "objective, per-token log-probs, the batch and the config.",
+        (
+            _RL,
+            f"{_RL}.configs",
+            f"{_RL}.batch",
+            f"{_RL}.advantages",
+            f"{_RL}.losses",
+            f"{_RL}.objective",
+            f"{_RL}.logprobs",
+            f"{_RL}.compat",
+        ),
+    ),
+    Group(
+        "The trainer",
+        "One GRPO update: the pure train step on an explicit state, and the trainer that holds "
+        "a model and its optimizer.",
+        (f"{_GM}.training", f"{_RL}.grpo", f"{_RL}.state"),
+    ),
+    Group(
+        "Rollout and loop",
+        "From dataset rows to batches (single- and multi-turn, with tools) and the training "
+        "loop with its logging and evaluation.",
+        (
+            f"{_RL}.rollout",
+            f"{_RL}.loop",
+            f"{_RL}.multiturn",
+            f"{_RL}.tools",
+            f"{_GM}.training.logging",
+        ),
+    ),
+    Group(
+        "Rewards",
+        "The reward-function protocol, combining rewards, and the built-in verifiable rewards.",
+        (
+            f"{_RL}.rewards",
+            f"{_RL}.rewards.base",
+            f"{_RL}.rewards.combine",
+            f"{_RL}.rewards.math",
+            f"{_RL}.rewards.format",
+            f"{_RL}.rewards.length",
+        ),
+    ),
+    Group(
+        "Models",
+        "The causal language model, its building blocks, LoRA, the tokenizer and checkpoint "
+        "formats (Hugging Face, GGUF).",
+        (
+            _LM,
+            f"{_LM}.model",
+            f"{_LM}.config",
+            f"{_LM}.modules",
+            f"{_LM}.cache",
+            f"{_LM}.rope",
+            f"{_LM}.lora",
+            f"{_LM}.tokenizer",
+            f"{_LM}.hf_io",
+            f"{_LM}.gguf",
+        ),
+    ),
+    Group(
+        "Sampler",
+        "Compiled KV-cache generation: K completions per prompt, and turn-by-turn decoding.",
+        (f"{_GM}.inference", f"{_GM}.inference.sampling", f"{_GM}.inference.multiturn"),
+    ),
+    Group(
+        "Sharding",
+        "Meshes, partition rules and batch placement over devices and processes.",
+        (f"{_GM}.training.sharding", f"{_GM}.training.placement"),
+    ),
+    Group(
+        "Checkpoints",
+        "Saving and resuming training state, verified; atomic file writes.",
+        (f"{_GM}.training.checkpointing", f"{_GM}.utils.atomic"),
+    ),
+    Group(
+        "Flow-GRPO (images)",
+        "GRPO on a flow-matching image model: the model, its pretraining, SDE sampling with "
+        "log-probs, image rewards and the flow objective.",
+        (
+            f"{_GM}.models.flow",
+            f"{_GM}.models.flow.model",
+            f"{_GM}.models.flow.training",
+            f"{_GM}.models.flow.rewards",
+            f"{_GM}.inference.flow_sampling",
+            f"{_RL}.flow_objective",
+        ),
+    ),
+    Group(
+        "Command line, demos and utilities",
+        "The ``artifex-grpo`` command, the built-in demos, and helpers shared by the library.",
+        (
+            "artifex",
+            "artifex.cli",
+            "artifex.demo",
+            "artifex.demo_tools",
+            "artifex.flow_demo",
+            f"{_GM}.utils",
+            f"{_GM}.utils.validation",
+            f"{_GM}.utils.tool_schema",
+        ),
+    ),
+)
+OTHER = "Other modules"
+
 
 @dataclasses.dataclass(frozen=True)
 class ModuleInfo:
@@ -205,6 +333,27 @@ def module_page(info: ModuleInfo) -> str:
     return "\n".join(lines) + "\n"
 
 
+def grouped(modules: list[ModuleInfo]) -> list[tuple[Group, list[ModuleInfo]]]:
+    """The public modules by concept, in the order of :data:`GROUPS`.
+
+    A public module that no group names lands in a last group, "Other modules", so that it
+    still gets a page (``tests/test_docs.py`` asks for it to be placed in a group).
+
+    Args:
+        modules: The public modules.
+
+    Returns:
+        ``(group, modules)`` pairs; groups without a public module are left out.
+    """
+    by_name = {info.name: info for info in modules}
+    out = [(g, [by_name[m] for m in g.modules if m in by_name]) for g in GROUPS]
+    placed = {m for g in GROUPS for m in g.modules}
+    other = [info for info in modules if info.name not in placed]
+    if other:
+        out.append((Group(OTHER, "Public modules not yet placed in a group.", ()), other))
+    return [(g, infos) for g, infos in out if infos]
+
+
 def index_page(modules: list[ModuleInfo]) -> str:
     """The Markdown of the API reference's overview page.
 
@@ -212,21 +361,31 @@ def index_page(modules: list[ModuleInfo]) -> str:
         modules: The public modules.
 
     Returns:
-        Markdown listing every public module with the first line of its docstring.
+        Markdown listing the groups and, in each, every module with the first line of its
+        docstring.
     """
+    groups = grouped(modules)
     lines = [
         "# API reference",
         "",
-        "Generated from the docstrings: one page for every module that declares `__all__`. "
-        "Packages re-export the names of their modules; the entry point is "
+        "Generated from the docstrings: one page for every module that declares `__all__`, "
+        "grouped by concept. Packages re-export the names of their modules; the entry point is "
         "`from artifex.generative_models.training import GRPOConfig, GRPOTrainer`.",
         "",
-        "| Module | Summary |",
-        "|---|---|",
     ]
-    for info in modules:
-        lines.append(f"| [`{info.name}`]({info.name}.md) | {_cell(_summary(info.docstring))} |")
+    lines += [f"- [{g.title}](#{_anchor(g.title)}): {g.about}" for g, _ in groups]
+    for group, infos in groups:
+        lines += ["", f"## {group.title}", "", group.about, "", "| Module | Summary |", "|---|---|"]
+        for info in infos:
+            summary = _cell(_summary(info.docstring))
+            lines.append(f"| [`{info.name}`]({info.name}.md) | {summary} |")
     return "\n".join(lines) + "\n"
+
+
+def _anchor(title: str) -> str:
+    """The anchor the ``toc`` extension gives a heading (its default slugify)."""
+    slug = re.sub(r"[^\w\s-]", "", title).strip().lower()
+    return re.sub(r"[-\s]+", "-", slug)
 
 
 def api_pages(root: Path = ROOT) -> dict[str, str]:
@@ -250,7 +409,7 @@ def _nav_title(name: str) -> str:
 
 # ---------------------------------------------------------------------------- MkDocs events
 def on_config(config: Any) -> Any:
-    """Appends the generated pages to the navigation under "API reference".
+    """Appends the generated pages to the navigation under "API reference", by concept.
 
     Args:
         config: The MkDocs config.
@@ -259,7 +418,10 @@ def on_config(config: Any) -> Any:
         The config.
     """
     entries: list[Any] = [{"Overview": f"{API_DIR}/index.md"}]
-    entries += [{_nav_title(m.name): m.page} for m in public_modules()]
+    entries += [
+        {group.title: [{_nav_title(m.name): m.page} for m in infos]}
+        for group, infos in grouped(public_modules())
+    ]
     nav = config["nav"]
     if nav is not None:
         nav[:] = [item for item in nav if "API reference" not in item]

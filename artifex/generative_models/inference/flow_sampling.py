@@ -70,6 +70,11 @@ class SDEConfig:
         train_steps: How many of the ``S`` steps of each trajectory are trained (chosen at
             random per trajectory, as Flow-GRPO trains on a fraction of the timesteps);
             ``None`` trains all.
+
+    Example:
+        >>> sde = SDEConfig(num_steps=10, noise_level=0.7, train_steps=4)
+        >>> sde.num_steps, sde.train_steps, SDEConfig(noise_level=0.0).noise_level  # 0: the ODE
+        (10, 4, 0.0)
     """
 
     num_steps: int = 10
@@ -102,6 +107,10 @@ def time_grid(num_steps: int) -> np.ndarray:
 
     Returns:
         ``(S + 1,)`` float32.
+
+    Example:
+        >>> time_grid(4).tolist()
+        [1.0, 0.75, 0.5, 0.25, 0.0]
     """
     return (1.0 - np.arange(num_steps + 1, dtype=np.float64) / num_steps).astype(np.float32)
 
@@ -124,6 +133,13 @@ def sde_transition(
 
     Returns:
         ``(mu, std)``: ``(..., D)`` means and standard deviations broadcastable to them.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> x, v = jnp.zeros((1, 2)), jnp.ones((1, 2))
+        >>> mu, std = sde_transition(x, v, jnp.array([[0.5]]), jnp.array([[0.25]]), 0.9, 0.0)
+        >>> mu.tolist(), std.tolist()  # noise_level 0: the Euler step x + v dt, no noise
+        ([[-0.25, -0.25]], [[0.0]])
     """
     x = jnp.asarray(x, jnp.float32)
     v = jnp.asarray(v, jnp.float32)
@@ -145,6 +161,12 @@ def gaussian_log_prob(x: jax.Array, mean: jax.Array, std: jax.Array) -> jax.Arra
 
     Returns:
         ``(...)`` float32 log-densities.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> logp = gaussian_log_prob(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 1)))
+        >>> round(float(logp[0]), 4)  # -log(2 pi) for a 2-d standard normal at its mean
+        -1.8379
     """
     x = jnp.asarray(x, jnp.float32)
     std = jnp.broadcast_to(jnp.asarray(std, jnp.float32), x.shape)
@@ -162,6 +184,11 @@ def gaussian_kl(mean: jax.Array, ref_mean: jax.Array, std: jax.Array) -> jax.Arr
 
     Returns:
         ``(...)`` float32 KL divergences.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> gaussian_kl(jnp.array([[1.0, 0.0]]), jnp.zeros((1, 2)), jnp.array([[0.5]])).tolist()
+        [2.0]
     """
     diff = jnp.asarray(mean, jnp.float32) - jnp.asarray(ref_mean, jnp.float32)
     std = jnp.asarray(std, jnp.float32)
@@ -186,6 +213,17 @@ def sde_step(
 
     Returns:
         ``(mu, std)``: ``(N, D)`` means and ``(N, 1)`` standard deviations.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
+        ...                                   time_features=8), rngs=nnx.Rngs(0))
+        >>> mu, std = sde_step(model, jnp.zeros((2, 16)), jnp.array([3, 7]), jnp.array([0, 1]),
+        ...                    SDEConfig(num_steps=4))
+        >>> mu.shape, std.shape, bool((std > 0).all())
+        ((2, 16), (2, 1), True)
     """
     host_grid = time_grid(config.num_steps)
     grid = jnp.asarray(host_grid)
@@ -203,6 +241,16 @@ class FlowTrajectory(NamedTuple):
         states: ``(B, S + 1, D)`` states from noise (index 0) to the image (index ``S``).
         log_probs: ``(B, S)`` log-densities of each transition (0 when ``noise_level == 0``).
         labels: ``(B,)`` class prompts.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
+        ...                                   time_features=8), rngs=nnx.Rngs(0))
+        >>> traj = FlowSampler(SDEConfig(num_steps=4))(model, [3], 2, jax.random.key(0))
+        >>> traj.states.shape, traj.log_probs.shape, traj.images.shape, traj.labels.tolist()
+        ((2, 5, 16), (2, 4), (2, 16), [3, 3])
     """
 
     states: jax.Array
@@ -234,6 +282,21 @@ def sample_flow(
 
     Raises:
         ValueError: ``noise`` does not have ``S + 1`` steps.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
+        ...                                   time_features=8), rngs=nnx.Rngs(0))
+        >>> noise = jax.random.normal(jax.random.key(0), (2, 5, 16))  # (B, S + 1, D)
+        >>> traj = sample_flow(model, jnp.array([1, 2]), noise, SDEConfig(num_steps=4))
+        >>> traj.states.shape, bool(jnp.allclose(traj.states[:, 0], noise[:, 0]))
+        ((2, 5, 16), True)
+        >>> ode = sample_flow(model, jnp.array([1, 2]), noise,
+        ...                   SDEConfig(num_steps=4, noise_level=0.0))
+        >>> float(jnp.abs(ode.log_probs).max())  # the ODE has no transition densities
+        0.0
     """
     b, s1, _ = noise.shape
     if s1 != config.num_steps + 1:
@@ -261,6 +324,17 @@ class FlowSampler:
 
     Args:
         config: Sampler settings.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
+        ...                                   time_features=8), rngs=nnx.Rngs(0))
+        >>> sampler = FlowSampler(SDEConfig(num_steps=4))
+        >>> traj = sampler(model, [3, 5], 4, jax.random.key(0))  # 4 images per class prompt
+        >>> traj.labels.tolist(), sampler.num_compilations
+        ([3, 3, 3, 3, 5, 5, 5, 5], 1)
     """
 
     def __init__(self, config: SDEConfig):
@@ -332,6 +406,19 @@ def to_grpo_batch(
 
     Raises:
         ValueError: ``train_steps`` is set without a ``key``, or shapes disagree.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
+        ...                                   time_features=8), rngs=nnx.Rngs(0))
+        >>> sde = SDEConfig(num_steps=4, train_steps=2)
+        >>> traj = FlowSampler(sde)(model, [3], 2, jax.random.key(0))
+        >>> batch = to_grpo_batch(traj, jnp.array([1.0, 0.0]), group_size=2, config=sde,
+        ...                       key=jax.random.key(1))
+        >>> batch.prompt_ids.shape, batch.completion_mask.sum(axis=1).tolist()
+        ((2, 5, 16), [2.0, 2.0])
     """
     b, s = trajectory.log_probs.shape
     if s != config.num_steps:
@@ -372,6 +459,19 @@ def flow_log_prob_fn(config: SDEConfig) -> LogProbFn:
 
     Raises:
         ValueError: ``noise_level`` is 0 (the ODE has no density).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
+        ...                                   time_features=8), rngs=nnx.Rngs(0))
+        >>> sde = SDEConfig(num_steps=4)
+        >>> traj = FlowSampler(sde)(model, [3], 2, jax.random.key(0))
+        >>> batch = to_grpo_batch(traj, jnp.array([1.0, 0.0]), group_size=2, config=sde)
+        >>> logp, entropy = flow_log_prob_fn(sde)(model, batch)
+        >>> logp.shape, bool(jnp.allclose(logp, traj.log_probs, atol=1e-4))  # same as the sampler's
+        ((2, 4), True)
     """
     if config.noise_level == 0.0:
         msg = "flow_log_prob_fn needs SDEConfig.noise_level > 0 (the ODE sampler has no density)"
@@ -415,6 +515,22 @@ def flow_kl(model: Any, ref_model: Any, batch: GRPOBatch, config: SDEConfig) -> 
 
     Returns:
         ``(B, S)`` float32 KL divergences.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> cfg = FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1, time_features=8)
+        >>> model = FlowModel(cfg, rngs=nnx.Rngs(0))
+        >>> sde = SDEConfig(num_steps=4)
+        >>> batch = to_grpo_batch(FlowSampler(sde)(model, [3], 2, jax.random.key(0)),
+        ...                       jnp.array([1.0, 0.0]), group_size=2, config=sde)
+        >>> float(flow_kl(model, model, batch, sde).max())  # the same means: no divergence
+        0.0
+        >>> ref = nnx.clone(model)
+        >>> nnx.update(ref, jax.tree.map(lambda p: p + 0.01, nnx.state(ref, nnx.Param)))
+        >>> bool((flow_kl(model, ref, batch, sde) > 0).all())
+        True
     """
     mu, std, _ = _batch_transitions(model, batch, config)
     mu_ref, _, _ = _batch_transitions(ref_model, batch, config)

@@ -59,6 +59,11 @@ class TurnOutput:
         stopped: ``(R,)`` bool, the row ended with one of the stop sequences.
         cache: The cache with every generated token encoded.
         logits: ``(R, V)`` float32 next-token logits after each row's last token.
+
+    Example:
+        >>> import dataclasses
+        >>> [f.name for f in dataclasses.fields(TurnOutput)]
+        ['tokens', 'mask', 'log_probs', 'eos', 'stopped', 'cache', 'logits']
     """
 
     tokens: jax.Array
@@ -116,6 +121,17 @@ def append_tokens(
     Raises:
         ValueError: The number of rows differs from the cache's, there is no new token at all,
             the cache has no room for the chunk, or ``logits`` is missing for an empty row.
+
+    Example:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
+        >>> cache = model.init_cache(batch_size=2, max_length=32)
+        >>> cache, logits = append_tokens(model, cache, [[3, 4, 5], [6, 7]])  # padded to a bucket
+        >>> logits.shape, int(cache.index)
+        ((2, 16), 8)
     """
     rows = cache.batch_size
     if len(sequences) != rows:
@@ -298,6 +314,20 @@ def decode_turn(
         ValueError: ``limit`` outside ``[1, max_new_tokens]``, the cache has fewer free slots
             than ``limit``, an empty stop sequence, or a negative temperature.
         TypeError: ``max_new_tokens`` or ``limit`` not an int, or ``temperature`` not a number.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
+        >>> cache, logits = append_tokens(model, model.init_cache(2, 32), [[3, 4, 5], [6, 7]])
+        >>> out = decode_turn(model, cache, logits, np.array([True, False]), key=jax.random.key(0),
+        ...                   max_new_tokens=4, eos_ids=(2,))
+        >>> out.tokens.shape, out.mask[1].tolist()  # row 1 is inactive this turn
+        ((2, 4), [0, 0, 0, 0])
+        >>> cache, logits = append_tokens(model, out.cache, [[9], [9]], out.logits)  # next turn
     """
     max_new_tokens = check_int("decode_turn: max_new_tokens", max_new_tokens, minimum=1)
     limit = max_new_tokens if limit is None else limit

@@ -64,6 +64,11 @@ class SamplerOutput:
             distribution (0 where the mask is 0).
         truncated: ``(B*K,)`` bool, True for rows that reached ``max_new_tokens`` without EOS.
         lengths: ``(B*K,)`` int32 number of completion tokens (the mask's row sums).
+
+    Example:
+        >>> import dataclasses
+        >>> [f.name for f in dataclasses.fields(SamplerOutput)][:4]
+        ['prompt_ids', 'prompt_mask', 'completion_ids', 'completion_mask']
     """
 
     prompt_ids: jax.Array
@@ -84,6 +89,10 @@ def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS) 
 
     Returns:
         The padded width.
+
+    Example:
+        >>> bucket_length(5, (16, 32)), bucket_length(20, (16, 32)), bucket_length(40, (16, 32))
+        (16, 32, 40)
     """
     for b in sorted(buckets):
         if b >= length:
@@ -124,6 +133,16 @@ def sample_logits(
 
     Returns:
         ``(tokens (R,) int32, log_probs (R,) float32)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> logits = jnp.array([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
+        >>> tokens, logp = sample_logits(logits, jax.random.key(0), greedy=True)
+        >>> tokens.tolist()
+        [1, 0]
+        >>> tokens, logp = sample_logits(logits, jax.random.key(0), top_k=1)
+        >>> tokens.tolist(), logp.tolist()
+        ([1, 0], [0.0, 0.0])
     """
     z = jnp.asarray(logits, jnp.float32) / jnp.asarray(temperature, jnp.float32)
     if greedy:
@@ -331,6 +350,22 @@ def generate(
             model's vocabulary.
         TypeError: Non-integer ``prompt_ids``, or an argument of the wrong type
             (``num_generations=2.0``, ``temperature="1"``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                         num_layers=1, num_heads=2, eos_token_id=2)
+        >>> model = CausalLM(config, rngs=nnx.Rngs(0))
+        >>> prompts = jnp.array([[0, 5, 6], [7, 8, 9]])  # left-padded
+        >>> mask = jnp.array([[0, 1, 1], [1, 1, 1]])
+        >>> out = generate(model, prompts, mask, key=jax.random.key(0), num_generations=2,
+        ...                max_new_tokens=4, temperature=0.0)
+        >>> out.completion_ids.shape  # prompt-major: rows 0-1 answer prompt 0
+        (4, 4)
+        >>> bool((out.completion_ids[0] == out.completion_ids[1]).all())  # greedy: equal
+        True
     """
     # Across processes the checks see this process's rows (a global array is not fetched).
     ids = _local_rows(prompt_ids)
@@ -438,6 +473,21 @@ class Sampler:
         eos_ids: End-of-sequence ids (default: the model config's).
         pad_id: Filler after EOS (default: the model config's pad id).
         prompt_buckets: Prompt widths to pad to.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                         num_layers=1, num_heads=2, eos_token_id=2)
+        >>> model = CausalLM(config, rngs=nnx.Rngs(0))
+        >>> sampler = Sampler(model, num_generations=3, max_new_tokens=5)
+        >>> out = sampler(jnp.array([[4, 5]]), key=jax.random.key(1))
+        >>> out.completion_ids.shape, out.log_probs.dtype
+        ((3, 5), dtype('float32'))
+        >>> out = sampler(jnp.array([[4, 5]]), key=jax.random.key(1), max_new_tokens=2)
+        >>> out.completion_ids.shape
+        (3, 2)
     """
 
     def __init__(

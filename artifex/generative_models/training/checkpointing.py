@@ -46,11 +46,28 @@ __all__ = [
 
 
 class IncompatibleCheckpointError(ValueError):
-    """The checkpoint was written by a run whose configuration or shapes differ."""
+    """The checkpoint was written by a run whose configuration or shapes differ.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> manager = CheckpointManager(tempfile.mkdtemp())
+        >>> manager.save(1, {"w": jnp.ones(3)}, metadata={"fingerprint": {"lr": 0.1}})
+        >>> try:
+        ...     manager.restore({"w": jnp.zeros(3)}, fingerprint={"lr": 0.2})
+        ... except IncompatibleCheckpointError as err:
+        ...     print(type(err).__name__, isinstance(err, ValueError))
+        IncompatibleCheckpointError True
+        >>> manager.close()
+    """
 
 
 class CorruptCheckpointError(ValueError):
-    """A checkpoint could not be read back intact (unreadable, wrong checksum, or not finite)."""
+    """A checkpoint could not be read back intact (unreadable, wrong checksum, or not finite).
+
+    Example:
+        >>> issubclass(CorruptCheckpointError, ValueError)
+        True
+    """
 
 
 def _host_leaf(x: Any) -> np.ndarray | None:
@@ -74,6 +91,15 @@ def array_digests(tree: Any) -> dict[str, dict[str, Any]]:
 
     Returns:
         ``{path: {"shape": [...], "dtype": str, "sha256": str | None, "finite": bool}}``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> d = array_digests({"w": jnp.ones((2, 3)), "b": jnp.array([jnp.nan])})
+        >>> sorted(d)
+        ["['b']", "['w']"]
+        >>> w = d["['w']"]
+        >>> w["shape"], w["dtype"], w["finite"], len(w["sha256"]), d["['b']"]["finite"]
+        ([2, 3], 'float32', True, 64, False)
     """
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -118,6 +144,15 @@ def training_fingerprint(config: Any, params: Any, **extra: Any) -> dict[str, An
 
     Returns:
         A JSON-able dict: the config, the trainable parameter shapes and ``extra``.
+
+    Example:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> fp = training_fingerprint(GRPOConfig(num_generations=4), nnx.state(model, nnx.Param),
+        ...                           prompts_per_step=8)
+        >>> list(fp), fp["grpo_config"]["num_generations"]
+        (['grpo_config', 'trainable_shapes', 'prompts_per_step'], 4)
     """
     return {
         "grpo_config": dataclasses.asdict(config),
@@ -200,6 +235,18 @@ class CheckpointManager:
     Args:
         directory: Checkpoint directory (created).
         max_to_keep: Keep only the newest this many checkpoints.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> manager = CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
+        >>> for step in (10, 20, 30):
+        ...     manager.save(step, {"w": jnp.full(3, float(step))}, metadata={"step": step})
+        >>> manager.all_steps(), manager.latest_step()
+        ([20, 30], 30)
+        >>> state, metadata = manager.restore({"w": jnp.zeros(3)})
+        >>> state["w"].tolist(), metadata["step"]
+        ([30.0, 30.0, 30.0], 30)
+        >>> manager.close()
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int = 3):

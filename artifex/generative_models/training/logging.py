@@ -39,6 +39,10 @@ def is_primary_process() -> bool:
 
     Returns:
         ``True`` on process 0 (always, in a single-process run).
+
+    Example:
+        >>> is_primary_process()  # single-process run
+        True
     """
     return jax.process_index() == 0
 
@@ -77,6 +81,18 @@ class JsonlWriter:
     Raises:
         TypeError: ``keep_until`` is not an int or ``None``.
         ValueError: ``keep_until`` is negative.
+
+    Example:
+        >>> import json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+        >>> writer = JsonlWriter(path)
+        >>> for step in (1, 2, 3):
+        ...     writer.write(step, {"reward_mean": step / 10})
+        >>> writer.close()
+        >>> writer = JsonlWriter(path, keep_until=2)  # resuming from the step-2 checkpoint
+        >>> writer.close()
+        >>> [json.loads(line) for line in open(path)]
+        [{'step': 1, 'reward_mean': 0.1}, {'step': 2, 'reward_mean': 0.2}]
     """
 
     def __init__(self, path: str | os.PathLike[str], *, keep_until: int | None = None):
@@ -119,6 +135,12 @@ class TensorBoardWriter:
 
     Args:
         writer: A ``SummaryWriter``.
+
+    Example:
+        >>> import tempfile
+        >>> writer = TensorBoardWriter.create(tempfile.mkdtemp())
+        >>> writer is None or isinstance(writer, TensorBoardWriter)  # None without tensorboardX
+        True
     """
 
     def __init__(self, writer: Any):
@@ -173,6 +195,15 @@ class ProgressBar:
     Raises:
         TypeError: ``total`` or ``initial`` is not an int, or ``enabled`` not a bool.
         ValueError: ``total`` or ``initial`` is negative.
+
+    Example:
+        >>> bar = ProgressBar(total=10, enabled=False)  # enabled=True shows a tqdm bar
+        >>> bar.update({"reward_mean": 0.5, "kl": 0.01, "step_time": 0.2})
+        >>> bar.close()
+        >>> ProgressBar(total=-1)
+        Traceback (most recent call last):
+            ...
+        ValueError: ProgressBar.total must be an int >= 0, got -1
     """
 
     def __init__(self, total: int, *, initial: int = 0, enabled: bool = True):
@@ -223,6 +254,15 @@ class MetricLogger:
     Raises:
         TypeError: A step count that is not an int (or ``None`` where allowed).
         ValueError: A negative step count.
+
+    Example:
+        >>> import json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+        >>> logger = MetricLogger(jsonl_path=path)
+        >>> logger.log(1, {"reward_mean": 0.25, "kl": 0.0})
+        >>> logger.close()
+        >>> json.loads(open(path).readline())
+        {'step': 1, 'reward_mean': 0.25, 'kl': 0.0}
     """
 
     def __init__(

@@ -51,6 +51,19 @@ class RolloutPlacement:
     Raises:
         TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
         ValueError: ``mesh`` does not use GSPMD axes (build it with ``make_mesh``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training.sharding import make_mesh
+        >>> sampler_devices = jax.devices()[-1:]  # the last device samples
+        >>> placement = RolloutPlacement(make_mesh(devices=sampler_devices))
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> copy = placement.sampler_model(model)  # the weight sync, before each rollout
+        >>> copy.kernel[...].devices() == set(sampler_devices)
+        True
+        >>> bool(jnp.allclose(copy.kernel[...], model.kernel[...]))
+        True
     """
 
     def __init__(self, mesh: Mesh, rules: PartitionRules | Sequence[tuple[str, Any]] | None = None):

@@ -160,6 +160,14 @@ def make_mesh(
     Raises:
         ValueError: An axis size is not a positive int, or the product of the sizes is not
             the number of devices.
+
+    Example:
+        >>> import jax
+        >>> mesh = make_mesh(devices=jax.devices()[:1])  # every device on "data"
+        >>> dict(mesh.shape)
+        {'data': 1, 'fsdp': 1, 'tensor': 1}
+        >>> dict(make_mesh(data=2, fsdp=2, devices=jax.devices()[:4]).shape)  # needs 4 devices
+        {'data': 2, 'fsdp': 2, 'tensor': 1}
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
@@ -192,6 +200,15 @@ def current_mesh() -> Mesh | None:
 
     Returns:
         The mesh, or ``None`` when no mesh is set.
+
+    Example:
+        >>> import jax
+        >>> mesh = make_mesh(devices=jax.devices()[:1])
+        >>> current_mesh() is None
+        True
+        >>> with jax.set_mesh(mesh):
+        ...     current_mesh() is mesh
+        True
     """
     mesh = jax.sharding.get_mesh()
     return None if mesh.empty else mesh
@@ -279,6 +296,19 @@ class PartitionRules:
     Raises:
         ValueError: Naming the field: an invalid regular expression or spec, or a negative
             ``fsdp_min_size``.
+
+    Example:
+        >>> import jax
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from flax import nnx
+        >>> mesh = make_mesh(data=1, fsdp=2, tensor=2, devices=jax.devices()[:4])  # 4 devices
+        >>> model = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+        >>> rules = PartitionRules(rules=((r"kernel$", P(None, "tensor")),), fsdp_min_size=1024)
+        >>> specs = state_partition_specs(model, mesh, rules)
+        >>> specs["kernel"].get_value()  # the tensor rule, then FSDP on the free dimension
+        P('fsdp', 'tensor')
+        >>> specs["bias"].get_value()  # no rule, too small for FSDP: replicated
+        P(None,)
 
     References:
         Shoeybi et al., 2019, arXiv:1909.08053 (tensor parallelism); Rajbhandari et al.,
@@ -496,6 +526,14 @@ def state_partition_specs(
 
     Raises:
         ValueError: The rules or an annotation name an axis the mesh does not have.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> mesh = make_mesh(data=1, fsdp=2, devices=jax.devices()[:2])  # 2 devices
+        >>> specs = state_partition_specs(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), mesh)
+        >>> specs["kernel"].get_value(), specs["bias"].get_value()
+        (P('fsdp', None), P(None,))
     """
     _check_mesh(mesh, "state_partition_specs")
     rules = _as_rules(rules).validate(mesh)
@@ -520,6 +558,14 @@ def state_shardings(
 
     Returns:
         The tree with each array replaced by its ``NamedSharding``.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> mesh = make_mesh(data=1, fsdp=2, devices=jax.devices()[:2])  # 2 devices
+        >>> shardings = state_shardings(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), mesh)
+        >>> shardings["kernel"].spec, shardings["kernel"].mesh is mesh
+        (P('fsdp', None), True)
     """
     specs = state_partition_specs(tree, mesh, rules)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
@@ -565,6 +611,14 @@ def shard_model(
     Raises:
         TypeError: ``model`` is not an NNX module or ``mesh`` not a ``Mesh``.
         ValueError: The rules or an annotation name an axis the mesh does not have.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> mesh = make_mesh(data=1, fsdp=2, devices=jax.devices()[:2])  # 2 devices
+        >>> model = shard_model(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), mesh)
+        >>> model.kernel[...].sharding.spec, len(model.kernel[...].addressable_shards)
+        (P('fsdp', None), 2)
     """
     if not isinstance(model, nnx.Module):
         msg = f"shard_model: model must be an nnx.Module, got {type(model).__name__}"
@@ -598,6 +652,16 @@ def shard_optimizer(
     Raises:
         TypeError: ``optimizer`` is not an ``nnx.Optimizer``.
         ValueError: The rules or an annotation name an axis the mesh does not have.
+
+    Example:
+        >>> import jax, optax
+        >>> from flax import nnx
+        >>> mesh = make_mesh(data=1, fsdp=2, devices=jax.devices()[:2])  # 2 devices
+        >>> model = shard_model(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), mesh)
+        >>> optimizer = shard_optimizer(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+        ...                             model, mesh)
+        >>> optimizer.opt_state[0].mu["kernel"][...].sharding.spec
+        P('fsdp', None)
     """
     if not isinstance(optimizer, nnx.Optimizer):
         msg = f"shard_optimizer: optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}"
@@ -646,6 +710,12 @@ def num_data_shards(mesh: Mesh, data_axes: Sequence[str] | None = None) -> int:
 
     Returns:
         ``S = prod(mesh.shape[a] for a in data_axes)``.
+
+    Example:
+        >>> import jax
+        >>> mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=jax.devices()[:8])  # 8 devices
+        >>> num_data_shards(mesh), num_data_shards(mesh, data_axes=("data",))
+        (4, 2)
     """
     return math.prod(mesh.shape[a] for a in _data_axes(mesh, data_axes))
 
@@ -659,6 +729,12 @@ def batch_partition_spec(mesh: Mesh, data_axes: Sequence[str] | None = None) -> 
 
     Returns:
         ``PartitionSpec(("data", "fsdp"))``.
+
+    Example:
+        >>> import jax
+        >>> mesh = make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])  # 4 devices
+        >>> batch_partition_spec(mesh), batch_partition_spec(mesh, data_axes=("data",))
+        (P(('data', 'fsdp'),), P('data',))
     """
     return PartitionSpec(_data_axes(mesh, data_axes))
 
@@ -692,6 +768,11 @@ def process_row_range(
     Raises:
         ValueError: ``num_rows`` is not a multiple of the number of data shards, or this
             process's shards are not contiguous (a hand-built mesh).
+
+    Example:
+        >>> import jax
+        >>> process_row_range(16, make_mesh(data=2, devices=jax.devices()[:2]))  # one process
+        (0, 16)
     """
     shards = num_data_shards(mesh, data_axes)
     if num_rows % shards:
@@ -750,6 +831,15 @@ def shard_batch(
             split evenly over the data shards; the message names both numbers. Leaves
             disagree on the rows, or ``data_axes`` names an unknown axis.
         TypeError: ``mesh`` is not a ``Mesh``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> mesh = make_mesh(data=2, devices=jax.devices()[:2])  # 2 devices
+        >>> batch = shard_batch({"rewards": jnp.arange(8.0), "ids": jnp.zeros((8, 3))}, mesh)
+        >>> batch["ids"].sharding.spec
+        P(('data', 'fsdp'),)
+        >>> [s.data.tolist() for s in batch["rewards"].addressable_shards]
+        [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
     """
     _check_mesh(mesh, "shard_batch")
     shards = num_data_shards(mesh, data_axes)
@@ -813,6 +903,13 @@ def host_array(x: Any) -> np.ndarray:
 
     Returns:
         The NumPy array.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> mesh = make_mesh(data=2, devices=jax.devices()[:2])  # 2 devices
+        >>> x = shard_batch(jnp.arange(4), mesh)
+        >>> type(host_array(x)).__name__, host_array(x).tolist()
+        ('ndarray', [0, 1, 2, 3])
     """
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
@@ -839,6 +936,12 @@ def local_rows(x: Any) -> np.ndarray:
 
     Raises:
         ValueError: This process's row shards are not contiguous.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> mesh = make_mesh(data=2, devices=jax.devices()[:2])  # 2 devices
+        >>> local_rows(shard_batch(jnp.arange(6).reshape(3, 2).repeat(2, axis=0), mesh)).shape
+        (6, 2)
     """
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
@@ -866,6 +969,13 @@ def rows_to_global(local: Any, mesh: Mesh, data_axes: Sequence[str] | None = Non
 
     Returns:
         The global array ``(b * processes, ...)`` with rows over the data axes.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> mesh = make_mesh(data=2, devices=jax.devices()[:2])  # 2 devices, one process
+        >>> x = rows_to_global(np.arange(4), mesh)
+        >>> x.shape, x.sharding.spec
+        ((4,), P(('data', 'fsdp'),))
     """
     return shard_batch(np.asarray(local), mesh, process_local=True, data_axes=data_axes)
 
@@ -897,6 +1007,10 @@ def initialize_distributed(
 
     Raises:
         ValueError: ``num_processes`` < 1, or ``process_id`` outside ``[0, num_processes)``.
+
+    Example:
+        >>> initialize_distributed()  # nothing set in the environment: a single-process run
+        False
     """
     import os
 

@@ -30,6 +30,13 @@ def temp_path(path: str | os.PathLike[str]) -> str:
 
     Returns:
         The temporary file name (the file is not created).
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.json")
+        >>> tmp = temp_path(path)
+        >>> os.path.dirname(tmp) == os.path.dirname(path), os.path.exists(tmp)
+        (True, False)
     """
     path = os.fspath(path)
     directory, name = os.path.split(os.path.abspath(path))
@@ -55,6 +62,16 @@ def commit_file(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> No
     Args:
         tmp: The temporary file (from :func:`temp_path`), closed.
         path: The final name; an existing file of that name is replaced atomically.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "out.txt")
+        >>> tmp = temp_path(path)
+        >>> with open(tmp, "w") as f:
+        ...     _ = f.write("done")
+        >>> commit_file(tmp, path)
+        >>> open(path).read(), os.path.exists(tmp)
+        ('done', False)
     """
     tmp, path = os.fspath(tmp), os.fspath(path)
     fd = os.open(tmp, os.O_RDONLY)
@@ -83,6 +100,22 @@ def atomic_write(
     Raises:
         ValueError: For a mode other than ``"w"`` or ``"wb"``.
         OSError: When writing fails (the previous file, if any, is left as it was).
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "notes.txt")
+        >>> with atomic_write(path) as f:
+        ...     _ = f.write("complete")
+        >>> open(path).read()
+        'complete'
+        >>> try:
+        ...     with atomic_write(path) as f:
+        ...         _ = f.write("torn")
+        ...         raise RuntimeError("killed")
+        ... except RuntimeError:
+        ...     pass
+        >>> open(path).read()  # the old file, untouched
+        'complete'
     """
     if mode not in ("w", "wb"):
         msg = f"atomic_write mode must be 'w' or 'wb', got {mode!r}"
@@ -106,6 +139,13 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | N
         path: The final file name.
         obj: A JSON-able object.
         indent: JSON indentation.
+
+    Example:
+        >>> import json, os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "config.json")
+        >>> atomic_write_json(path, {"lr": 0.001, "steps": 100}, indent=None)
+        >>> json.load(open(path))
+        {'lr': 0.001, 'steps': 100}
     """
     text = json.dumps(obj, indent=indent, sort_keys=False) + "\n"  # fails before any write
     with atomic_write(path, "w") as fh:
@@ -120,6 +160,13 @@ def remove_temp_files(directory: str | os.PathLike[str]) -> list[str]:
 
     Returns:
         The names removed.
+
+    Example:
+        >>> import os, tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> open(temp_path(os.path.join(directory, "a.json")), "w").close()  # left by a crash
+        >>> len(remove_temp_files(directory)), os.listdir(directory)
+        (1, [])
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):

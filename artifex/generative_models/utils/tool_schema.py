@@ -113,6 +113,22 @@ def tool_schema(func: Callable[..., Any]) -> dict[str, Any]:
     Raises:
         TypeError: Not callable, no docstring, a parameter without a type hint or a
             description, ``*args`` / ``**kwargs``, or a type with no JSON schema.
+
+    Example:
+        >>> def multiply(a: int, b: int) -> int:
+        ...     '''Multiplies two integers.
+        ...
+        ...     Args:
+        ...         a: The first factor.
+        ...         b: The second factor.
+        ...     '''
+        ...     return a * b
+        >>> schema = tool_schema(multiply)
+        >>> schema["function"]["name"], schema["function"]["description"]
+        ('multiply', 'Multiplies two integers.')
+        >>> parameters = schema["function"]["parameters"]
+        >>> parameters["required"], parameters["properties"]["a"]
+        (['a', 'b'], {'type': 'integer', 'description': 'The first factor.'})
     """
     if not callable(func):
         msg = f"tool_schema: a tool must be callable, got {type(func).__name__}"

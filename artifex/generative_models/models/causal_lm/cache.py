@@ -25,6 +25,15 @@ class KVCache:
         values: (L, B, S, K, H) values.
         valid: (B, S) bool, True on slots that hold real (non-padding) tokens.
         index: int32 scalar, the next slot to write.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> cache = KVCache.create(num_layers=2, batch_size=1, max_length=16, num_kv_heads=2,
+        ...                        head_dim=4)
+        >>> cache.num_layers, cache.batch_size, cache.max_length, int(cache.index)
+        (2, 1, 16, 0)
+        >>> cache.repeat(3).batch_size  # one prompt's cache shared by 3 generations
+        3
     """
 
     keys: jax.Array

@@ -84,6 +84,12 @@ class RopeScaling:
 
     Raises:
         ValueError: If a field is out of range or `rope_type` is not "llama3".
+
+    Example:
+        >>> scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        ...                       original_max_position_embeddings=8192)
+        >>> scaling.to_dict()["rope_type"], RopeScaling.from_dict(scaling.to_dict()) == scaling
+        ('llama3', True)
     """
 
     factor: float
@@ -193,6 +199,18 @@ class CausalLMConfig:
     Raises:
         ValueError: Naming the field, if a field is invalid or the combination cannot be written as
             a Hugging Face config of `model_type`.
+
+    Example:
+        >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                         num_layers=1, num_heads=2)
+        >>> config.head_dim, config.num_kv_heads, config.num_params()
+        (4, 2, 920)
+        >>> CausalLMConfig.tiny().num_layers
+        2
+        >>> config.replace(num_heads=3)
+        Traceback (most recent call last):
+            ...
+        ValueError: num_heads must be a multiple of num_kv_heads, got num_heads=3, num_kv_heads=2
     """
 
     model_type: str = "llama"

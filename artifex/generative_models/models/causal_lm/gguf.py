@@ -145,6 +145,13 @@ class GGUFCheckpoint:
         tokenizer: The tokenizer built from the file's metadata.
         metadata: The file's scalar and string metadata (`general.name`, `general.file_type`...);
             arrays (the vocabulary) are left out.
+
+    Example:
+        >>> checkpoint = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
+        >>> checkpoint.config.model_type, checkpoint.config.hidden_size  # doctest: +SKIP
+        ('llama', 576)
+        >>> checkpoint.tensors["model.embed_tokens.weight"].shape  # doctest: +SKIP
+        (49152, 576)
     """
 
     config: CausalLMConfig

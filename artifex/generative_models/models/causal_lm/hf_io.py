@@ -73,6 +73,10 @@ def param_path_str(path: PathParts) -> str:
 
     Returns:
         The dotted path, e.g. `"layers.0.attn.q_proj.kernel"`.
+
+    Example:
+        >>> param_path_str(("layers", 0, "attn", "q_proj", "kernel"))
+        'layers.0.attn.q_proj.kernel'
     """
     return ".".join(str(p) for p in path)
 
@@ -87,6 +91,16 @@ def hf_tensor_map(config: CausalLMConfig) -> dict[str, tuple[PathParts, bool]]:
         `{hf_name: (path, transpose)}`, where `transpose` is True for linear weights
         (HF stores (out, in); our kernels are (in, out)). `lm_head.weight` is absent when the
         embeddings are tied.
+
+    Example:
+        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> mapping = hf_tensor_map(cfg)
+        >>> mapping["model.layers.0.self_attn.q_proj.weight"]
+        (('layers', 0, 'attn', 'q_proj', 'kernel'), True)
+        >>> mapping["model.embed_tokens.weight"]
+        (('embed', 'embedding'), False)
     """
     out: dict[str, tuple[PathParts, bool]] = {
         "model.embed_tokens.weight": (("embed", "embedding"), False),
@@ -179,7 +193,9 @@ def read_hf_config(path: str | os.PathLike[str]) -> CausalLMConfig:
         ValueError: For an unsupported model_type or setting (see `CausalLMConfig.from_hf_config`).
 
     Example:
-        >>> config = read_hf_config("tests/fixtures/qwen2_tiny")  # doctest: +SKIP
+        >>> config = read_hf_config("tests/fixtures/qwen2_tiny")  # from the repository root
+        >>> config.model_type, config.num_layers, config.hidden_size
+        ('qwen2', 2, 32)
     """
     directory = os.fspath(path)
     config_path = os.path.join(directory, "config.json")
@@ -305,7 +321,14 @@ def load_hf_weights(
         TypeError: If `rules` is given without `mesh`.
 
     Example:
-        >>> load_hf_weights(abstract_model, "checkpoint_dir")  # doctest: +SKIP
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM
+        >>> path = "tests/fixtures/qwen2_tiny"  # from the repository root
+        >>> config = read_hf_config(path)
+        >>> abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))  # no memory
+        >>> load_hf_weights(abstract, path)
+        >>> abstract.embed.embedding[...].shape
+        (128, 32)
     """
     directory = os.fspath(path)
     if rules is not None and mesh is None:
@@ -369,6 +392,17 @@ def to_hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
 
     Raises:
         ValueError: If the model still has LoRA adapters (merge them first with `merge_lora`).
+
+    Example:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=12,
+        ...                      num_layers=1, num_heads=2)
+        >>> tensors = to_hf_tensors(CausalLM(cfg, rngs=nnx.Rngs(0)))
+        >>> tensors["model.layers.0.mlp.up_proj.weight"].shape  # (out, in), as transformers stores
+        (12, 8)
+        >>> len(tensors)
+        12
     """
     lora = list(_lora_paths(model))
     if lora:
@@ -399,6 +433,10 @@ def parse_size(size: int | str) -> int:
 
     Raises:
         ValueError: If the size cannot be parsed or is not positive.
+
+    Example:
+        >>> parse_size("5GB"), parse_size("200MiB"), parse_size(1024)
+        (5000000000, 209715200, 1024)
     """
     if isinstance(size, int) and not isinstance(size, bool):
         n = size
@@ -454,6 +492,19 @@ def save_pretrained(
     Raises:
         ValueError: If the model has LoRA adapters or `max_shard_size` is invalid.
         OSError: If writing fails (the previous export, if any, is left loadable).
+
+    Example:
+        >>> import os, tempfile
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> path = tempfile.mkdtemp()
+        >>> save_pretrained(CausalLM(cfg, rngs=nnx.Rngs(0)), path)
+        >>> sorted(os.listdir(path))
+        ['config.json', 'model.safetensors']
+        >>> CausalLM.from_pretrained(path).config.hidden_size
+        8
     """
     tensors = to_hf_tensors(model)  # every process: parameters gathered across hosts
     if jax.process_index() != 0:
@@ -486,7 +537,13 @@ def write_hf_checkpoint(
         OSError: If writing fails (the previous export, if any, is left loadable).
 
     Example:
-        >>> write_hf_checkpoint(to_hf_tensors(model), model.config, "out")  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> from artifex.generative_models.models.causal_lm import CausalLM
+        >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # repository root
+        >>> out = tempfile.mkdtemp()
+        >>> write_hf_checkpoint(to_hf_tensors(model), model.config, out)
+        >>> sorted(os.listdir(out))
+        ['config.json', 'model.safetensors']
     """
     expected = set(hf_tensor_map(config))
     if set(tensors) != expected:

@@ -61,6 +61,11 @@ class LoRAConfig:
     Raises:
         ValueError: Naming the field, if rank/alpha are not positive or a target is unknown.
 
+    Example:
+        >>> config = LoRAConfig(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"))
+        >>> config.scale, config.target_modules
+        (2.0, ('q_proj', 'v_proj'))
+
     References:
         Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", 2021.
     """
@@ -113,6 +118,15 @@ class LoRAAdapter(nnx.Module):
         scale: `alpha / r`.
         dtype: Parameter and compute dtype of the adapter.
         rngs: Random streams (`params`).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> adapter = LoRAAdapter(8, 4, rank=2, scale=0.5, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        >>> adapter.lora_a.shape, adapter.lora_b.shape
+        ((8, 2), (2, 4))
+        >>> float(jnp.abs(adapter(jnp.ones((3, 8)))).max())  # B starts at zero: no change yet
+        0.0
     """
 
     def __init__(
@@ -169,6 +183,20 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
 
     Raises:
         ValueError: If the model already has adapters.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
+        >>> before = model(jnp.array([[1, 2, 3]]))
+        >>> model = apply_lora(model, LoRAConfig(rank=2, alpha=4.0), nnx.Rngs(1))
+        >>> model.layers[0].attn.q_proj.lora.lora_a.shape
+        (8, 2)
+        >>> bool(jnp.allclose(model(jnp.array([[1, 2, 3]])), before))  # B = 0: same function
+        True
     """
     if any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model)):
         msg = "apply_lora: the model already has LoRA adapters"
@@ -197,6 +225,22 @@ def merge_lora(model: CausalLM) -> CausalLM:
 
     Returns:
         A plain `CausalLM` with merged weights.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> model = apply_lora(CausalLM(cfg, rngs=nnx.Rngs(0)), LoRAConfig(rank=2, alpha=4.0),
+        ...                    nnx.Rngs(1))
+        >>> nnx.update(model, jax.tree.map(lambda x: x + 0.1, lora_state(model)))  # "trained"
+        >>> merged = merge_lora(model)
+        >>> merged.layers[0].attn.q_proj.lora is None
+        True
+        >>> ids = jnp.array([[1, 2, 3]])
+        >>> bool(jnp.allclose(merged(ids), model(ids), atol=1e-5))
+        True
     """
     merged = nnx.clone(model)
     for proj in _targets(merged, LORA_TARGETS):
@@ -220,6 +264,18 @@ def lora_state(model: CausalLM) -> nnx.State:
 
     Returns:
         The adapter state.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> model = apply_lora(CausalLM(cfg, rngs=nnx.Rngs(0)),
+        ...                    LoRAConfig(rank=2, alpha=4.0, target_modules=("q_proj",)),
+        ...                    nnx.Rngs(1))
+        >>> sum(x.size for x in jax.tree.leaves(lora_state(model)))  # (8 x 2) + (2 x 8)
+        32
     """
     return nnx.state(model, LORA_FILTER)
 
@@ -232,5 +288,17 @@ def zero_lora_state(state: nnx.State) -> nnx.State:
 
     Returns:
         A state of the same structure with all arrays zero.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> model = apply_lora(CausalLM(cfg, rngs=nnx.Rngs(0)), LoRAConfig(rank=2, alpha=4.0),
+        ...                    nnx.Rngs(1))
+        >>> zeros = zero_lora_state(lora_state(model))
+        >>> max(float(abs(x).max()) for x in jax.tree.leaves(zeros))
+        0.0
     """
     return jax.tree.map(jnp.zeros_like, state)

@@ -68,6 +68,13 @@ def positions_from_mask(attention_mask: jax.Array, offset: jax.Array | int = 0) 
 
     Returns:
         int32 positions (B, T).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> positions_from_mask(jnp.array([[0, 0, 1, 1], [1, 1, 1, 1]])).tolist()
+        [[0, 0, 0, 1], [0, 1, 2, 3]]
+        >>> positions_from_mask(jnp.array([[1, 1]]), offset=3).tolist()
+        [[3, 4]]
     """
     mask = attention_mask.astype(jnp.int32)
     offset = jnp.asarray(offset, jnp.int32)
@@ -98,6 +105,19 @@ class CausalLM(nnx.Module):
 
     Raises:
         ValueError: If `dtype` is not float32 or bfloat16.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                         num_layers=1, num_heads=2)
+        >>> model = CausalLM(config, rngs=nnx.Rngs(0))
+        >>> logits = model(jnp.array([[1, 2, 3]]))
+        >>> logits.shape, logits.dtype
+        ((1, 3, 16), dtype('float32'))
+        >>> hidden, _ = model.hidden_states(jnp.array([[1, 2, 3]]))
+        >>> bool(jnp.allclose(model.logits_from_hidden(hidden), logits))
+        True
     """
 
     def __init__(
@@ -389,7 +409,10 @@ def from_pretrained(
         TypeError: If `rules` is given without `mesh`.
 
     Example:
-        >>> model = from_pretrained("tests/fixtures/qwen2_tiny", dtype="float32")  # doctest: +SKIP
+        >>> import jax.numpy as jnp
+        >>> model = from_pretrained("tests/fixtures/qwen2_tiny", dtype="float32")  # repo root
+        >>> model.config.model_type, model(jnp.array([[1, 2, 3]])).shape
+        ('qwen2', (1, 3, 128))
     """
     return CausalLM.from_pretrained(path, dtype=dtype, mesh=mesh, rules=rules)
 

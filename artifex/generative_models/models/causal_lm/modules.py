@@ -38,6 +38,13 @@ class RMSNorm(nnx.Module):
         eps: Epsilon added to the mean square.
         dtype: Parameter and compute dtype.
 
+    Example:
+        >>> import jax.numpy as jnp
+        >>> norm = RMSNorm(4, eps=1e-6, dtype=jnp.float32)
+        >>> y = norm(jnp.array([[2.0, -2.0, 2.0, -2.0]]))
+        >>> y.round(4).tolist()  # unit root-mean-square, scale 1 at init
+        [[1.0, -1.0, 1.0, -1.0]]
+
     References:
         Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019.
     """
@@ -71,6 +78,14 @@ class Embed(nnx.Module):
         dtype: Parameter and compute dtype.
         rngs: Random streams (`params`).
         padding_idx: Row initialised to zero (as transformers does for `pad_token_id`), or None.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> embed = Embed(16, 8, std=0.02, dtype=jnp.float32, rngs=nnx.Rngs(0), padding_idx=0)
+        >>> x = embed(jnp.array([[0, 5]]))
+        >>> x.shape, float(jnp.abs(x[0, 0]).max())  # the padding row starts at zero
+        ((1, 2, 8), 0.0)
     """
 
     def __init__(
@@ -116,6 +131,13 @@ class Linear(nnx.Module):
         std: Standard deviation of the normal initialisation of the kernel.
         dtype: Parameter and compute dtype.
         rngs: Random streams (`params`).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> proj = Linear(8, 4, use_bias=True, std=0.02, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        >>> proj.kernel.shape, proj(jnp.ones((2, 8))).shape
+        ((8, 4), (2, 4))
     """
 
     def __init__(
@@ -166,6 +188,16 @@ class Attention(nnx.Module):
         config: Model configuration.
         dtype: Parameter and compute dtype.
         rngs: Random streams (`params`).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=4, num_kv_heads=2)
+        >>> attn = Attention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        >>> attn.q_proj.kernel.shape, attn.k_proj.kernel.shape  # 4 query heads, 2 kv heads of 2
+        ((8, 8), (8, 4))
 
     References:
         Vaswani et al., "Attention Is All You Need", 2017; Ainslie et al., "GQA: Training
@@ -319,6 +351,16 @@ class MLP(nnx.Module):
         dtype: Parameter and compute dtype.
         rngs: Random streams (`params`).
 
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> mlp = MLP(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        >>> mlp(jnp.ones((1, 3, 8))).shape, mlp.up_proj.kernel.shape
+        ((1, 3, 8), (8, 16))
+
     References:
         Shazeer, "GLU Variants Improve Transformer", 2020.
     """
@@ -348,6 +390,16 @@ class DecoderLayer(nnx.Module):
         config: Model configuration.
         dtype: Parameter and compute dtype.
         rngs: Random streams (`params`).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> layer = DecoderLayer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        >>> type(layer.attn).__name__, type(layer.mlp).__name__
+        ('Attention', 'MLP')
     """
 
     def __init__(self, config: CausalLMConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:

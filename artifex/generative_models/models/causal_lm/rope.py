@@ -30,6 +30,10 @@ def rope_inv_frequencies(
     Returns:
         A float32 NumPy array of shape (H/2,).
 
+    Example:
+        >>> [round(float(f), 6) for f in rope_inv_frequencies(8, 10000.0)]  # theta^(-2i/H)
+        [1.0, 0.1, 0.01, 0.001]
+
     References:
         Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021;
         Meta, "The Llama 3 Herd of Models", 2024.
@@ -68,6 +72,13 @@ def rope_cos_sin(
 
     Returns:
         `(cos, sin)`, each (B, T, H/2).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> cos, sin = rope_cos_sin(jnp.array([[0, 1]]), rope_inv_frequencies(4, 10000.0),
+        ...                         jnp.float32)
+        >>> cos.shape, cos[0, 0].tolist(), sin[0, 0].tolist()  # position 0: no rotation
+        ((1, 2, 2), [1.0, 1.0], [0.0, 0.0])
     """
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
@@ -86,6 +97,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
     Returns:
         The rotated array, same shape and dtype as `x`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> x = jax.random.normal(jax.random.key(0), (1, 3, 2, 4))  # (B, T, N, H)
+        >>> cos, sin = rope_cos_sin(jnp.array([[0, 1, 2]]), rope_inv_frequencies(4, 10000.0),
+        ...                         jnp.float32)
+        >>> y = apply_rope(x, cos, sin)
+        >>> bool(jnp.allclose(y[:, 0], x[:, 0]))  # position 0 is unchanged
+        True
+        >>> norm = lambda a: jnp.linalg.norm(a, axis=-1)
+        >>> bool(jnp.allclose(norm(y), norm(x)))  # a rotation keeps lengths
+        True
     """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]

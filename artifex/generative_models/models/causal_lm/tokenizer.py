@@ -104,6 +104,12 @@ def render_chat_template(
     Raises:
         jinja2.exceptions.TemplateError: From `raise_exception` in the template.
         TypeError: If a message is not a mapping.
+
+    Example:
+        >>> template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
+        >>> render_chat_template(template, [{"role": "user", "content": "2+2?"},
+        ...                                 {"role": "assistant", "content": "4"}])
+        '[user] 2+2? [assistant] 4 '
     """
     chat = []
     for i, message in enumerate(messages):
@@ -160,6 +166,15 @@ class Tokenizer:
 
     Raises:
         ValueError: If a special token is not in the vocabulary.
+
+    Example:
+        >>> tok = Tokenizer.for_characters("0123456789+=")
+        >>> ids = tok.encode("1+2=")
+        >>> ids, tok.decode(ids)
+        ([1, 5, 14, 6, 15], '1+2=')
+        >>> ids, mask = tok.pad_batch([tok.encode("1+2="), tok.encode("3=")])
+        >>> ids.tolist(), mask.tolist()
+        ([[1, 5, 14, 6, 15], [0, 0, 1, 7, 15]], [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
     """
 
     def __init__(

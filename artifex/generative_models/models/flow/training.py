@@ -46,6 +46,11 @@ def load_digits_images() -> tuple[np.ndarray, np.ndarray]:
 
     Raises:
         ImportError: scikit-learn is not installed (``pip install 'artifex[flow]'``).
+
+    Example:
+        >>> images, labels = load_digits_images()
+        >>> images.shape, labels.shape, float(images.min()), float(images.max())
+        ((1797, 8, 8), (1797,), -1.0, 1.0)
     """
     try:
         from sklearn.datasets import load_digits
@@ -77,6 +82,17 @@ def flow_matching_loss(
 
     Returns:
         Scalar float32 loss.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
+        ...                                   time_features=8), rngs=nnx.Rngs(0))
+        >>> x0, noise = jnp.zeros((2, 4, 4)), jnp.ones((2, 4, 4))
+        >>> t = jnp.array([0.3, 0.7])
+        >>> float(flow_matching_loss(model, x0, jnp.array([0, 1]), noise, t))  # v = 0, x1 - x0 = 1
+        1.0
     """
     b = x0.shape[0]
     x0 = jnp.asarray(x0, jnp.float32).reshape(b, -1)
@@ -96,6 +112,11 @@ class FlowTrainConfig:
         batch_size: Images per step (sampled with replacement).
         learning_rate: Peak Adam learning rate (cosine decay to 10% of it).
         seed: Seeds batches, noise and times.
+
+    Example:
+        >>> config = FlowTrainConfig(num_steps=500, batch_size=64)
+        >>> config.num_steps, config.learning_rate
+        (500, 0.002)
     """
 
     num_steps: int = 2000
@@ -139,6 +160,18 @@ def train_flow_matching(
 
     Raises:
         ValueError: ``images`` and ``labels`` have different numbers of rows.
+
+    Example:
+        >>> import numpy as np
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
+        ...                                   time_features=8), rngs=nnx.Rngs(0))
+        >>> images = np.full((32, 4, 4), 0.5, np.float32)  # one flat gray image
+        >>> losses = train_flow_matching(model, images, np.zeros(32, np.int32),
+        ...                              FlowTrainConfig(num_steps=60, batch_size=16))
+        >>> len(losses), bool(np.mean(losses[-10:]) < np.mean(losses[:10]))
+        (60, True)
     """
     config = FlowTrainConfig() if config is None else config
     images = jnp.asarray(images, jnp.float32)

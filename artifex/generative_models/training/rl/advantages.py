@@ -72,6 +72,12 @@ class GroupStats:
             ``(B,)``; 0 for a group with fewer than ``ddof + 1`` valid rewards.
         count: Number of valid (non-NaN) rewards in the group, ``(B,)`` float32.
         centered: ``r - mean`` for valid rows and 0 for missing ones, ``(B,)``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> s = group_stats(jnp.array([1.0, 3.0, 2.0, 2.0]), 2)
+        >>> s.mean.tolist(), s.centered.tolist()
+        ([2.0, 2.0, 2.0, 2.0], [-1.0, 1.0, 0.0, 0.0])
     """
 
     mean: jax.Array
@@ -150,6 +156,12 @@ def group_stats(rewards: jax.Array, group_size: int, *, ddof: int = 1) -> GroupS
 
     Raises:
         ValueError: If ``B`` is not a multiple of ``group_size``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> s = group_stats(jnp.array([1.0, 3.0, 0.0, jnp.nan]), 2, ddof=0)
+        >>> s.mean.tolist(), s.std.tolist(), s.count.tolist()
+        ([2.0, 2.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], [2.0, 2.0, 1.0, 1.0])
     """
     _check_group_size(rewards.shape[0], group_size)
     return _stats(rewards, *_fixed_reducers(group_size), ddof)
@@ -168,6 +180,13 @@ def segment_stats(
 
     Returns:
         A :class:`GroupStats` with per-row values.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> rewards, group_ids = jnp.array([1.0, 3.0, 5.0]), jnp.array([0, 0, 1])
+        >>> s = segment_stats(rewards, group_ids, num_groups=2, ddof=0)
+        >>> s.mean.tolist(), s.count.tolist()
+        ([2.0, 2.0, 5.0], [2.0, 2.0, 1.0])
     """
     num_groups = rewards.shape[0] if num_groups is None else num_groups
     return _stats(rewards, *_segment_reducers(group_ids, num_groups), ddof)
@@ -342,6 +361,12 @@ def segment_advantages(
 
     Raises:
         ValueError: Concrete ``group_ids`` outside ``[0, num_groups)``, or ``eps < 0``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> rewards, group_ids = jnp.array([1.0, 0.0, 1.0, 2.0, 0.0]), jnp.array([0, 0, 1, 1, 1])
+        >>> segment_advantages(rewards, group_ids, num_groups=2, scale="none").tolist()
+        [0.5, -0.5, 0.0, 1.0, -1.0]
     """
     stats = segment_stats(rewards, group_ids, num_groups=num_groups, ddof=ddof)
     return _finish(rewards, stats, scale=scale, ddof=ddof, eps=eps, baseline=baseline)
@@ -375,6 +400,13 @@ def process_advantages(
 
     Returns:
         ``(B, T)`` float32 token advantages.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> nan = jnp.nan
+        >>> step_rewards = jnp.array([[nan, 1.0, nan, 1.0], [nan, 0.0, nan, 0.0]])
+        >>> process_advantages(step_rewards, 2, scale="none").round(2).tolist()
+        [[1.0, 1.0, 0.5, 0.5], [-1.0, -1.0, -0.5, -0.5]]
 
     References:
         Shao et al., 2024, "DeepSeekMath", arXiv:2402.03300, sec. 4.1.3.
@@ -424,6 +456,13 @@ def advantages_from_config(
 
     Returns:
         ``(B,)`` float32 advantages.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training import GRPOConfig
+        >>> config = GRPOConfig(num_generations=2, scale_rewards="none")
+        >>> advantages_from_config(jnp.array([1.0, 0.0, 0.5, 0.5]), config).tolist()
+        [0.5, -0.5, 0.0, 0.0]
     """
     g = config.num_generations if group_size is None else group_size
     if config.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline"):
@@ -488,6 +527,11 @@ def reinforce_pp_advantages(
     Returns:
         ``(B,)`` float32 advantages.
 
+    Example:
+        >>> import jax.numpy as jnp
+        >>> reinforce_pp_advantages(jnp.array([1.0, 0.0, 1.0, 0.0]), 2, ddof=0).round(3).tolist()
+        [1.0, -1.0, 1.0, -1.0]
+
     References:
         Hu et al., 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both
         Prompt and Reward Models", arXiv:2501.03262.
@@ -550,6 +594,15 @@ def pass_at_k_advantages(
 
     Raises:
         ValueError: ``k < 1``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> rewards = jnp.array([1.0, 0.0, 0.0, 0.0])
+        >>> import numpy as np
+        >>> print(np.asarray(pass_at_k_advantages(rewards, 4, k=1), float).round(3))
+        [ 1.732 -0.577 -0.577 -0.577]
+        >>> print(pass_at_k_advantages(rewards, 4, k=2).round(3))
+        [ 1.    -0.333 -0.333 -0.333]
 
     References:
         Chen et al., 2025, "Pass@k Training for Adaptively Balancing Exploration and

@@ -80,6 +80,20 @@ class GRPOBatch:
             every GRPO rollout), so a causal LM can encode each prompt once for its group.
             :meth:`validate` checks it against the data; ``GRPOTrainer.prepare_batch`` sets it
             when it finds the prompts shared.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> batch = GRPOBatch(
+        ...     prompt_ids=jnp.array([[5, 6], [5, 6]]),
+        ...     completion_ids=jnp.array([[1, 2, 0], [3, 0, 0]]),
+        ...     completion_mask=jnp.array([[1, 1, 0], [1, 0, 0]]),
+        ...     rewards=jnp.array([1.0, 0.0]),
+        ...     group_size=2,
+        ... ).validate()
+        >>> batch.batch_size, batch.num_groups, batch.completion_length
+        (2, 1, 3)
+        >>> batch.prompts_shared_within_groups()
+        True
     """
 
     prompt_ids: jax.Array

@@ -197,6 +197,15 @@ class GRPOConfig:
         TypeError: If a field has the wrong type (``num_generations=4.0``, ``beta="0.1"``).
         ValueError: If a field is out of range, not one of its choices, or contradicts
             another field.
+
+    Example:
+        >>> config = GRPOConfig(num_generations=4, clip_param_high=0.28, beta=0.0)
+        >>> config.num_generations, config.clip_param, config.clip_param_high
+        (4, 0.2, 0.28)
+        >>> GRPOConfig(num_generations=1)
+        Traceback (most recent call last):
+            ...
+        ValueError: GRPOConfig.num_generations must be an int >= 2, got 1
     """
 
     num_generations: int = 4

@@ -205,11 +205,18 @@ class GRPOTrainer:
     copy them (``jnp.copy``) to keep them. A ``reference_model`` sharing arrays with the policy
     (``nnx.clone``) gets its own copies when the trainer is built.
 
-    Example::
-
-        optimizer = nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
-        trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4))
-        metrics = trainer.train_step(batch)   # dict[str, float]
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))  # a 3-action policy
+        >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4, beta=0.0))
+        >>> batch = {"observations": jnp.ones((4, 4)), "actions": jnp.array([0, 1, 2, 0]),
+        ...          "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])}
+        >>> metrics = trainer.train_step(batch)  # dict[str, float]
+        >>> metrics["reward_mean"], metrics["grad_norm"] > 0, int(optimizer.step[...])
+        (0.5, True, 1)
 
     Args:
         model: The policy: a causal LM (``hidden_states``/``output_embedding``) or any module

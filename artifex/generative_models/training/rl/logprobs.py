@@ -52,6 +52,13 @@ def token_log_probs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, j
 
     Returns:
         ``(log_probs, entropy)``, each ``(...)`` float32.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> logits = jnp.log(jnp.array([[0.5, 0.25, 0.25]]))
+        >>> logp, entropy = token_log_probs(logits, jnp.array([0]))
+        >>> round(float(logp[0]), 4), round(float(entropy[0]), 4)
+        (-0.6931, 1.0397)
     """
     z = jnp.asarray(logits, jnp.float32)
     lse = jax.nn.logsumexp(z, axis=-1)
@@ -70,6 +77,10 @@ def auto_chunk_size(vocab_size: int, *, budget_bytes: int = _CHUNK_BYTES) -> int
 
     Returns:
         A power of two >= 16.
+
+    Example:
+        >>> auto_chunk_size(32_000), auto_chunk_size(151_936)
+        (512, 64)
     """
     rows = max(budget_bytes // (4 * vocab_size), 16)
     return 2 ** math.floor(math.log2(rows))
@@ -100,6 +111,16 @@ def chunked_token_log_probs(
 
     Returns:
         ``(log_probs, entropy)``, each of ``targets``' shape, float32.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> hidden = jax.random.normal(jax.random.key(0), (2, 3, 4))
+        >>> weight = jax.random.normal(jax.random.key(1), (4, 7))
+        >>> targets = jnp.arange(6).reshape(2, 3)
+        >>> logp, entropy = chunked_token_log_probs(hidden, weight, targets, chunk_size=4)
+        >>> full, _ = token_log_probs(hidden @ weight, targets)
+        >>> logp.shape, bool(jnp.allclose(logp, full, atol=1e-5))
+        ((2, 3), True)
     """
     lead = targets.shape
     d, v = weight.shape
@@ -165,6 +186,20 @@ def causal_lm_log_probs(
 
     Returns:
         ``(log_probs, entropy)``, each ``(B, T)`` float32.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                         num_layers=1, num_heads=2)
+        >>> model = CausalLM(config, rngs=nnx.Rngs(0))
+        >>> prompt_ids = jnp.array([[0, 3, 4], [5, 6, 7]])
+        >>> prompt_mask = jnp.array([[0, 1, 1], [1, 1, 1]])  # left-padded
+        >>> logp, entropy = causal_lm_log_probs(model, prompt_ids, jnp.array([[1, 2], [3, 4]]),
+        ...                                     prompt_mask=prompt_mask)
+        >>> logp.shape, bool((logp < 0).all()), bool((entropy <= jnp.log(16.0)).all())
+        ((2, 2), True, True)
     """
     b, p = prompt_ids.shape
     t = completion_ids.shape[1]
@@ -207,6 +242,21 @@ def causal_lm_log_probs_fn(*, chunk_size: int | None = None, temperature: float 
 
     Returns:
         ``fn(model, batch) -> (log_probs, entropy)``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.training.rl import GRPOBatch
+        >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                         num_layers=1, num_heads=2)
+        >>> model = CausalLM(config, rngs=nnx.Rngs(0))
+        >>> batch = GRPOBatch(
+        ...     prompt_ids=jnp.array([[3, 4], [3, 4]]), completion_ids=jnp.array([[1, 2], [5, 6]]),
+        ...     completion_mask=jnp.ones((2, 2)), rewards=jnp.array([1.0, 0.0]), group_size=2)
+        >>> logp, entropy = causal_lm_log_probs_fn()(model, batch)
+        >>> logp.shape, entropy.shape
+        ((2, 2), (2, 2))
     """
 
     def fn(model: Any, batch: GRPOBatch) -> tuple[jax.Array, jax.Array]:
@@ -241,6 +291,17 @@ def categorical_log_probs(
 
     Raises:
         ValueError: If the logits' shape does not fit the actions.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import GRPOBatch
+        >>> batch = GRPOBatch.from_dict({"observations": jnp.ones((2, 3)),
+        ...                              "actions": jnp.array([0, 2]), "rewards": jnp.zeros(2)},
+        ...                             group_size=2)
+        >>> uniform = lambda obs: jnp.zeros((obs.shape[0], 4))  # 4 actions, equally likely
+        >>> logp, entropy = categorical_log_probs(uniform, batch)
+        >>> logp.shape, round(float(logp[0, 0]), 4), round(float(entropy[0, 0]), 4)
+        ((2, 1), -1.3863, 1.3863)
     """
     logits = model(batch.prompt_ids)
     if temperature != 1.0:
@@ -270,6 +331,11 @@ def default_log_prob_fn(model: Any, *, temperature: float = 1.0) -> LogProbFn:
 
     Returns:
         A log-prob function.
+
+    Example:
+        >>> from flax import nnx
+        >>> default_log_prob_fn(nnx.Linear(4, 3, rngs=nnx.Rngs(0))).__name__
+        'categorical_log_probs'
     """
     if hasattr(model, "hidden_states") and hasattr(model, "output_embedding"):
         return causal_lm_log_probs_fn(temperature=temperature)

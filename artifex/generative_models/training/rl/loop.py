@@ -130,6 +130,13 @@ class TrainConfig:
             (prompt, completion, each reward function's value, the advantage) to
             ``log_dir/completions.jsonl`` and print the first ones as a table (0: never).
         completions_to_print: Rows of that console table (0: the file only).
+
+    Example:
+        >>> config = TrainConfig(num_steps=100, prompts_per_step=8, num_iterations=2)
+        >>> config.num_steps, config.num_iterations, config.log_dir
+        (100, 2, None)
+        >>> config.fingerprint["prompts_per_step"]  # what a resumed run must match
+        8
     """
 
     num_steps: int
@@ -229,6 +236,17 @@ class DataIterator:
         dataset: Rows (mappings), indexable.
         seed: Seeds the per-epoch permutations.
         shuffle: Shuffle each epoch.
+
+    Example:
+        >>> rows = [{"prompt": str(i)} for i in range(5)]
+        >>> data = DataIterator(rows, seed=0, shuffle=False)
+        >>> [r["prompt"] for r in data.take(3)], data.state()
+        (['0', '1', '2'], {'epoch': 0, 'index': 3})
+        >>> [r["prompt"] for r in data.take(3)], data.state()  # crosses into epoch 1
+        (['3', '4', '0'], {'epoch': 1, 'index': 1})
+        >>> data.restore({"epoch": 0, "index": 3})
+        >>> [r["prompt"] for r in data.take(2)]
+        ['3', '4']
     """
 
     def __init__(self, dataset: Sequence[Mapping[str, Any]], *, seed: int, shuffle: bool):
@@ -307,6 +325,12 @@ class TrainResult:
         start_step: The step the call started from (0, or the resumed checkpoint's).
         interrupted: The signal's name (``"SIGTERM"``, ``"SIGINT"``) when the run stopped early
             on one (after saving a checkpoint of the last finished step); ``None`` otherwise.
+
+    Example:
+        >>> result = TrainResult(history=[{"reward_mean": 0.5}], evaluations=[], start_step=0,
+        ...                      interrupted=None)
+        >>> result.history[-1]["reward_mean"], result.interrupted
+        (0.5, None)
     """
 
     history: list[dict[str, float]]
@@ -324,6 +348,19 @@ def concat_batches(batches: Sequence[GRPOBatch]) -> GRPOBatch:
 
     Returns:
         One batch (group size of the first).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import GRPOBatch
+        >>> def batch(prompt_width):
+        ...     return GRPOBatch(prompt_ids=jnp.ones((2, prompt_width), jnp.int32),
+        ...                      prompt_mask=jnp.ones((2, prompt_width), jnp.int32),
+        ...                      completion_ids=jnp.ones((2, 3), jnp.int32),
+        ...                      completion_mask=jnp.ones((2, 3)), rewards=jnp.zeros(2),
+        ...                      group_size=2)
+        >>> both = concat_batches([batch(2), batch(4)])
+        >>> both.batch_size, both.prompt_ids.shape, both.prompt_mask[0].tolist()
+        (4, (4, 4), [0, 0, 1, 1])
     """
     width = max(b.prompt_ids.shape[1] for b in batches)
 
@@ -377,6 +414,22 @@ def evaluate(
 
     Returns:
         ``{"eval/pass@1": ..., "eval/reward_mean": ...}``.
+
+    Example:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training.rl import GRPOConfig, RolloutConfig
+        >>> from artifex.generative_models.training.rl.rollout import Policy
+        >>> tok = Tokenizer.for_characters("0123456789+=")
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> policy = Policy(CausalLM(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=2))
+        >>> def always(prompts, completions, **columns):
+        ...     return [1.0] * len(completions)
+        >>> evaluate(policy, tok, [{"prompt": "1+1="}, {"prompt": "2+2="}], always,
+        ...          RolloutConfig(max_new_tokens=2))
+        {'eval/pass@1': 1.0, 'eval/reward_mean': 1.0}
     """
     policy = as_policy(policy)
     model, mesh = policy.model, policy.mesh
@@ -426,6 +479,12 @@ def check_writable_dir(path: str | os.PathLike[str], what: str = "directory") ->
     Raises:
         NotADirectoryError: ``path`` (or a parent) is an existing file.
         PermissionError: The directory cannot be created or written.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = check_writable_dir(os.path.join(tempfile.mkdtemp(), "runs", "logs"), "--log-dir")
+        >>> os.path.isdir(path), os.path.isabs(path)
+        (True, True)
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
@@ -459,6 +518,19 @@ def check_tokenizer_fits(tokenizer: Any, model: Any) -> None:
 
     Raises:
         ValueError: The tokenizer has more ids than the model's vocabulary.
+
+    Example:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> tok = Tokenizer.for_characters("0123456789+=")  # 16 ids
+        >>> cfg = CausalLMConfig(vocab_size=12, hidden_size=8, intermediate_size=16, num_layers=1,
+        ...                      num_heads=2)
+        >>> check_tokenizer_fits(tok, CausalLM(cfg, rngs=nnx.Rngs(0)))
+        Traceback (most recent call last):
+            ...
+        ValueError: the tokenizer has 16 token ids but the model's vocabulary has only 12 ...
+        >>> check_tokenizer_fits(tok, CausalLM(cfg.replace(vocab_size=16), rngs=nnx.Rngs(0)))
     """
     tok_size = getattr(tokenizer, "vocab_size", None)
     model_size = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -482,6 +554,14 @@ def dataset_fingerprint(dataset: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     Returns:
         ``{"size": len(dataset), "sha256": hex digest}``.
+
+    Example:
+        >>> rows = [{"prompt": "1+1=", "answer": "2"}]
+        >>> fp = dataset_fingerprint(rows)
+        >>> fp["size"], len(fp["sha256"]), fp == dataset_fingerprint([dict(r) for r in rows])
+        (1, 64, True)
+        >>> fp == dataset_fingerprint([{"prompt": "1+1=", "answer": "3"}])
+        False
     """
     digest = hashlib.sha256()
     for row in dataset:
@@ -712,6 +792,27 @@ def train(
         PermissionError: An output directory is not writable (before the first step).
         NonFiniteUpdateError: An update was not finite (the step and metric are named; the
             model keeps its last finite state and no checkpoint of a bad state is written).
+
+    Example:
+        >>> import optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training.rl import GRPOConfig, GRPOTrainer, RolloutConfig
+        >>> tok = Tokenizer.for_characters("0123456789+=")
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2, beta=0.0))
+        >>> def has_digit(prompts, completions, **columns):
+        ...     return [float(any(ch.isdigit() for ch in c)) for c in completions]
+        >>> dataset = [{"prompt": f"{a}+{a}="} for a in range(4)]
+        >>> result = train(trainer, tok, dataset, has_digit,
+        ...                TrainConfig(num_steps=2, prompts_per_step=1, progress=False),
+        ...                RolloutConfig(max_new_tokens=2))
+        >>> len(result.history), "reward_mean" in result.history[-1], int(optimizer.step[...])
+        (2, True, 2)
     """
     rcfg = RolloutConfig() if rollout_config is None else rollout_config
     if not isinstance(rewards, RewardCombiner):

@@ -101,6 +101,16 @@ def log_importance_ratio(
     Returns:
         ``(B, T)`` float32 log ratios, 0 at masked positions.
 
+    Example:
+        >>> import jax.numpy as jnp
+        >>> logp = jnp.array([[-1.0, -2.0, 0.0]])
+        >>> old = jnp.array([[-1.5, -2.0, 0.0]])
+        >>> mask = jnp.array([[1, 1, 0]])
+        >>> log_importance_ratio(logp, old, mask).tolist()
+        [[0.5, 0.0, 0.0]]
+        >>> log_importance_ratio(logp, old, mask, level="sequence").tolist()
+        [[0.25, 0.25, 0.0]]
+
     References:
         Zheng et al., 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
     """
@@ -152,6 +162,15 @@ def clipped_surrogate(
         ``(loss, clipped_low, clipped_high)``, each ``(B, T)`` float32 and 0 at masked
         positions; the last two are 1 where the lower/upper clip is active.
 
+    Example:
+        >>> import jax.numpy as jnp
+        >>> log_ratio = jnp.log(jnp.array([[1.0, 1.5]]))
+        >>> loss, low, high = clipped_surrogate(
+        ...     log_ratio, jnp.array([1.0]), jnp.ones((1, 2)), epsilon_low=0.2, epsilon_high=0.2
+        ... )
+        >>> print(loss.round(3), high)
+        [[-1.  -1.2]] [[0. 1.]]
+
     References:
         Schulman et al., 2017, "Proximal Policy Optimization", arXiv:1707.06347;
         Yu et al., 2025, "DAPO", arXiv:2503.14476; Ye et al., 2020, "Mastering Complex Control
@@ -199,6 +218,15 @@ def kl_divergence(
     Returns:
         ``(B, T)`` float32 estimates, 0 at masked positions.
 
+    Example:
+        >>> import jax.numpy as jnp
+        >>> logp, ref = jnp.array([[-1.0, -1.0]]), jnp.array([[-1.0, -2.0]])
+        >>> import numpy as np
+        >>> print(np.asarray(kl_divergence(logp, ref, jnp.ones((1, 2))), float).round(4))
+        [[0.     0.3679]]
+        >>> print(kl_divergence(logp, ref, jnp.ones((1, 2)), estimator="k2"))
+        [[0.  0.5]]
+
     References:
         Schulman, 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html;
         Shao et al., 2024, arXiv:2402.03300, eq. 4.
@@ -233,6 +261,11 @@ def approx_kl_old(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
 
     Returns:
         ``(B, T)`` float32 estimates, 0 at masked positions.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> print(approx_kl_old(jnp.array([[0.0, jnp.log(2.0)]]), jnp.ones((1, 2))).round(4))
+        [[0.     0.3069]]
     """
     m = _mask(mask)
     lr = jnp.where(m > 0, jax.lax.stop_gradient(log_ratio), 0.0)
@@ -278,6 +311,16 @@ def loss_normalizer(
 
     Returns:
         Scalar float32 denominator (not guarded against 0; :func:`aggregate_loss` is).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> mask = jnp.array([[1, 1, 0], [1, 0, 0]])
+        >>> float(loss_normalizer(mask, "token_mean"))
+        3.0
+        >>> float(loss_normalizer(mask, "sequence_mean"))
+        2.0
+        >>> float(loss_normalizer(mask, "constant_length", max_length=4))
+        8.0
     """
     m = _mask(mask)
     b, t = m.shape
@@ -325,6 +368,15 @@ def aggregate_loss(
 
     Returns:
         Scalar float32.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> per_token = jnp.array([[1.0, 1.0, 0.0], [4.0, 0.0, 0.0]])
+        >>> mask = jnp.array([[1, 1, 0], [1, 0, 0]])
+        >>> float(aggregate_loss(per_token, mask, "sequence_mean"))
+        2.5
+        >>> float(aggregate_loss(per_token, mask, "token_mean"))
+        2.0
 
     References:
         Shao et al., 2024, arXiv:2402.03300; Yu et al., 2025, arXiv:2503.14476 (DAPO);
@@ -375,6 +427,15 @@ def cispo_surrogate(
     Returns:
         ``(loss, clipped)``, each ``(B, T)`` float32 and 0 at masked positions.
 
+    Example:
+        >>> import jax.numpy as jnp
+        >>> log_ratio = jnp.log(jnp.array([[1.0, 8.0]]))
+        >>> logp = jnp.array([[-1.0, -2.0]])
+        >>> loss, clipped = cispo_surrogate(log_ratio, logp, jnp.array([1.0]), jnp.ones((1, 2)),
+        ...                                 max_weight=5.0)
+        >>> loss.tolist(), clipped.tolist()
+        ([[1.0, 10.0]], [[0.0, 1.0]])
+
     References:
         MiniMax, 2025, "MiniMax-M1", arXiv:2506.13585; Khatri et al., 2025, "The Art of
         Scaling Reinforcement Learning Compute for LLMs" (ScaleRL), arXiv:2510.13786.
@@ -413,6 +474,13 @@ def sapo_surrogate(
 
     Returns:
         ``(B, T)`` float32 losses, 0 at masked positions.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> loss = sapo_surrogate(jnp.zeros((1, 2)), jnp.array([1.0]), jnp.ones((1, 2)),
+        ...                       temperature_pos=1.0, temperature_neg=1.05)
+        >>> loss.tolist()
+        [[-2.0, -2.0]]
 
     References:
         Gao et al., 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347.
@@ -462,6 +530,14 @@ def vespo_weights(
     Returns:
         ``(B, T)`` float32 weights (one value per completion where the advantage is constant
         over it), 0 at masked positions.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> w = vespo_weights(jnp.zeros((2, 2)), jnp.array([1.0, -1.0]), jnp.ones((2, 2)))
+        >>> w.tolist()
+        [[1.0, 1.0], [1.0, 1.0]]
+        >>> print(vespo_weights(jnp.full((1, 2), 0.5), jnp.array([1.0]), jnp.ones((1, 2))).round(3))
+        [[0.043 0.043]]
 
     References:
         VESPO, "Variational Sequence-Level Soft Policy Optimization", arXiv:2602.10693.
@@ -518,6 +594,15 @@ def sampler_importance_weights(
         ``(weights, ratio, outside)``, each ``(B, T)`` float32: the weights, the raw ratio, and 1
         where the ratio lay outside ``[C_min, C_max]`` (truncated or masked); 0 at masked
         positions.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> train, sampler = jnp.log(jnp.array([[0.5, 0.9]])), jnp.log(jnp.array([[0.25, 0.9]]))
+        >>> w, ratio, outside = sampler_importance_weights(
+        ...     train, sampler, jnp.ones((1, 2)), mode="truncate", ratio_max=1.25
+        ... )
+        >>> print(w, ratio, outside)
+        [[1.25 1.  ]] [[2. 1.]] [[1. 0.]]
 
     References:
         Yao et al., 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
@@ -587,6 +672,14 @@ def off_policy_sequence_mask(
     Returns:
         ``(B, T)`` float32 mask, 1 where kept.
 
+    Example:
+        >>> import jax.numpy as jnp
+        >>> logp = jnp.array([[-3.0, -3.0], [-3.0, -3.0]])
+        >>> behavior = jnp.array([[-1.0, -1.0], [-1.0, -1.0]])
+        >>> off_policy_sequence_mask(jnp.array([1.0, -1.0]), logp, behavior, jnp.ones((2, 2)),
+        ...                          threshold=0.5).tolist()
+        [[1.0, 1.0], [0.0, 0.0]]
+
     References:
         DeepSeek-AI, 2025, "DeepSeek-V3.2", arXiv:2512.02556, eq. 9.
     """
@@ -617,6 +710,12 @@ def entropy_quantile_threshold(entropy: jax.Array, mask: jax.Array, q: float) ->
 
     Returns:
         Scalar float32 threshold.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> entropy = jnp.array([[1.0, 2.0, 3.0, 9.0]])
+        >>> float(entropy_quantile_threshold(entropy, jnp.array([[1, 1, 1, 0]]), 0.5))
+        2.0
     """
     m = _mask(mask).reshape(-1)
     x = jnp.where(m > 0, jnp.asarray(entropy, jnp.float32).reshape(-1), jnp.inf)
@@ -653,6 +752,12 @@ def high_entropy_mask(
 
     Returns:
         ``(B, T)`` float32 0/1 mask.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> entropy = jnp.array([[0.1, 2.0, 0.3, 1.5, 0.2]])
+        >>> high_entropy_mask(entropy, jnp.ones((1, 5)), 0.4).tolist()
+        [[0.0, 1.0, 0.0, 1.0, 0.0]]
 
     References:
         Wang et al., 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective

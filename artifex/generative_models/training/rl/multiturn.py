@@ -86,6 +86,24 @@ class Environment(Protocol):
     (:func:`environment_reward` reads it). Optional attributes read by the rollout:
     ``tool_schemas`` (passed to the chat template as ``tools``), ``tool_calls`` and
     ``tool_errors`` (counters for the metrics).
+
+    Example:
+        >>> class Countdown:  # two turns, then done; any object with reset/step will do
+        ...     def reset(self, row):
+        ...         self.left = 2
+        ...         return [{"role": "user", "content": row["prompt"]}]
+        ...     def step(self, text):
+        ...         self.left -= 1
+        ...         if self.left == 0:
+        ...             return None, 1.0, True
+        ...         return [{"role": "user", "content": "again"}], 0.0, False
+        >>> env = Countdown()
+        >>> env.reset({"prompt": "go"})
+        [{'role': 'user', 'content': 'go'}]
+        >>> env.step("1")
+        ([{'role': 'user', 'content': 'again'}], 0.0, False)
+        >>> env.step("2")
+        (None, 1.0, True)
     """
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
@@ -121,6 +139,25 @@ class ToolEnvironment:
         prompt_column: The row's prompt column (a string becomes one user message; a list of
             messages is used as is).
         system_prompt: Optional system message put first.
+
+    Example:
+        >>> def multiply(a: int, b: int) -> int:
+        ...     '''Multiplies two integers.
+        ...
+        ...     Args:
+        ...         a: The first factor.
+        ...         b: The second factor.
+        ...     '''
+        ...     return a * b
+        >>> env = ToolEnvironment([multiply], tool_format="qwen")
+        >>> env.reset({"prompt": "What is 6*7?"})
+        [{'role': 'user', 'content': 'What is 6*7?'}]
+        >>> obs, reward, done = env.step(
+        ...     '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>')
+        >>> obs, done, env.tool_calls
+        ([{'role': 'tool', 'name': 'multiply', 'content': '42'}], False, 1)
+        >>> env.step("42")  # a turn without a tool call ends the episode
+        (None, None, True)
     """
 
     def __init__(
@@ -207,6 +244,10 @@ def environment_reward(
 
     Returns:
         One reward (or ``None``) per row.
+
+    Example:
+        >>> environment_reward(["q", "q"], ["a", "b"], env_reward=[1.0, float("nan")])
+        [1.0, None]
     """
     return [None if v is None or math.isnan(v) else float(v) for v in env_reward]
 
@@ -232,6 +273,15 @@ class MultiTurnConfig:
     Raises:
         TypeError: A field of the wrong type (``max_turns=2.0``, ``stop_strings`` as a list).
         ValueError: A field out of range, or ``max_new_tokens > max_completion_tokens``.
+
+    Example:
+        >>> config = MultiTurnConfig(max_turns=3, max_new_tokens=32, max_completion_tokens=128)
+        >>> config.max_turns, config.stop_strings
+        (3, ('</tool_call>',))
+        >>> MultiTurnConfig(max_turns=0)
+        Traceback (most recent call last):
+            ...
+        ValueError: MultiTurnConfig.max_turns must be an int >= 1, got 0
     """
 
     max_turns: int = 4
@@ -294,6 +344,11 @@ class Episodes:
         model_tokens: ``(R,)`` tokens the model generated.
         turn_ends: ``(R, max_turns)`` completion index of the last model token of each turn
             (-1: no such turn).
+
+    Example:
+        >>> import dataclasses
+        >>> [f.name for f in dataclasses.fields(Episodes)][:5]
+        ['prompt_ids', 'prompt_mask', 'completion_ids', 'completion_mask', 'log_probs']
     """
 
     prompt_ids: np.ndarray
@@ -406,6 +461,32 @@ def run_episodes(
         ValueError: No rows, ``num_generations < 1``, the ``G`` episodes of a row open with
             different messages, or the prompt does not fit the model's positions.
         TypeError: ``num_generations`` is not an int.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> template = "{% for m in messages %}{{ m.content }}={% endfor %}"
+        >>> tok = Tokenizer.for_characters("0123456789+=goaein", chat_template=template)
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> class Countdown:
+        ...     def reset(self, row):
+        ...         self.left = 2
+        ...         return [{"role": "user", "content": row["prompt"]}]
+        ...     def step(self, text):
+        ...         self.left -= 1
+        ...         done = self.left == 0
+        ...         return (None if done else [{"role": "user", "content": "again"}]), 1.0, done
+        >>> episodes = run_episodes(CausalLM(cfg, rngs=nnx.Rngs(0)), tok, [{"prompt": "go"}],
+        ...                         Countdown, MultiTurnConfig(max_turns=3, max_new_tokens=2,
+        ...                         max_completion_tokens=64), key=jax.random.key(0),
+        ...                         num_generations=2)
+        >>> episodes.turns.tolist(), episodes.env_reward.tolist(), episodes.token_limit.tolist()
+        ([2, 1], [2.0, nan], [False, True])
+        >>> episodes.metrics()["multiturn/turns_mean"]
+        1.5
     """
     if not rows:
         msg = "run_episodes needs at least one row"
@@ -585,6 +666,28 @@ def turn_step_rewards(episodes: Episodes) -> np.ndarray:
 
     Returns:
         ``(R, T)`` float32 step rewards (the batch's ``step_rewards``).
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> template = "{% for m in messages %}{{ m.content }}={% endfor %}"
+        >>> tok = Tokenizer.for_characters("0123456789+=goaein", chat_template=template)
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> class OneTurn:
+        ...     def reset(self, row):
+        ...         return [{"role": "user", "content": row["prompt"]}]
+        ...     def step(self, text):
+        ...         return None, 0.5, True
+        >>> episodes = run_episodes(CausalLM(cfg, rngs=nnx.Rngs(0)), tok, [{"prompt": "go"}],
+        ...                         OneTurn, MultiTurnConfig(max_turns=1, max_new_tokens=2,
+        ...                         max_completion_tokens=8), key=jax.random.key(0))
+        >>> import numpy as np
+        >>> step = turn_step_rewards(episodes)
+        >>> np.nansum(step).item(), int((~np.isnan(step)).sum())  # one reward, at the turn's end
+        (0.5, 1)
     """
     out = np.full(episodes.completion_ids.shape, np.nan, np.float32)
     rows, turns = np.nonzero((episodes.turn_ends >= 0) & ~np.isnan(episodes.turn_rewards))
@@ -623,6 +726,11 @@ class MultiTurnRolloutResult(Rollout):
         reward_names: The functions' names.
         truncated: ``(B,)`` episodes stopped by the turn or token limit.
         episodes: The :class:`Episodes` (turns, tool calls, limits, per-turn rewards).
+
+    Example:
+        >>> from artifex.generative_models.training.rl.rollout import Rollout
+        >>> issubclass(MultiTurnRolloutResult, Rollout)  # the loop reads it like a Rollout
+        True
     """
 
     episodes: Episodes | None = None
@@ -652,6 +760,34 @@ class MultiTurnRollout:
     Args:
         environment_factory: Builds one :class:`Environment` per episode.
         config: The :class:`MultiTurnConfig`.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training.rl import (
+        ...     GRPOConfig, RewardCombiner, RolloutConfig)
+        >>> from artifex.generative_models.training.rl.rollout import Policy
+        >>> template = "{% for m in messages %}{{ m.content }}={% endfor %}"
+        >>> tok = Tokenizer.for_characters("0123456789+=goaein", chat_template=template)
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> policy = Policy(CausalLM(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=2))
+        >>> class OneTurn:
+        ...     def reset(self, row):
+        ...         return [{"role": "user", "content": row["prompt"]}]
+        ...     def step(self, text):
+        ...         return None, 1.0, True
+        >>> rollout_fn = MultiTurnRollout(OneTurn, MultiTurnConfig(max_turns=1, max_new_tokens=2,
+        ...                                                        max_completion_tokens=8))
+        >>> rewards = RewardCombiner([environment_reward])
+        >>> result = rollout_fn(policy, tok, [{"prompt": "go"}], rewards, RolloutConfig(),
+        ...                     key=jax.random.key(0))
+        >>> type(result).__name__, result.batch.batch_size, result.episodes.turns.tolist()
+        ('MultiTurnRolloutResult', 2, [1, 1])
+        >>> result.metrics()["multiturn/turns_mean"]
+        1.0
     """
 
     def __init__(self, environment_factory: Callable[[], Environment], config: MultiTurnConfig):

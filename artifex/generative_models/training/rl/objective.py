@@ -58,6 +58,17 @@ def as_grpo_batch(batch: GRPOBatch | Mapping[str, Any], config: GRPOConfig) -> G
 
     Raises:
         TypeError: For any other batch type.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> batch = as_grpo_batch(
+        ...     {"observations": jnp.ones((4, 3)), "actions": jnp.array([0, 1, 2, 0]),
+        ...      "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])},
+        ...     GRPOConfig(num_generations=2),
+        ... )
+        >>> batch.group_size, batch.completion_ids.shape
+        (2, (4, 1))
     """
     if isinstance(batch, Mapping):
         batch = GRPOBatch.from_dict(batch, group_size=config.num_generations)
@@ -93,6 +104,17 @@ def compute_advantages(batch: GRPOBatch, config: GRPOConfig) -> jax.Array:
 
     Returns:
         The advantages.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> batch = GRPOBatch(
+        ...     prompt_ids=jnp.zeros((4, 1), jnp.int32),
+        ...     completion_ids=jnp.zeros((4, 2), jnp.int32),
+        ...     completion_mask=jnp.ones((4, 2)), rewards=jnp.array([1.0, 0.0, 2.0, 2.0]),
+        ...     group_size=2)
+        >>> compute_advantages(batch, GRPOConfig(num_generations=2, scale_rewards="none")).tolist()
+        [0.5, -0.5, 0.0, 0.0]
     """
     if batch.advantages is not None:
         return jnp.asarray(batch.advantages, jnp.float32)
@@ -315,6 +337,21 @@ def grpo_objective(
     Raises:
         ValueError: ``entropy`` is ``None`` while ``entropy_coeff > 0`` or
             ``top_entropy_quantile < 1``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> batch = GRPOBatch(
+        ...     prompt_ids=jnp.zeros((2, 1), jnp.int32),
+        ...     completion_ids=jnp.zeros((2, 2), jnp.int32),
+        ...     completion_mask=jnp.array([[1, 1], [1, 0]]), rewards=jnp.array([1.0, 0.0]),
+        ...     group_size=2)
+        >>> log_probs = jnp.array([[-0.5, -0.5], [-1.0, -3.0]])
+        >>> config = GRPOConfig(num_generations=2, scale_rewards="none")
+        >>> entropy = jnp.full((2, 2), 0.5)
+        >>> loss, metrics = grpo_objective(log_probs, entropy, batch, config)
+        >>> round(float(loss), 4), float(metrics["reward_mean"]), float(metrics["policy_loss"])
+        (-0.005, 0.5, 0.0)
     """
     mask = jnp.asarray(batch.completion_mask, jnp.float32)
     log_probs = jnp.asarray(log_probs, jnp.float32)
@@ -398,6 +435,16 @@ def split_microbatches(batch: GRPOBatch, num_microbatches: int) -> GRPOBatch:
 
     Raises:
         ValueError: If ``A`` does not divide the number of rows.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import GRPOBatch
+        >>> batch = GRPOBatch(
+        ...     prompt_ids=jnp.zeros((4, 1), jnp.int32),
+        ...     completion_ids=jnp.zeros((4, 3), jnp.int32),
+        ...     completion_mask=jnp.ones((4, 3)), rewards=jnp.zeros(4), group_size=2)
+        >>> split_microbatches(batch, 2).completion_ids.shape
+        (2, 2, 3)
     """
     b = batch.batch_size
     if num_microbatches < 1 or b % num_microbatches:
@@ -459,6 +506,19 @@ def make_grpo_loss(
 
     Returns:
         ``grpo_loss``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))  # a 3-action policy
+        >>> grpo_loss = make_grpo_loss(model, GRPOConfig(num_generations=2))
+        >>> batch = {"observations": jnp.ones((4, 4)), "actions": jnp.array([0, 1, 2, 0]),
+        ...          "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])}
+        >>> (loss, metrics), grads = jax.value_and_grad(grpo_loss, has_aux=True)(
+        ...     nnx.state(model, nnx.Param), batch)
+        >>> grads["kernel"].shape, bool(jnp.isfinite(loss))
+        ((4, 3), True)
     """
     graphdef = nnx.graphdef(model)
     if log_prob_fn is None:

@@ -95,7 +95,20 @@ class Policy:
 
 @runtime_checkable
 class SupportsPolicy(Protocol):
-    """Anything that can present itself as a :class:`Policy` (e.g. ``GRPOTrainer``)."""
+    """Anything that can present itself as a :class:`Policy` (e.g. ``GRPOTrainer``).
+
+    Example:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> class Holder:  # e.g. a trainer: anything with a policy() method
+        ...     def policy(self):
+        ...         return Policy(CausalLM(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=2))
+        >>> isinstance(Holder(), SupportsPolicy), as_policy(Holder()).config.num_generations
+        (True, 2)
+    """
 
     def policy(self) -> Policy:
         """The policy view of this object."""
@@ -153,6 +166,15 @@ class RolloutConfig:
         old_log_probs: Where old log-probs come from when they are needed: ``"sampler"``,
             ``"recompute"`` (a forward pass of the training graph), or ``"auto"`` (the sampler's
             when its distribution is the one the loss scores, else recompute).
+
+    Example:
+        >>> config = RolloutConfig(max_new_tokens=16, top_p=0.95)
+        >>> config.max_new_tokens, config.old_log_probs
+        (16, 'auto')
+        >>> RolloutConfig(top_p=0.0)
+        Traceback (most recent call last):
+            ...
+        ValueError: RolloutConfig.top_p must be in (0, 1], got 0.0
     """
 
     max_new_tokens: int = 128
@@ -188,6 +210,25 @@ class Rollout:
         rewards_per_function: ``(B, F)`` raw rewards of each function (NaN: none).
         reward_names: The functions' names.
         truncated: ``(B,)`` rows that hit ``max_new_tokens`` without EOS.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training.rl import GRPOConfig, RewardCombiner
+        >>> tok = Tokenizer.for_characters("0123456789+=")
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> policy = Policy(CausalLM(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=2))
+        >>> def is_short(prompts, completions, **columns):
+        ...     return [float(len(c) < 3) for c in completions]
+        >>> ro = rollout(policy, tok, [{"prompt": "1+1="}], RewardCombiner([is_short]),
+        ...              RolloutConfig(max_new_tokens=3), key=jax.random.key(0))
+        >>> ro.batch.batch_size, len(ro.completions), ro.reward_names
+        (2, 2, ['is_short'])
+        >>> sorted(ro.metrics())
+        ['completion_length_max', 'rewards/is_short', 'truncated_fraction']
     """
 
     batch: GRPOBatch
@@ -249,6 +290,13 @@ def encode_prompts(
 
     Raises:
         ValueError: A row lacks the prompt column, a prompt is empty or too long.
+
+    Example:
+        >>> from artifex.generative_models.models.causal_lm import Tokenizer
+        >>> tok = Tokenizer.for_characters("0123456789+=")
+        >>> texts, ids, mask = encode_prompts(tok, [{"prompt": "1+2="}, {"prompt": "3="}])
+        >>> texts, ids.tolist(), mask.tolist()
+        (['1+2=', '3='], [[1, 5, 14, 6, 15], [0, 0, 1, 7, 15]], [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
     """
     texts, encoded = [], []
     for i, row in enumerate(rows):
@@ -298,6 +346,21 @@ class Completions:
         columns: Dataset columns repeated per generation, plus ``completion_length``.
         lengths: ``(B * K,)`` completion lengths in tokens.
         truncated: ``(B * K,)`` rows that hit ``max_new_tokens`` without EOS.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> tok = Tokenizer.for_characters("0123456789+=")
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> rows = [{"prompt": "1+1=", "answer": "2"}]
+        >>> out = sample_completions(CausalLM(cfg, rngs=nnx.Rngs(0)), tok, rows,
+        ...                          RolloutConfig(max_new_tokens=3), key=jax.random.key(0),
+        ...                          num_generations=2, temperature=1.0)
+        >>> out.prompts, sorted(out.columns), out.lengths.shape
+        (['1+1=', '1+1='], ['answer', 'completion_length'], (2,))
     """
 
     output: Any
@@ -347,6 +410,23 @@ def sample_completions(
     Raises:
         ValueError: Missing prompt column, empty or too-long prompts, or a dataset column named
             ``completion_length``.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> tok = Tokenizer.for_characters("0123456789+=")
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+        >>> out = sample_completions(CausalLM(cfg, rngs=nnx.Rngs(0)), tok, rows,
+        ...                          RolloutConfig(max_new_tokens=3), key=jax.random.key(0),
+        ...                          num_generations=2, temperature=1.0)
+        >>> out.output.completion_ids.shape, len(out.completions), out.columns["answer"]
+        ((4, 3), 4, ['2', '2', '4', '4'])
+        >>> bool((out.lengths <= 3).all())
+        True
     """
     texts, ids, mask = encode_prompts(
         tokenizer,
@@ -412,6 +492,11 @@ def spans_processes(mesh: Any) -> bool:
 
     Returns:
         ``True`` when the mesh spans several processes.
+
+    Example:
+        >>> import jax
+        >>> spans_processes(None), spans_processes(jax.make_mesh((1,), ("data",)))
+        (False, False)
     """
     if mesh is None:
         return False
@@ -477,6 +562,26 @@ def rollout(
     Raises:
         ValueError: Missing prompt column, empty or too-long prompts, a reward function with
             the wrong output (see the rewards module).
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training.rl import GRPOConfig, RewardCombiner
+        >>> tok = Tokenizer.for_characters("0123456789+=")
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> policy = Policy(CausalLM(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=4))
+        >>> def has_digit(prompts, completions, **columns):
+        ...     return [float(any(ch.isdigit() for ch in c)) for c in completions]
+        >>> ro = rollout(policy, tok, [{"prompt": "1+1="}, {"prompt": "2+3="}],
+        ...              RewardCombiner([has_digit]), RolloutConfig(max_new_tokens=3),
+        ...              key=jax.random.key(0))
+        >>> ro.batch.batch_size, ro.batch.group_size, ro.batch.completion_ids.shape
+        (8, 4, (8, 3))
+        >>> ro.batch.rewards.shape, ro.rewards_per_function.shape
+        ((8,), (8, 1))
     """
     if not rows:
         msg = "rollout needs at least one dataset row"

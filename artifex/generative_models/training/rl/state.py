@@ -62,6 +62,11 @@ class NonFiniteUpdateError(FloatingPointError):
 
     Attributes:
         metrics: The step's metrics (as floats), to see what went wrong.
+
+    Example:
+        >>> err = NonFiniteUpdateError("loss is nan", {"loss": float("nan")})
+        >>> isinstance(err, FloatingPointError), sorted(err.metrics)
+        (True, ['loss'])
     """
 
     def __init__(self, message: str, metrics: dict[str, float]):
@@ -141,6 +146,15 @@ def init_train_state(
 
     Raises:
         TypeError: If an argument has the wrong type.
+
+    Example:
+        >>> import jax, optax
+        >>> from flax import nnx
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> state = init_train_state(model, optimizer, rng=jax.random.key(1))
+        >>> int(state.step), state.params["kernel"].shape, state.reference is None
+        (0, (4, 3), True)
     """
     if not isinstance(model, nnx.Module):
         msg = f"model must be an nnx.Module, got {type(model).__name__}"
@@ -172,6 +186,17 @@ def write_train_state(
         model: The policy it was built from.
         optimizer: Its optimizer.
         reference_model: The reference model, when the state has one.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> state = init_train_state(model, optimizer)
+        >>> zeros = jax.tree.map(jnp.zeros_like, state.params)
+        >>> write_train_state(state.replace(params=zeros), model, optimizer)
+        >>> float(jnp.abs(model.kernel[...]).sum())
+        0.0
     """
     nnx.update(model, state.params, state.frozen)
     nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
@@ -423,6 +448,20 @@ def make_grpo_log_probs(
 
     Returns:
         ``log_probs(state, batch)``; ``ref_log_probs`` is ``None`` when not computed.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> log_probs = make_grpo_log_probs(model, GRPOConfig(num_generations=2))
+        >>> batch = GRPOBatch.from_dict({"observations": jnp.ones((2, 4)),
+        ...                              "actions": jnp.array([0, 2]), "rewards": jnp.zeros(2)},
+        ...                             group_size=2)
+        >>> old, ref = log_probs(init_train_state(model, optimizer), batch)
+        >>> old.shape, bool((old < 0).all()), ref is None
+        ((2, 1), True, True)
     """
     program = _program(model, config, wrt, reference_model, log_prob_fn)
 

@@ -54,6 +54,12 @@ class ToolCall:
         name: The tool's name (``None`` when the call could not be parsed).
         arguments: The keyword arguments.
         error: Why the call is malformed (``None`` for a well-formed call).
+
+    Example:
+        >>> text = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
+        >>> call = parse_tool_calls(text)[0]
+        >>> call.name, call.arguments, call.error
+        ('multiply', {'a': 6, 'b': 7}, None)
     """
 
     name: str | None
@@ -105,6 +111,17 @@ def parse_tool_calls(text: str, tool_format: ToolFormat = "qwen") -> list[ToolCa
     Raises:
         ValueError: An unknown ``tool_format``.
         TypeError: A ``tool_format`` that is not a string.
+
+    Example:
+        >>> text = ('Let me compute. <tool_call>{"name": "multiply", '
+        ...         '"arguments": {"a": 2, "b": 3}}</tool_call>')
+        >>> parse_tool_calls(text)
+        [ToolCall(name='multiply', arguments={'a': 2, 'b': 3}, error=None)]
+        >>> parse_tool_calls("The answer is 6.")
+        []
+        >>> llama = '{"name": "multiply", "parameters": {"a": 2, "b": 3}}'
+        >>> parse_tool_calls(llama, "llama3")[0].name
+        'multiply'
     """
     check_choice("parse_tool_calls: tool_format", tool_format, ("qwen", "llama3"))
     if tool_format == "qwen":
@@ -127,6 +144,21 @@ class ToolResult:
         content: The tool's text result, or the error message shown to the model.
         error: ``None`` on success, else the kind of failure: ``"malformed"``, ``"unknown"``,
             ``"arguments"``, ``"exception"``, ``"timeout"`` or ``"not_text"``.
+
+    Example:
+        >>> def multiply(a: int, b: int) -> int:
+        ...     '''Multiplies two integers.
+        ...
+        ...     Args:
+        ...         a: The first factor.
+        ...         b: The second factor.
+        ...     '''
+        ...     return a * b
+        >>> runner = ToolRunner([multiply])
+        >>> runner.run(ToolCall(name="multiply", arguments={"a": 6, "b": 7}))
+        ToolResult(name='multiply', content='42', error=None)
+        >>> runner.run(ToolCall(name="divide", arguments={})).error
+        'unknown'
     """
 
     name: str | None
@@ -150,6 +182,25 @@ class ToolRunner:
         ValueError: Two tools with the same name, no tools, or a timeout <= 0 or not finite.
         TypeError: A tool without a valid schema (see :func:`tool_schema`), or a timeout that
             is not a number.
+
+    Example:
+        >>> def multiply(a: int, b: int) -> int:
+        ...     '''Multiplies two integers.
+        ...
+        ...     Args:
+        ...         a: The first factor.
+        ...         b: The second factor.
+        ...     '''
+        ...     return a * b
+        >>> runner = ToolRunner([multiply], timeout=5.0)
+        >>> calls = parse_tool_calls(
+        ...     '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 12}}</tool_call>'
+        ...     '<tool_call>{"name": "multiply", "arguments": {"a": "x"}}</tool_call>')
+        >>> results = runner.run_all(calls)
+        >>> results[0].content, [r.error for r in results]
+        ('144', [None, 'arguments'])
+        >>> results[1].content
+        "Error: bad arguments for multiply: missing a required argument: 'b'"
     """
 
     def __init__(self, tools: Sequence[Callable[..., Any]], *, timeout: float = 10.0):

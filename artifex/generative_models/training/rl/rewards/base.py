@@ -39,6 +39,12 @@ class RewardFunction(Protocol):
     (or NaN) means "no reward for this sample": it is left out of the combination. Infinite
     rewards are rejected. A function's name in logs and errors is its ``__name__`` (see
     :func:`reward_names`).
+
+    Example:
+        >>> def exact_match(prompts, completions, answer, **columns):
+        ...     return [float(c.strip() == a) for c, a in zip(completions, answer)]
+        >>> exact_match(["1+1=", "1+1="], ["2", " 3"], answer=["2", "2"])
+        [1.0, 0.0]
     """
 
     def __call__(
@@ -73,6 +79,12 @@ class RewardFunctionError(RuntimeError):
         function_index: its position in the list of reward functions.
         row: the first batch row on which the function fails when called on that row alone,
             or ``None`` when the failure could not be traced to a single row.
+
+    Example:
+        >>> err = RewardFunctionError("exact_match failed", function_name="exact_match",
+        ...                           function_index=0, row=3)
+        >>> isinstance(err, RuntimeError), err.function_name, err.row
+        (True, 'exact_match', 3)
     """
 
     def __init__(
@@ -106,6 +118,13 @@ def reward_names(funcs: Sequence[Callable[..., Any]]) -> list[str]:
 
     Returns:
         One unique name per function, in the same order.
+
+    Example:
+        >>> import functools
+        >>> def score(prompts, completions, scale=1.0, **columns):
+        ...     return [scale] * len(completions)
+        >>> reward_names([score, functools.partial(score, scale=2.0), score])
+        ['score', 'score_2', 'score_3']
     """
     names: list[str] = []
     seen: set[str] = set()

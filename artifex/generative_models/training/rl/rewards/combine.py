@@ -48,6 +48,13 @@ class CombinedRewards(NamedTuple):
         total: ``(B,)`` float32 combined reward; NaN where no function gave a reward.
         per_function: ``(B, F)`` float32 raw rewards of each function (unweighted and not
             normalized, for logging); NaN where a function returned ``None``.
+
+    Example:
+        >>> total, per_function = combine_rewards(
+        ...     [lambda prompts, completions, **c: [1.0, None]], ["q", "q"], ["a", "b"]
+        ... )
+        >>> total.tolist(), per_function.shape
+        ([1.0, nan], (2, 1))
     """
 
     total: np.ndarray
@@ -168,6 +175,16 @@ def combine_reward_columns(
             ``group_size`` does not divide ``B``.
         TypeError: if ``group_size`` is not an int, ``eps`` not a number, ``mode`` not a
             string or ``weights`` not numbers.
+
+    Example:
+        >>> import numpy as np
+        >>> per_function = np.array([[1.0, 0.5], [0.0, np.nan], [np.nan, np.nan]])
+        >>> combine_reward_columns(per_function, weights=[1.0, 2.0]).tolist()
+        [2.0, 0.0, nan]
+        >>> z = combine_reward_columns(np.array([[1.0], [0.0], [1.0], [1.0]]), mode="normalized",
+        ...                            group_size=2)
+        >>> z.round(3).tolist()  # per group: standardized; a constant group gives 0
+        [1.0, -1.0, 0.0, 0.0]
 
     References:
         Liu et al., "GDPO: Group reward-Decoupled Normalization Policy Optimization for
@@ -328,6 +345,19 @@ def combine_rewards(
         TypeError: if an entry of ``funcs`` is not callable, ``prompts``, ``completions`` or a
             column is not a list (a string is not), ``weights`` are not numbers, or
             ``mode``/``eps``/``group_size`` has the wrong type.
+
+    Example:
+        >>> def correct(prompts, completions, answer, **columns):
+        ...     return [float(c == a) for c, a in zip(completions, answer)]
+        >>> def short(prompts, completions, **columns):
+        ...     return [1.0 if len(c) <= 1 else None for c in completions]
+        >>> total, per_function = combine_rewards(
+        ...     [correct, short], ["1+1="] * 3, ["2", "3", "22"], weights=[1.0, 0.5],
+        ...     columns={"answer": ["2", "2", "2"]})
+        >>> total.tolist()
+        [1.5, 0.5, 0.0]
+        >>> per_function.tolist()
+        [[1.0, 1.0], [0.0, 1.0], [0.0, nan]]
 
     References:
         Liu et al., "GDPO: Group reward-Decoupled Normalization Policy Optimization for

@@ -71,6 +71,13 @@ def format_reward(
         TypeError: if an argument has the wrong type (``match=1``, a tag that is not a string,
             a reward that is not a number); (when called) if a completion is not a string.
 
+    Example:
+        >>> reward = format_reward()  # <think>...</think><answer>...</answer>
+        >>> reward(["q", "q"], ["<think>2+2</think> <answer>4</answer>", "<answer>4</answer>"])
+        [1.0, 0.0]
+        >>> format_reward("[0-9]+")(["q", "q"], ["42", "forty-two"])
+        [1.0, 0.0]
+
     References:
         DeepSeek-AI, "DeepSeek-R1: Incentivizing Reasoning Capability in LLMs via
         Reinforcement Learning", arXiv:2501.12948, 2025 (format rewards).

@@ -55,6 +55,10 @@ def overlong_penalty(
             ``cache_length`` is outside ``[0, max_length]``.
         TypeError: if ``max_length`` or ``cache_length`` is not an int.
 
+    Example:
+        >>> overlong_penalty([10, 18, 20, 25], max_length=20, cache_length=4).tolist()
+        [0.0, -0.5, -1.0, -1.0]
+
     References:
         Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
         arXiv:2503.14476, 2025, Eq. (13).
@@ -109,6 +113,13 @@ def soft_overlong_penalty(
             lengths are invalid.
         TypeError: if ``max_length``/``cache_length`` are not ints, ``length_column``/``name``
             are not strings or ``length_fn`` is not callable.
+
+    Example:
+        >>> reward = soft_overlong_penalty(20, 4)
+        >>> reward(["q"] * 3, ["a", "b", "c"], completion_length=[10, 18, 30])
+        [0.0, -0.5, -1.0]
+        >>> soft_overlong_penalty(4, 2, length_fn=len)(["q", "q"], ["ab", "abc"])
+        [0.0, -0.5]
 
     References:
         Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",

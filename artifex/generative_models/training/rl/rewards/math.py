@@ -154,6 +154,14 @@ def extract_answer(text: str, *, last_number_fallback: bool = False) -> str | No
     Raises:
         TypeError: if ``text`` is not a string.
 
+    Example:
+        >>> extract_answer("So the total is 12 apples. #### 12")
+        '12'
+        >>> extract_answer("<answer>3/4</answer>")
+        '3/4'
+        >>> extract_answer("I think it is 7", last_number_fallback=True), extract_answer("no idea")
+        ('7', None)
+
     References:
         Cobbe et al., "Training Verifiers to Solve Math Word Problems" (GSM8K),
         arXiv:2110.14168, 2021; Hendrycks et al., "Measuring Mathematical Problem Solving With
@@ -317,6 +325,12 @@ def normalize_number(answer: str) -> Fraction | None:
 
     Raises:
         TypeError: if ``answer`` is not a string.
+
+    Example:
+        >>> normalize_number("1,000"), normalize_number("0.75"), normalize_number("3/4")
+        (Fraction(1000, 1), Fraction(3, 4), Fraction(3, 4))
+        >>> normalize_number("x + 1") is None
+        True
     """
     if not isinstance(answer, str):
         msg = f"answer must be a str, got {type(answer).__name__}"
@@ -349,6 +363,10 @@ def answers_equal(a: str, b: str) -> bool:
 
     Raises:
         TypeError: if ``a`` or ``b`` is not a string.
+
+    Example:
+        >>> answers_equal("0.5", "1/2"), answers_equal("1,000", "1000"), answers_equal("2", "3")
+        (True, True, False)
     """
     x, y = normalize_number(a), normalize_number(b)
     if x is not None and y is not None:
