@@ -128,6 +128,7 @@ GROUPS: tuple[Group, ...] = (
         (
             f"{_GM}.models.flow",
             f"{_GM}.models.flow.model",
+            f"{_GM}.models.flow.dit",
             f"{_GM}.models.flow.training",
             f"{_GM}.models.flow.rewards",
             f"{_GM}.inference.flow_sampling",

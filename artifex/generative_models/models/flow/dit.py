@@ -279,10 +279,14 @@ class FlowDiT(nnx.Module):
     :class:`~artifex.generative_models.models.flow.model.FlowModel`: same call, same
     ``config.data_dim``.
 
-    Example::
-
-        model = FlowDiT(FlowDiTConfig(), rngs=nnx.Rngs(0))
-        v = model(x_t, t, labels)  # x_t (B, 64), t (B,), labels (B,) -> (B, 64)
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> model = FlowDiT(FlowDiTConfig(hidden_dim=32, num_blocks=1), rngs=nnx.Rngs(0))
+        >>> x_t, t, labels = jnp.ones((3, 64)), jnp.full((3,), 0.5), jnp.array([0, 1, 2])
+        >>> v = model(x_t, t, labels)  # the untrained network predicts zero velocity
+        >>> v.shape, float(jnp.abs(v).max())
+        ((3, 64), 0.0)
 
     Args:
         config: The network's shape.

@@ -174,7 +174,7 @@ class RolloutConfig:
         >>> RolloutConfig(top_p=0.0)
         Traceback (most recent call last):
             ...
-        ValueError: RolloutConfig.top_p must be in (0, 1], got 0.0
+        ValueError: RolloutConfig.top_p must be a number in (0.0, 1.0], got 0.0
     """
 
     max_new_tokens: int = 128
