@@ -4,7 +4,7 @@ Runs ``rl.loop.train`` for ``--steps`` steps on the built-in addition task (the 
 model and character tokenizer, where host work weighs most), then times the compiled update
 alone on a batch of the same shape. Per step:
 
-    host overhead = step_time - rollout_time - compiled update
+    host overhead = step_time - rollout_time - (updates per step) x compiled update
 
 ``step_time`` and ``rollout_time`` are the loop's own metrics; the compiled update is the
 jitted step called directly (median of ``--repeats`` calls, blocked). What remains is the host
@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--iterations", type=int, default=1, help="GRPO's mu")
+    parser.add_argument("--minibatches", type=int, default=1, help="updates per pass")
     args = parser.parse_args()
 
     tok = demo_tokenizer()
@@ -159,7 +161,13 @@ def main() -> None:
     rows, _ = addition_dataset(seed=0, num_eval=8)
     reward = math_answer_reward(last_number_fallback=True)
     rcfg = RolloutConfig(max_new_tokens=args.max_new_tokens)
-    loop = TrainConfig(num_steps=args.steps, prompts_per_step=args.prompts, progress=False)
+    loop = TrainConfig(
+        num_steps=args.steps,
+        prompts_per_step=args.prompts,
+        num_iterations=args.iterations,
+        num_minibatches=args.minibatches,
+        progress=False,
+    )
     result = train(trainer, tok, rows, [reward], loop, rcfg)
     # The first steps compile (sampler, step); the rest are steady state.
     steady = result.history[2:]
@@ -168,9 +176,14 @@ def main() -> None:
     ro = rollout(
         trainer, tok, rows[: args.prompts], reward_combiner(reward), rcfg, key=jax.random.key(1)
     )
-    update = compiled_update_seconds(trainer, ro.batch, args.repeats)
-    overhead = [t - update for t in train_side]
-    direct = direct_host_seconds(trainer, ro.batch, 3 * args.repeats)
+    updates = args.iterations * args.minibatches
+    rows_per_update = ro.batch.batch_size // args.minibatches
+    minibatch = jax.tree.map(lambda x: x[:rows_per_update], ro.batch)
+    if args.minibatches > 1:  # shuffled minibatches cut through groups (as in the loop)
+        minibatch = minibatch.replace(shared_prompts=False)
+    update = compiled_update_seconds(trainer, minibatch, args.repeats)
+    overhead = [t - updates * update for t in train_side]
+    direct = {} if updates > 1 else direct_host_seconds(trainer, ro.batch, 3 * args.repeats)
     print(
         json.dumps(
             {
@@ -187,6 +200,7 @@ def main() -> None:
                 / statistics.median(m["step_time"] for m in steady),
                 **direct,
                 "batch_rows": args.prompts * args.generations,
+                "updates_per_step": updates,
                 "jax": jax.__version__,
                 "numpy": np.__version__,
             }

@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 import jax
-import numpy as np
 
 from artifex.generative_models.utils.atomic import atomic_write
 from artifex.generative_models.utils.validation import check_bool, check_int
@@ -30,7 +29,6 @@ __all__ = [
     "TensorBoardWriter",
     "format_completions_table",
     "is_primary_process",
-    "reward_signal_diagnosis",
 ]
 
 
@@ -310,66 +308,6 @@ class MetricLogger:
 
 
 # ------------------------------------------------------------------------------ completions
-def reward_signal_diagnosis(rewards: Sequence[float] | Any, group_size: int) -> str | None:
-    """One line saying why a generation batch cannot teach the policy anything, or ``None``.
-
-    GRPO learns from differences between the rewards of one prompt's completions: a batch whose
-    rewards are all 0, or whose every group of ``group_size`` completions got one same reward,
-    has advantages that are all 0 and gives no gradient. The training loop prints this line
-    after its first step, so such a run is noticed at once rather than after hours.
-
-    Args:
-        rewards: The ``(B,)`` rewards of a batch (prompt-major, NaN or None: no reward).
-        group_size: Completions per prompt ``G``; ``B`` must be a multiple of it.
-
-    Returns:
-        ``"no reward signal: ..."`` with what to check, or ``None`` when some group's rewards
-        differ.
-
-    Raises:
-        ValueError: ``group_size`` is not a positive int that divides the number of rewards.
-
-    Example:
-        >>> print(reward_signal_diagnosis([0.0, 0.0, 0.0, 0.0], group_size=2))
-        no reward signal: every reward is 0 (4 completions of 2 prompts)...
-        >>> print(reward_signal_diagnosis([1.0, 1.0, 0.0, 0.0], group_size=2))
-        no reward signal: every group of 2 completions has the same reward ...
-        >>> reward_signal_diagnosis([1.0, 0.0, 0.0, 0.0], group_size=2) is None
-        True
-    """
-    r = np.asarray([np.nan if v is None else v for v in np.asarray(rewards, object).ravel()], float)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        msg = f"group_size must be an int >= 1, got {group_size!r}"
-        raise ValueError(msg)
-    if r.size % group_size:
-        msg = f"{r.size} rewards do not split into groups of group_size={group_size}"
-        raise ValueError(msg)
-    prompts = r.size // group_size
-    where = f"({r.size} completions of {prompts} prompts)"
-    valid = ~np.isnan(r)
-    if not valid.any():
-        return (
-            f"no reward signal: no completion got a reward {where}, every reward function "
-            "returned None: check that the dataset has the columns the reward functions read"
-        )
-    if np.all(r[valid] == 0):
-        return (
-            f"no reward signal: every reward is 0 {where}, so every advantage is 0 and "
-            "nothing is learned: look at a few completions (log_completions_every, "
-            "--log-completions-every 1) and check the reward functions and the answer column, "
-            "or use easier prompts or a reward that gives partial credit (e.g. format)"
-        )
-    for group in r.reshape(prompts, group_size):
-        seen = group[~np.isnan(group)]
-        if seen.size >= 2 and seen.max() > seen.min():
-            return None
-    values = ", ".join(f"{v:g}" for v in np.unique(r[valid])[:5])
-    return (
-        f"no reward signal: every group of {group_size} completions has the same reward "
-        f"{where}, rewards seen: {values} (all advantages are 0): raise num_generations or the "
-        "sampling temperature for more varied completions, or use a reward that grades "
-        "partial success"
-    )
 
 
 def _json_reward(value: Any) -> float | None:

@@ -16,9 +16,8 @@ from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.logging import (
     CompletionLog,
     format_completions_table,
-    reward_signal_diagnosis,
 )
-from artifex.generative_models.training.rl.loop import TrainConfig, train
+from artifex.generative_models.training.rl.loop import TrainConfig, reward_signal_diagnosis, train
 from artifex.generative_models.training.rl.rollout import RolloutConfig
 
 LONG = "x" * 200 + "\nsecond line"
