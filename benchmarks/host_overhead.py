@@ -60,7 +60,9 @@ def compiled_update_seconds(trainer: GRPOTrainer, batch, repeats: int) -> float:
             jax.block_until_ready(metrics)
 
     else:  # the trainer before it (model and optimizer states as arguments)
-        batch = trainer.prepare_batch(batch)
+        # prepare_batch re-detects shared prompts; keep the caller's flag (shuffled
+        # minibatches are not shared), so both versions time the same program.
+        batch = trainer.prepare_batch(batch).replace(shared_prompts=batch.shared_prompts)
         ref = None if trainer.reference_model is None else nnx.state(trainer.reference_model)
         own = jax.tree.map(jnp.copy, (nnx.state(trainer.model), nnx.state(trainer.optimizer)))
         carry = list(own)  # own buffers (the step donates)

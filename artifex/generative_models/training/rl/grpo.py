@@ -559,14 +559,42 @@ class GRPOTrainer:
         Raises:
             NonFiniteUpdateError: The step was rejected (nothing was updated).
         """
-        step_fn = self.compiled_step(num_microbatches)
-        state, metrics = step_fn(self.state, batch)
-        # Only what the step changed goes back (the frozen variables, the key and the
-        # reference were read, not donated).
+        state, metrics = self.compiled_step(num_microbatches)(self.state, batch)
+        self.store_update(state)
+        return self.host_metrics(metrics, step=state.step)
+
+    def store_update(self, state: GRPOTrainState) -> None:
+        """Writes what an update changes (parameters, optimizer state, step) into the model.
+
+        The frozen variables, the PRNG key and the reference are read by the compiled step,
+        never donated, so they need no write-back. A loop that runs several updates on one
+        generation batch calls this once, after the last.
+
+        Args:
+            state: The state the compiled step returned.
+        """
         nnx.update(self.model, state.params)
         nnx.update(self.optimizer.opt_state, nnx.state(state.opt_state))
         self.optimizer.step.set_value(state.step)
-        host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def host_metrics(
+        self, metrics: Mapping[str, jax.Array], *, step: int | jax.Array
+    ) -> dict[str, float]:
+        """The step's metrics as floats, raising if the update was rejected.
+
+        Args:
+            metrics: The metrics the compiled step returned.
+            step: The optimizer step the update was tried at, for the message (the step count
+                of the returned state: a rejected update leaves it unchanged).
+
+        Returns:
+            The metrics without the guard's flags.
+
+        Raises:
+            NonFiniteUpdateError: The update was not finite (the state it returned is the
+                state before it).
+        """
+        host = {k: float(v) for k, v in jax.device_get(dict(metrics)).items()}
         ok = host.pop("finite_update") > 0
         finite_params = host.pop("finite_params") > 0
         finite_opt = host.pop("finite_optimizer_state") > 0
@@ -589,7 +617,7 @@ class GRPOTrainer:
                 bad.append("updated parameters")
             if not finite_opt:
                 bad.append("updated optimizer state")
-            step = int(jax.device_get(self.optimizer.step[...]))
+            step = int(jax.device_get(step))
             msg = (
                 f"non-finite {', '.join(bad) or 'values'} at optimizer step {step}; the update "
                 "was not applied (parameters and optimizer state are unchanged): lower the "

@@ -1038,29 +1038,34 @@ def train(
                     else _advantages(trainer.place_batch(ro.batch), trainer.config)
                 )
                 _log_completions(samples, step, ro, adv, policy.mesh, config)
+            # The mu x minibatch updates run on the train state itself: the compiled step
+            # feeds on its own output, and the model sees the result once, before the next
+            # rollout. The batch was built here: no host validation before the compiled step.
             updates: list[dict[str, float]] = []
             rows = batch.batch_size
-            for it in range(config.num_iterations):
-                order = np.arange(rows)
-                if config.num_minibatches > 1:
-                    perm_key = jax.random.fold_in(jax.random.fold_in(key, 1000), it)
-                    order = np.asarray(jax.random.permutation(perm_key, rows))
-                for part in np.split(order, config.num_minibatches):
-                    mb = batch if config.num_minibatches == 1 else _take_rows(batch, part)
-                    try:
-                        # Built by the library: no host validation before the compiled step.
-                        update = trainer.apply_prepared(
-                            mb if config.num_minibatches == 1 else trainer.place_batch(mb),
-                            num_microbatches=config.gradient_accumulation_steps,
-                        )
-                    except NonFiniteUpdateError as err:
-                        msg = (
-                            f"training step {step} (update {len(updates) + 1} of "
-                            f"{config.num_iterations * config.num_minibatches}): {err}; no "
-                            "checkpoint holds this state (the last one is from an earlier step)"
-                        )
-                        raise NonFiniteUpdateError(msg, err.metrics) from err
-                    updates.append(update)
+            update_fn = trainer.compiled_step(config.gradient_accumulation_steps)
+            state = trainer.state
+            try:
+                for it in range(config.num_iterations):
+                    order = np.arange(rows)
+                    if config.num_minibatches > 1:
+                        perm_key = jax.random.fold_in(jax.random.fold_in(key, 1000), it)
+                        order = np.asarray(jax.random.permutation(perm_key, rows))
+                    for part in np.split(order, config.num_minibatches):
+                        mb = batch if config.num_minibatches == 1 else _take_rows(batch, part)
+                        if config.num_minibatches > 1:
+                            mb = trainer.place_batch(mb)
+                        state, step_metrics = update_fn(state, mb)
+                        updates.append(trainer.host_metrics(step_metrics, step=state.step))
+            except NonFiniteUpdateError as err:
+                msg = (
+                    f"training step {step} (update {len(updates) + 1} of "
+                    f"{config.num_iterations * config.num_minibatches}): {err}; no "
+                    "checkpoint holds this state (the last one is from an earlier step)"
+                )
+                raise NonFiniteUpdateError(msg, err.metrics) from err
+            finally:  # the last finite state (a rejected update returned the state before it)
+                trainer.store_update(state)
             metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
             metrics.update({k: float(v) for k, v in jax.device_get(batch_metrics).items()})
             metrics.update(ro.metrics())
