@@ -10,6 +10,7 @@ import doctest
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -27,8 +28,14 @@ def _examples(module_name: str) -> list[doctest.DocTest]:
     return [t for t in finder.find(module) if t.examples]
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 @pytest.mark.parametrize("module_name", _modules())
-def test_docstring_examples_run(module_name):
+def test_docstring_examples_run(module_name, monkeypatch):
+    # Examples that read tests/fixtures use paths relative to the repository root, as a reader
+    # running them from a clone would (another test may have changed this worker's directory).
+    monkeypatch.chdir(ROOT)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     for test in _examples(module_name):
         runner.run(test)

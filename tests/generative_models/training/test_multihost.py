@@ -156,6 +156,14 @@ def test_only_process_zero_writes_logs_and_the_model(runs):
     assert steps == [0, 1, 2, 3, 3]  # eval at 0, three steps, eval at the end
     resumed = _jsonl(os.path.join(out, "logs-resume-p0", "metrics.jsonl"))
     assert [r["step"] for r in resumed] == [3, 3]
+    # Every logged metric of the resumed step 3 equals the uninterrupted run's (timings aside).
+    full_step3 = next(r for r in _jsonl(os.path.join(out, "logs-full-p0", "metrics.jsonl"))
+                      if r["step"] == 3)  # fmt: skip
+    timings = {"rollout_time", "step_time"}
+    assert set(resumed[0]) == set(full_step3)
+    for key, value in full_step3.items():
+        if key not in timings:
+            np.testing.assert_array_equal(resumed[0][key], value, err_msg=key)
     # save_pretrained from process 0 wrote the gathered (FSDP-sharded) parameters.
     from flax import nnx
 
