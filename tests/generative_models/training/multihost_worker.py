@@ -128,6 +128,14 @@ def run_loop(out: str, name: str, ckpt: str, mesh, kill_after: int | None = None
         def save_then_die(self, step, state, metadata):
             save(self, step, state, metadata)
             if step == kill_after:
+                # Both processes have finished the save before either dies; the other process
+                # dies first, so process 0 (which hosts the coordination service) is not seen to
+                # vanish mid-save by a peer that would then abort instead of being killed.
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("checkpoint saved, about to be killed")
+                if jax.process_index() == 0:
+                    time.sleep(1.0)
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, like a lost host
 
         checkpointing.CheckpointManager.save = save_then_die
