@@ -426,6 +426,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--reward-mode", choices=("sum", "normalized"), default="sum")
     tr.add_argument("--answer-column", default="answer")
+    tr.add_argument(
+        "--answer-extraction",
+        choices=("markers", "last_number"),
+        default="markers",
+        help="how the math reward finds a completion's answer: the last \\boxed{}, #### or "
+        "<answer> marker (default), or the last number in the text (GSM8K-style)",
+    )
     tr.add_argument("--format-pattern", default=None, help="regex for the format reward")
     tr.add_argument(
         "--overlong-cache",
@@ -781,7 +788,11 @@ def _build_rewards(args: argparse.Namespace, num_generations: int, max_new_token
     funcs = []
     for name in args.reward:
         if name == "math":
-            funcs.append(rw.math_answer_reward(answer_column=args.answer_column))
+            funcs.append(
+                rw.math_answer_reward(
+                    answer_column=args.answer_column, extraction=args.answer_extraction
+                )
+            )
         elif name == "format":
             funcs.append(rw.format_reward(args.format_pattern))
         elif name == "overlong":

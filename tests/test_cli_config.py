@@ -50,6 +50,25 @@ def test_reward_by_import_path_with_weights(reward_module):
 
 
 @pytest.mark.parametrize(
+    ("extraction", "expected"),
+    [("markers", [0.0, 1.0, 0.0]), ("last_number", [1.0, 1.0, 0.0])],
+)
+def test_answer_extraction_flag_reaches_the_math_reward(extraction, expected):
+    # "3 + 4 = 7" has no marker: only the last-number mode reads its answer.
+    args = _parse("--reward", "math", "--answer-extraction", extraction)
+    total, _ = _build_rewards(args, 3, 8)(
+        ["q"] * 3, ["3 + 4 = 7", "\\boxed{7}", "7 is 3 + 4"], answer=["7"] * 3
+    )
+    np.testing.assert_allclose(np.asarray(total), expected)
+
+
+def test_answer_extraction_rejects_unknown_modes(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--answer-extraction", "first_number")
+    assert "--answer-extraction: invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("spec", "error", "text"),
     [
         ("no_such_module_xyz:f", ImportError, "--reward 'no_such_module_xyz:f': cannot import"),
