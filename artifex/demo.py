@@ -311,6 +311,11 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
         A JSON-able summary: accuracy and mean reward before/after, times, file paths.
 
     Example:
+        Skipped when the docstring examples run: it trains for about five minutes on 2 CPU
+        cores, and a configuration small enough for a docstring (about 17 s) learns nothing.
+        The slow test ``tests/test_cli.py::test_short_demo_raises_held_out_accuracy`` runs a
+        150-step version and checks the gain.
+
         >>> summary = run_demo(DemoConfig(out_dir="runs/demo"))  # doctest: +SKIP
         >>> summary["held_out_pass@1_after"] > summary["held_out_pass@1_before"]  # doctest: +SKIP
         True

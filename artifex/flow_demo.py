@@ -261,6 +261,11 @@ def run_flow_demo(config: FlowDemoConfig | None = None, *, verbose: bool = True)
         The :class:`FlowDemoResult` (also written to ``out_dir`` with the figures).
 
     Example:
+        Skipped when the docstring examples run: it trains for about a minute on 2 CPU cores,
+        and a configuration small enough for a docstring (about 20 s) does not raise the
+        reward. The slow test ``tests/test_flow_demo.py::test_short_flow_demo_writes_results``
+        runs a 3-step version end to end.
+
         >>> result = run_flow_demo(FlowDemoConfig(out_dir="runs/flow_demo"))  # doctest: +SKIP
         >>> result.reward_after > result.reward_before  # doctest: +SKIP
         True

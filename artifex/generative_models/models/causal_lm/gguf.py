@@ -147,11 +147,13 @@ class GGUFCheckpoint:
             arrays (the vocabulary) are left out.
 
     Example:
-        >>> checkpoint = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
-        >>> checkpoint.config.model_type, checkpoint.config.hidden_size  # doctest: +SKIP
-        ('llama', 576)
-        >>> checkpoint.tensors["model.embed_tokens.weight"].shape  # doctest: +SKIP
-        (49152, 576)
+        >>> checkpoint = read_gguf("tests/fixtures/qwen2_tiny.Q8_0.gguf")  # from the repo root
+        >>> checkpoint.config.model_type, checkpoint.config.hidden_size, len(checkpoint.tensors)
+        ('qwen2', 32, 26)
+        >>> checkpoint.tensors["model.embed_tokens.weight"].shape
+        (128, 32)
+        >>> checkpoint.metadata["qwen2.block_count"], checkpoint.tokenizer.eos_token
+        (2, '<|im_end|>')
     """
 
     config: CausalLMConfig
@@ -170,8 +172,10 @@ def is_gguf_file(path: str | os.PathLike[str]) -> bool:
         True for a GGUF file, False otherwise (directories, missing files, other files).
 
     Example:
-        >>> is_gguf_file("tests/fixtures/qwen2_tiny")
+        >>> is_gguf_file("tests/fixtures/qwen2_tiny")  # a checkpoint directory (repo root)
         False
+        >>> is_gguf_file("tests/fixtures/qwen2_tiny.Q8_0.gguf")
+        True
     """
     p = os.fspath(path)
     if not os.path.isfile(p):
@@ -377,7 +381,14 @@ def gguf_tokenizer(
             unsupported pre-tokenizer, or missing or inconsistent vocabulary metadata.
 
     Example:
-        >>> tokenizer = gguf_tokenizer(scalars, arrays, "model.gguf")  # doctest: +SKIP
+        >>> tokens = ["<|endoftext|>", "a", "b", "ab"]
+        >>> scalars = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.eos_token_id": 0}
+        >>> arrays = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["a b"],
+        ...           "tokenizer.ggml.token_type": [3, 1, 1, 1]}  # 3: a control token
+        >>> tokenizer = gguf_tokenizer(scalars, arrays, "model.gguf")
+        >>> ids = tokenizer.encode("abba<|endoftext|>")
+        >>> [tokens[i] for i in ids], tokenizer.decode(ids), tokenizer.eos_ids
+        (['ab', 'b', 'a', '<|endoftext|>'], 'abba', (0,))
     """
     kind = scalars.get("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -549,9 +560,15 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> 
             metadata, or an unsupported tokenizer.
 
     Example:
-        >>> checkpoint = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
-        >>> checkpoint.config.model_type  # doctest: +SKIP
-        'llama'
+        >>> import numpy as np
+        >>> from safetensors.numpy import load_file
+        >>> checkpoint = read_gguf("tests/fixtures/qwen2_tiny.Q8_0.gguf")  # qwen2_tiny in Q8_0
+        >>> name = "model.layers.0.mlp.up_proj.weight"
+        >>> original = load_file("tests/fixtures/qwen2_tiny/model.safetensors")[name]
+        >>> checkpoint.config.model_type, checkpoint.tensors[name].shape, original.shape
+        ('qwen2', (64, 32), (64, 32))
+        >>> bool(np.abs(checkpoint.tensors[name] - original).max() < 0.01)  # dequantized
+        True
     """
     source = os.fspath(path)
     if not os.path.isfile(source):
@@ -637,8 +654,17 @@ def convert_gguf(
         ValueError: As `read_gguf`, or if `out_dir` exists and is not a directory.
 
     Example:
-        >>> convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")  # doctest: +SKIP
-        'smollm2'
+        >>> import os, tempfile
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
+        >>> with tempfile.TemporaryDirectory() as out:
+        ...     convert_gguf("tests/fixtures/qwen2_tiny.Q8_0.gguf", out) == out  # from repo root
+        ...     sorted(os.listdir(out))
+        ...     model, tokenizer = CausalLM.from_pretrained(out), Tokenizer.from_pretrained(out)
+        True
+        ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json',
+         'tokenizer_config.json']
+        >>> model.config.model_type, tokenizer.decode(tokenizer.encode("the hello"))
+        ('qwen2', 'the hello')
     """
     directory = os.fspath(out_dir)
     if os.path.exists(directory) and not os.path.isdir(directory):

@@ -236,7 +236,16 @@ def place_tensors(
         TypeError: If `rules` is given without `mesh`.
 
     Example:
-        >>> place_tensors(abstract_model, tensors.items(), source="model.gguf")  # doctest: +SKIP
+        >>> from flax import nnx
+        >>> from safetensors.numpy import load_file
+        >>> from artifex.generative_models.models.causal_lm import CausalLM
+        >>> config = read_hf_config("tests/fixtures/qwen2_tiny")  # from the repository root
+        >>> model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))  # shapes only
+        >>> tensors = load_file("tests/fixtures/qwen2_tiny/model.safetensors")
+        >>> place_tensors(model, tensors.items(), source="qwen2_tiny")
+        >>> w = tensors["model.layers.0.mlp.up_proj.weight"]  # (out, in) in the file
+        >>> bool((model.layers[0].mlp.up_proj.kernel[...] == w.T).all())  # transposed, placed
+        True
     """
     if rules is not None and mesh is None:
         msg = "rules were given without a mesh; pass mesh= as well"

@@ -285,6 +285,18 @@ class CausalLM(nnx.Module):
 
         Returns:
             A `KVCache` with keys/values (L, B, S, K, H).
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from flax import nnx
+            >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+            >>> cache = model.init_cache(batch_size=1, max_length=8)
+            >>> _, cache = model.hidden_states(jnp.array([[1, 2, 3]]), cache=cache)  # the prompt
+            >>> hidden, cache = model.hidden_states(jnp.array([[4]]), cache=cache)  # one token
+            >>> full = model(jnp.array([[1, 2, 3, 4]]))  # the same 4 tokens without a cache
+            >>> last = model.logits_from_hidden(hidden)[0, -1]
+            >>> int(cache.index), bool(jnp.allclose(last, full[0, -1], atol=1e-4))
+            (4, True)
         """
         cfg = self.config
         return KVCache.create(
@@ -336,7 +348,12 @@ class CausalLM(nnx.Module):
             TypeError: If `rules` is given without `mesh`.
 
         Example:
-            >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # doctest: +SKIP
+            >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # from the repo root
+            >>> model.config.model_type, model.config.num_layers, model.dtype
+            ('qwen2', 2, dtype('float32'))
+            >>> quantized = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny.Q8_0.gguf")
+            >>> quantized.config.model_type, quantized.embed.embedding.shape
+            ('qwen2', (128, 32))
         """
         source = os.fspath(path)
         if not os.path.isdir(source) and (source.lower().endswith(".gguf") or is_gguf_file(source)):
@@ -381,7 +398,16 @@ class CausalLM(nnx.Module):
             max_shard_size: Optional shard size limit in bytes (or "5GB"-style string).
 
         Example:
-            >>> model.save_pretrained("out")  # doctest: +SKIP
+            >>> import os, tempfile
+            >>> import jax.numpy as jnp
+            >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # from the repo root
+            >>> ids = jnp.array([[1, 2, 3]])
+            >>> with tempfile.TemporaryDirectory() as out:
+            ...     model.save_pretrained(out)
+            ...     files = sorted(os.listdir(out))
+            ...     reloaded = CausalLM.from_pretrained(out)
+            >>> files, bool(jnp.array_equal(reloaded(ids), model(ids)))
+            (['config.json', 'model.safetensors'], True)
         """
         _save_pretrained(self, path, max_shard_size=max_shard_size)
 
@@ -445,7 +471,15 @@ def load_gguf(
         TypeError: If `rules` is given without `mesh`.
 
     Example:
-        >>> model, tokenizer = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
+        >>> import jax.numpy as jnp
+        >>> model, tokenizer = load_gguf("tests/fixtures/qwen2_tiny.Q8_0.gguf")  # qwen2_tiny, Q8_0
+        >>> ids = jnp.array([tokenizer.encode("the hello")])
+        >>> logits = model(ids)
+        >>> unquantized = from_pretrained("tests/fixtures/qwen2_tiny")(ids)  # float32 weights
+        >>> bool(jnp.allclose(logits, unquantized, atol=0.1))  # Q8_0 keeps ~8 bits per weight
+        True
+        >>> bool((logits.argmax(-1) == unquantized.argmax(-1)).all())  # the same greedy tokens
+        True
     """
     if rules is not None and mesh is None:
         msg = "load_gguf: rules were given without a mesh; pass mesh= as well"

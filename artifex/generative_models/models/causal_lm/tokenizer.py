@@ -238,6 +238,14 @@ class Tokenizer:
         Raises:
             FileNotFoundError: If `tokenizer.json` is missing.
             ValueError: If a special token is not in the vocabulary.
+
+        Example:
+            >>> tok = Tokenizer.from_pretrained("tests/fixtures/tokenizer_tiny")  # from repo root
+            >>> tok.vocab_size, tok.bos_token, tok.eos_ids  # eos ids of generation_config.json
+            (400, '<|bos|>', (2, 4))
+            >>> ids = tok.encode("hello world")
+            >>> ids, tok.decode(ids)
+            ([1, 264, 305, 383], 'hello world')
         """
         directory = os.fspath(path)
         tok_path = os.path.join(directory, "tokenizer.json")
@@ -292,6 +300,16 @@ class Tokenizer:
 
         Args:
             path: The directory (created).
+
+        Example:
+            >>> import os, tempfile
+            >>> tok = Tokenizer.for_characters("abc", chat_template="{{ messages[0]['content'] }}")
+            >>> with tempfile.TemporaryDirectory() as out:
+            ...     tok.save_pretrained(out)
+            ...     files = sorted(os.listdir(out))
+            ...     again = Tokenizer.from_pretrained(out)
+            >>> files, again.encode("cab") == tok.encode("cab"), again.chat_template
+            (['tokenizer.json', 'tokenizer_config.json'], True, "{{ messages[0]['content'] }}")
         """
         directory = os.fspath(path)
         os.makedirs(directory, exist_ok=True)
@@ -448,6 +466,10 @@ class Tokenizer:
 
         Returns:
             One id list per text.
+
+        Example:
+            >>> Tokenizer.for_characters("0123456789").encode_batch(["12", "3"])  # bos, then digits
+            [[1, 5, 6], [1, 7]]
         """
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
@@ -479,6 +501,11 @@ class Tokenizer:
 
         Returns:
             One string per row.
+
+        Example:
+            >>> tok = Tokenizer.for_characters("0123456789")  # pad 0, bos 1, eos 2, unk 3
+            >>> tok.batch_decode([[1, 5, 6, 2], [0, 1, 7, 2]])  # special tokens dropped
+            ['12', '3']
         """
         return [self.decode(row, skip_special_tokens=skip_special_tokens) for row in batch]
 
@@ -548,6 +575,17 @@ class Tokenizer:
 
         Raises:
             ValueError: If there is no chat template or a conversation is empty.
+
+        Example:
+            >>> template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            ...             "{% if add_generation_prompt %}<assistant>{% endif %}")
+            >>> tok = Tokenizer.for_characters("<>aehinrstu", chat_template=template)
+            >>> chat = [{"role": "user", "content": "hi"}]
+            >>> tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            '<user>hi<assistant>'
+            >>> ids = tok.apply_chat_template(chat, add_generation_prompt=True)
+            >>> tok.decode(ids), ids[0] == tok.bos_id  # no bos added: the template writes its own
+            ('<user>hi<assistant>', False)
         """
         template = chat_template or self.chat_template
         if template is None:

@@ -336,6 +336,15 @@ class GRPOTrainer:
 
         A :class:`~artifex.generative_models.training.rl.state.GRPOTrainState`, not a copy:
         the compiled step donates it.
+
+        Example:
+            >>> import optax
+            >>> from flax import nnx
+            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            >>> trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+            >>> state = trainer.state
+            >>> int(state.step), sorted(state.params), state.reference is None
+            (0, ['bias', 'kernel'], True)
         """
         rng = self.rng
         if self.mesh is not None:  # every leaf of the state on the mesh (one device set)
@@ -365,6 +374,17 @@ class GRPOTrainer:
 
         Returns:
             ``self.state`` with ``reference=None`` (a frozen reference is rebuilt, not saved).
+
+        Example:
+            >>> import optax
+            >>> from flax import nnx
+            >>> from artifex.generative_models.training.rl import GRPOConfig
+            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(beta=0.04),
+            ...                       reference_model=nnx.clone(model))
+            >>> trainer.state.reference is None, trainer.checkpoint_state().reference is None
+            (False, True)
         """
         return self.state.replace(reference=None)
 
@@ -382,6 +402,17 @@ class GRPOTrainer:
         Returns:
             A :class:`~artifex.generative_models.training.rl.rollout.Policy` whose ``score``
             fills old and reference log-probs of library-built batches (no host validation).
+
+        Example:
+            >>> import optax
+            >>> from flax import nnx
+            >>> from artifex.generative_models.training.rl import GRPOConfig
+            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4))
+            >>> policy = trainer.policy()
+            >>> policy.model is model, policy.config.num_generations, policy.mesh is None
+            (True, 4, True)
         """
         return Policy(model=self.model, config=self.config, mesh=self.mesh, score=self._score)
 
@@ -420,6 +451,24 @@ class GRPOTrainer:
         Returns:
             The compiled pure step (cached per ``num_microbatches``); ``.lower(state, batch)``
             gives XLA's lowering for cost and memory analysis.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, optax
+            >>> from flax import nnx
+            >>> from artifex.generative_models.training.rl import GRPOConfig
+            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))  # a 3-action policy
+            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4, beta=0.0))
+            >>> batch = trainer.prepare_batch({"observations": jnp.ones((4, 4)),
+            ...     "actions": jnp.array([0, 1, 2, 0]), "rewards": jnp.array([1.0, 0, 0, 1.0])})
+            >>> before = jax.nn.softmax(model(jnp.ones(4)))[0]  # p(action 0), the rewarded one
+            >>> step, state = trainer.compiled_step(), trainer.state
+            >>> for _ in range(3):  # a loop of one's own over the pure step
+            ...     state, metrics = step(state, batch)
+            >>> trainer.load_state(state)  # back into the model and optimizer
+            >>> after = jax.nn.softmax(model(jnp.ones(4)))[0]
+            >>> int(optimizer.step[...]), trainer.num_compilations, bool(after > before)
+            (3, 1, True)
         """
         if num_microbatches not in self._steps:
             pure = make_grpo_train_step(
@@ -491,6 +540,20 @@ class GRPOTrainer:
 
         Returns:
             The batch with the log-prob fields set (no gradient, one compiled forward pass).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, optax
+            >>> from flax import nnx
+            >>> from artifex.generative_models.training.rl import GRPOConfig
+            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4, beta=0.0))
+            >>> actions = jnp.array([0, 1, 2, 0])
+            >>> scored = trainer.compute_log_probs({"observations": jnp.ones((4, 4)),
+            ...     "actions": actions, "rewards": jnp.array([1.0, 0, 0, 1.0])})
+            >>> expected = jax.nn.log_softmax(model(jnp.ones(4)))[actions]  # log p(action)
+            >>> scored.old_log_probs.shape, bool(jnp.allclose(scored.old_log_probs[:, 0], expected))
+            ((4, 1), True)
         """
         return self._score(self.prepare_batch(batch))
 

