@@ -315,10 +315,17 @@ def _json_reward(value: Any) -> float | None:
     return value if math.isfinite(value) else None  # NaN: the function gave no reward
 
 
-def _cell(text: str, width: int) -> str:
-    """``text`` on one line, cut to ``width`` characters (the table only; files keep it all)."""
+def _cell(text: str, width: int, *, keep_end: bool = False) -> str:
+    """``text`` on one line, cut to ``width`` characters (the table only; files keep it all).
+
+    ``keep_end`` keeps the last characters (``...`` first) instead of the first ones.
+    """
     text = str(text).replace("\r", "").replace("\n", "\\n").replace("\t", " ")
-    return text if len(text) <= width else text[: max(width - 3, 0)] + "..."
+    if len(text) <= width:
+        return text
+    if keep_end:
+        return "..." + text[len(text) - max(width - 3, 0) :]
+    return text[: max(width - 3, 0)] + "..."
 
 
 def _number(value: Any) -> str:
@@ -331,7 +338,8 @@ def format_completions_table(
     r"""A compact text table of sample completions: row, prompt, completion, rewards, advantage.
 
     Long or multi-line prompts and completions are shown on one line and cut to ``max_chars``
-    characters (ending in ``...``); the numbers are shown with 3 significant digits and ``-``
+    characters: a prompt keeps its end (``...`` first: chat templates start every prompt with
+    the same text, the question comes last), a completion its start (``...`` last); the numbers are shown with 3 significant digits and ``-``
     for a missing reward.
 
     Args:
@@ -364,7 +372,7 @@ def format_completions_table(
         lines.append(
             [
                 str(r.get("index", "")),
-                _cell(r.get("prompt", ""), max_chars),
+                _cell(r.get("prompt", ""), max_chars, keep_end=True),
                 _cell(r.get("completion", ""), max_chars),
                 *(_number(rewards.get(n)) for n in names),
                 _number(r.get("advantage")),

@@ -208,3 +208,14 @@ def test_without_completion_logging_no_file_but_still_the_diagnosis(tmp_path, ca
     assert (tmp_path / "metrics.jsonl").exists()
     assert not (tmp_path / "completions.jsonl").exists()
     assert "completions at step" not in capsys.readouterr().out
+
+
+def test_table_keeps_the_end_of_long_prompts():
+    # A chat template starts every prompt with the same text: the table shows the question.
+    prompt = "<|im_start|>system\nYou are a helpful assistant<|im_end|>\nWhat is 17 + 25?"
+    records = [{"index": 0, "prompt": prompt, "completion": "42 " * 20, "rewards": {},
+                "advantage": 0.5}]  # fmt: skip
+    row = format_completions_table(records, max_chars=20).splitlines()[1]
+    assert " ...nWhat is 17 + 25? " in row  # "..." and the last 17 characters ("\\n" is 2)
+    assert " 42 42 42 42 42 42... " in row  # a completion keeps its first 17
+    assert "system" not in row

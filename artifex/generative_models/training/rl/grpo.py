@@ -1,4 +1,4 @@
-r"""GRPO: the seed API. ``GRPOTrainer(model, optimizer, config).train_step(batch)``.
+r"""GRPO, the stateful trainer: ``GRPOTrainer(model, optimizer, config).train_step(batch)``.
 
 The loss is a pure function (:mod:`~artifex.generative_models.training.rl.objective`:
 :func:`grpo_objective`, :func:`make_grpo_loss`), the update a pure function of a train state

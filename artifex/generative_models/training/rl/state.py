@@ -5,7 +5,7 @@ r"""The train state and the pure GRPO update: ``state, metrics = grpo_train_step
 them, the frozen reference policy. :func:`make_grpo_train_step` binds the model's graph, the
 optimizer's gradient transformation and a :class:`GRPOConfig` into a pure function of that
 state and a :class:`GRPOBatch`, so a user can ``jax.jit`` it, call it inside ``jax.lax.scan``,
-shard it, or checkpoint the state directly. :class:`GRPOTrainer` (the seed's ``nnx.Optimizer``
+shard it, or checkpoint the state directly. :class:`GRPOTrainer` (the stateful ``nnx.Optimizer``
 API) is a thin shell over it.
 
 One update (DeepSeekMath, Algorithm 1, inner loop):
