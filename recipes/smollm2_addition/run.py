@@ -151,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
     if done.returncode:
-        return done.returncode
+        how = f"was killed by signal {-done.returncode}" if done.returncode < 0 else "failed"
+        hint = " (SIGKILL: out of memory?)" if done.returncode == -9 else ""
+        print(f"run.py: the training process {how}{hint}; nothing summarized", file=sys.stderr)
+        return done.returncode if done.returncode > 0 else 1
     summary = summarize(out, wall, peak, command)
     ev = summary["held_out_pass@1"]
     print(

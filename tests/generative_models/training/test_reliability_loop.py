@@ -87,6 +87,24 @@ def test_overwrite_starts_over_and_writes_its_own_checkpoints(tmp_path):
     manager.close()
 
 
+def test_overwrite_starts_the_logs_over_too(tmp_path):
+    # The old run's records (its step-0 evaluation included) must not stay beside the new run's.
+    logs, ckpt = str(tmp_path / "logs"), str(tmp_path / "ckpt")
+    evals = [{"prompt": "1+2=", "answer": "3"}]
+    trainer, tok = make_trainer()
+    kw = {"checkpoint_dir": ckpt, "log_dir": logs, "log_completions_every": 1}
+    train(trainer, tok, TRAIN, [REWARD], TrainConfig(**{**LOOP, "num_steps": 2, **kw}), ROLLOUT,
+          eval_dataset=evals)  # fmt: skip
+    other, tok = make_trainer(seed=1)
+    config = TrainConfig(**{**LOOP, "num_steps": 1, "overwrite": True, **kw})
+    train(other, tok, TRAIN, [REWARD], config, ROLLOUT, eval_dataset=evals)
+    with open(os.path.join(logs, "metrics.jsonl")) as fh:
+        steps = [json.loads(line)["step"] for line in fh]
+    assert steps == [0, 1, 1]  # evaluation before, step 1, evaluation after: the new run only
+    with open(os.path.join(logs, "completions.jsonl")) as fh:
+        assert {json.loads(line)["step"] for line in fh} == {1}
+
+
 @pytest.mark.parametrize("field", ["checkpoint_dir", "log_dir"])
 def test_output_that_is_a_file_fails_before_the_first_step(tmp_path, field):
     blocker = tmp_path / "a_file"

@@ -120,7 +120,8 @@ class TrainConfig:
         keep_checkpoints: Keep the newest this many checkpoints.
         resume: Continue from the newest checkpoint in ``checkpoint_dir`` if there is one.
         progress: Show a progress bar.
-        overwrite: Delete the checkpoints already in ``checkpoint_dir`` (and start from step 0)
+        overwrite: Delete the checkpoints already in ``checkpoint_dir`` and the
+            ``metrics.jsonl`` / ``completions.jsonl`` in ``log_dir`` (and start from step 0)
             instead of refusing to start when ``resume`` is off and the directory is not empty.
         allow_dataset_change: Resume even if the dataset (its size and content hash, recorded
             in the checkpoint's fingerprint) differs from the checkpointed run's.
@@ -956,11 +957,18 @@ def train(
             start_step = int(meta["step"])
             data.restore(meta["data"])
 
+    if config.overwrite and config.log_dir is not None and is_primary_process():
+        # A run started over logs from step 0 again: the old run's records go (else its
+        # evaluation before training would stay beside the new one's).
+        for name in ("metrics.jsonl", "completions.jsonl"):
+            path = os.path.join(config.log_dir, name)
+            if os.path.isfile(path):
+                os.remove(path)
     logger = MetricLogger(
         jsonl_path=None
         if config.log_dir is None
         else os.path.join(config.log_dir, "metrics.jsonl"),
-        resume_step=start_step if start_step > 0 or config.overwrite else None,
+        resume_step=start_step if start_step > 0 else None,
         tensorboard_dir=None if config.log_dir is None else os.path.join(config.log_dir, "tb"),
         progress_total=config.num_steps if config.progress else None,
         progress_initial=start_step,
@@ -970,7 +978,7 @@ def train(
         if config.log_dir is not None and config.log_completions_every
         else None,
         print_rows=config.completions_to_print,
-        keep_until=start_step if start_step > 0 or config.overwrite else None,
+        keep_until=start_step if start_step > 0 else None,
     )
     history: list[dict[str, float]] = []
     evaluations: list[tuple[int, dict[str, float]]] = []
