@@ -178,6 +178,8 @@ class CausalLM(nnx.Module):
         attention_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
         cache: KVCache | None = None,
+        *,
+        remat: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder and returns the final-norm hidden states.
 
@@ -187,12 +189,21 @@ class CausalLM(nnx.Module):
         `s <= q` that is valid; default positions then continue from the number of valid slots.
         Query rows of padding tokens attend to nothing real but stay finite.
 
+        With `remat=True` each decoder layer is rematerialized (gradient checkpointing): a
+        reverse-mode gradient through this call keeps only each layer's inputs (its hidden
+        states and, with a cache, that layer's own keys and values) instead of all the layer's
+        activations, and recomputes the layer when its cotangent arrives, for about one more
+        forward pass of compute. Values and gradients are the same; forward-mode
+        differentiation (`jax.jvp`) is not supported in that mode.
+
         Args:
             input_ids: Token ids (B, T).
             attention_mask: (B, T), 1 on real tokens, 0 on padding; None means all 1.
             positions: Optional int positions (B, T); by default `positions_from_mask` (offset by
                 the valid slots of the cache).
             cache: Optional `KVCache` from `init_cache` (or a previous call).
+            remat: Rematerialize each decoder layer in the backward pass (less activation memory
+                for training, more compute).
 
         Returns:
             `(hidden, cache)`: hidden states (B, T, D) in the compute dtype and the updated cache
@@ -242,8 +253,11 @@ class CausalLM(nnx.Module):
         inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)
         h = self.embed(input_ids).astype(self.dtype)
-        for i, layer in enumerate(self.layers):
-            h, kv = layer(h, cos, sin, mask, kv, i, index)
+        if remat:
+            h, kv = _remat_layers(self.layers, h, cos, sin, mask, kv, index)
+        else:
+            for i, layer in enumerate(self.layers):
+                h, kv = layer(h, cos, sin, mask, kv, i, index)
         hidden = self.final_norm(h)
         if cache is None:
             return hidden, None
@@ -410,6 +424,76 @@ class CausalLM(nnx.Module):
             (['config.json', 'model.safetensors'], True)
         """
         _save_pretrained(self, path, max_shard_size=max_shard_size)
+
+
+def _layer_step(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    h: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    mask: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    index: jax.Array | None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    # `kv` is this layer's own one-layer slice of the stacked cache, hence layer index 0.
+    return nnx.merge(graphdef, state)(h, cos, sin, mask, kv, 0, index)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _remat_layer_step(graphdef, state, h, cos, sin, mask, kv, index):
+    """`_layer_step` that keeps only its inputs and recomputes the layer in the backward pass."""
+    return _layer_step(graphdef, state, h, cos, sin, mask, kv, index)
+
+
+def _remat_layer_fwd(graphdef, state, h, cos, sin, mask, kv, index):
+    out = _layer_step(graphdef, state, h, cos, sin, mask, kv, index)
+    return out, (state, h, cos, sin, mask, kv, index)
+
+
+def _remat_layer_bwd(graphdef, residuals, cotangent):
+    state, h, cos, sin, mask, kv, index = residuals
+    # The recomputation must not start before this layer's cotangent exists. Under
+    # `jax.checkpoint` (or `nnx.remat`) XLA:CPU schedules each layer's recomputation right after
+    # its forward pass (the optimization barrier meant to order it is gone from the optimized
+    # program), so every layer's activations stay alive until the backward pass and no memory
+    # is saved. A data dependence cannot be reordered: `h - 0 * |dh|`, with `dh` the cotangent
+    # of the layer's output (same shape and sharding as `h`; XLA does not fold a float `0 * x`,
+    # which is NaN for infinite x). It is exactly `h` where `dh` is finite; where it is not,
+    # the gradient is not finite either way.
+    h = h - jnp.zeros((), h.dtype) * jnp.abs(cotangent[0])
+    _, vjp = jax.vjp(functools.partial(_layer_step, graphdef), state, h, cos, sin, mask, kv, index)
+    return vjp(cotangent)
+
+
+_remat_layer_step.defvjp(_remat_layer_fwd, _remat_layer_bwd)
+
+
+def _remat_layers(
+    layers: nnx.List,
+    h: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    mask: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    index: jax.Array | None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """Runs the decoder layers rematerialized: each keeps its inputs, not its activations.
+
+    A rematerialized layer keeps its inputs for the backward pass. Passing the stacked
+    (L, B, S, K, H) cache to each layer would keep L copies of the whole cache, so each layer gets
+    only its own slice `(keys[i:i+1], values[i:i+1])` and the updated slice is written back into
+    the stack outside the rematerialized function.
+    """
+    keys, values = (None, None) if kv is None else kv
+    for i, layer in enumerate(layers):
+        graphdef, state = nnx.split(layer)
+        layer_kv = None if kv is None else (keys[i : i + 1], values[i : i + 1])
+        h, layer_kv = _remat_layer_step(graphdef, state, h, cos, sin, mask, layer_kv, index)
+        if kv is not None:
+            keys = jax.lax.dynamic_update_slice(keys, layer_kv[0], (i, 0, 0, 0, 0))
+            values = jax.lax.dynamic_update_slice(values, layer_kv[1], (i, 0, 0, 0, 0))
+    return h, None if kv is None else (keys, values)
 
 
 def from_pretrained(

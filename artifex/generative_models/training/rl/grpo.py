@@ -298,7 +298,7 @@ class GRPOTrainer:
             None if reference_model is None else nnx.as_pure(nnx.state(reference_model))
         )
         self.log_prob_fn = (
-            default_log_prob_fn(model, temperature=config.temperature)
+            default_log_prob_fn(model, temperature=config.temperature, remat=config.remat)
             if log_prob_fn is None
             else log_prob_fn
         )

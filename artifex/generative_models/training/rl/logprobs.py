@@ -161,6 +161,7 @@ def causal_lm_log_probs(
     chunk_size: int | None = None,
     temperature: float = 1.0,
     shared_prompt_group: int | None = None,
+    remat: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies of completions under a causal LM.
 
@@ -173,6 +174,10 @@ def causal_lm_log_probs(
     the same values (gradients flow back through the shared prefix and add up), with the prompt
     part of the forward and backward pass done ``G`` times less.
 
+    With ``remat=True`` the model's decoder layers are rematerialized in the backward pass
+    (``hidden_states(..., remat=True)``): a gradient keeps each layer's input instead of all its
+    activations and recomputes them, for about one more forward pass of compute.
+
     Args:
         model: A causal LM with ``hidden_states(ids, attention_mask=..., cache=...)``,
             ``init_cache`` and ``output_embedding() -> (D, V)``.
@@ -183,6 +188,8 @@ def causal_lm_log_probs(
         temperature: Logits are divided by it (to score under the sampling distribution).
         shared_prompt_group: ``G`` when rows ``i`` and ``i // G * G`` always have the same
             prompt; ``None`` or 1 encodes every row's prompt.
+        remat: Rematerialize the decoder layers in the backward pass (gradient checkpointing);
+            the model's ``hidden_states`` must accept ``remat=``. The values are unchanged.
 
     Returns:
         ``(log_probs, entropy)``, each ``(B, T)`` float32.
@@ -200,6 +207,10 @@ def causal_lm_log_probs(
         ...                                     prompt_mask=prompt_mask)
         >>> logp.shape, bool((logp < 0).all()), bool((entropy <= jnp.log(16.0)).all())
         ((2, 2), True, True)
+        >>> remat, _ = causal_lm_log_probs(model, prompt_ids, jnp.array([[1, 2], [3, 4]]),
+        ...                                prompt_mask=prompt_mask, remat=True)
+        >>> bool(jnp.allclose(remat, logp))  # same values; only the backward pass changes
+        True
     """
     b, p = prompt_ids.shape
     t = completion_ids.shape[1]
@@ -209,23 +220,29 @@ def causal_lm_log_probs(
     if prompt_mask is None:
         prompt_mask = jnp.ones((b, p), jnp.int32)
     prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
+    # Only passed when set, so models whose hidden_states has no `remat` keep working.
+    options = {"remat": True} if remat else {}
     g = shared_prompt_group
     if g is not None and g > 1 and b % g == 0 and hasattr(model, "init_cache"):
         cache = model.init_cache(b // g, p + t)
         prompt_hidden, cache = model.hidden_states(
-            prompt_ids[::g].astype(jnp.int32), attention_mask=prompt_mask[::g], cache=cache
+            prompt_ids[::g].astype(jnp.int32),
+            attention_mask=prompt_mask[::g],
+            cache=cache,
+            **options,
         )
         completion_hidden, _ = model.hidden_states(
             completion_ids.astype(jnp.int32),
             attention_mask=jnp.ones((b, t), jnp.int32),
             cache=cache.repeat(g),
+            **options,
         )
         first = jnp.repeat(prompt_hidden[:, -1:], g, axis=0)
         hidden = jnp.concatenate([first, completion_hidden[:, :-1]], axis=1)
     else:
         ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
         mask = jnp.concatenate([prompt_mask, jnp.ones((b, t), jnp.int32)], axis=1)
-        hidden, _ = model.hidden_states(ids, attention_mask=mask)
+        hidden, _ = model.hidden_states(ids, attention_mask=mask, **options)
         hidden = hidden[:, p - 1 : p + t - 1]
     weight = model.output_embedding()
     if temperature != 1.0:
@@ -233,12 +250,16 @@ def causal_lm_log_probs(
     return chunked_token_log_probs(hidden, weight, completion_ids, chunk_size=chunk_size)
 
 
-def causal_lm_log_probs_fn(*, chunk_size: int | None = None, temperature: float = 1.0) -> LogProbFn:
+def causal_lm_log_probs_fn(
+    *, chunk_size: int | None = None, temperature: float = 1.0, remat: bool = False
+) -> LogProbFn:
     """A log-prob function for causal LMs reading a :class:`GRPOBatch`.
 
     Args:
         chunk_size: Rows per logits chunk; ``None`` picks one from the vocabulary size.
         temperature: Sampling temperature the completions were drawn at (logits are divided).
+        remat: Rematerialize the decoder layers in the backward pass (see
+            :func:`causal_lm_log_probs`).
 
     Returns:
         ``fn(model, batch) -> (log_probs, entropy)``.
@@ -268,6 +289,7 @@ def causal_lm_log_probs_fn(*, chunk_size: int | None = None, temperature: float 
             chunk_size=chunk_size,
             temperature=temperature,
             shared_prompt_group=batch.group_size if batch.shared_prompts else None,
+            remat=remat,
         )
 
     return fn
@@ -318,7 +340,7 @@ def categorical_log_probs(
     return token_log_probs(logits, batch.completion_ids)
 
 
-def default_log_prob_fn(model: Any, *, temperature: float = 1.0) -> LogProbFn:
+def default_log_prob_fn(model: Any, *, temperature: float = 1.0, remat: bool = False) -> LogProbFn:
     """Chooses the log-prob function for ``model``.
 
     Models with ``hidden_states`` and ``output_embedding`` methods (the library's causal LMs)
@@ -328,6 +350,9 @@ def default_log_prob_fn(model: Any, *, temperature: float = 1.0) -> LogProbFn:
     Args:
         model: The policy.
         temperature: Logits are divided by it (the sampling temperature).
+        remat: For causal LMs, rematerialize the decoder layers in the backward pass
+            (``GRPOConfig.remat``); categorical policies have no layers to rematerialize and
+            ignore it.
 
     Returns:
         A log-prob function.
@@ -338,7 +363,7 @@ def default_log_prob_fn(model: Any, *, temperature: float = 1.0) -> LogProbFn:
         'categorical_log_probs'
     """
     if hasattr(model, "hidden_states") and hasattr(model, "output_embedding"):
-        return causal_lm_log_probs_fn(temperature=temperature)
+        return causal_lm_log_probs_fn(temperature=temperature, remat=remat)
     if temperature == 1.0:
         return categorical_log_probs
     return partial(categorical_log_probs, temperature=temperature)

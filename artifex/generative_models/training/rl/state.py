@@ -249,7 +249,7 @@ def _program(
         ref_graphdef=None if reference_model is None else nnx.graphdef(reference_model),
         config=config,
         log_prob_fn=(
-            default_log_prob_fn(model, temperature=config.temperature)
+            default_log_prob_fn(model, temperature=config.temperature, remat=config.remat)
             if log_prob_fn is None
             else log_prob_fn
         ),

@@ -1,0 +1,151 @@
+"""Per-layer rematerialization (``GRPOConfig.remat``): same values, less activation memory."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl import (
+    GRPOBatch,
+    causal_lm_log_probs,
+    grpo_objective,
+    make_grpo_loss,
+)
+
+VOCAB = 64
+
+
+def tiny_lm(num_layers: int = 2, seed: int = 0) -> CausalLM:
+    cfg = CausalLMConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=256,
+    )
+    return CausalLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def lm_batch(seed: int = 0, prompts: int = 2, g: int = 4, p: int = 5, t: int = 6) -> GRPOBatch:
+    """Prompts shared within groups (left-padded), ragged completions, old and ref log-probs."""
+    rng = np.random.default_rng(seed)
+    b = prompts * g
+    prompt_ids = np.repeat(rng.integers(1, VOCAB, (prompts, p)), g, axis=0)
+    prompt_mask = np.ones((b, p), np.int32)
+    prompt_mask[:g, :2] = 0  # the first prompt is left-padded
+    lengths = rng.integers(2, t + 1, b)
+    return GRPOBatch(
+        prompt_ids=jnp.asarray(prompt_ids, jnp.int32),
+        prompt_mask=jnp.asarray(prompt_mask),
+        completion_ids=jnp.asarray(rng.integers(1, VOCAB, (b, t)), jnp.int32),
+        completion_mask=jnp.asarray((np.arange(t)[None] < lengths[:, None]).astype(np.float32)),
+        rewards=jnp.asarray(rng.normal(size=b), jnp.float32),
+        old_log_probs=jnp.asarray(-4.0 + 0.1 * rng.normal(size=(b, t)), jnp.float32),
+        ref_log_probs=jnp.asarray(-4.0 + 0.1 * rng.normal(size=(b, t)), jnp.float32),
+        group_size=g,
+    )
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prompt_cache", "plain"])
+def test_remat_gives_the_same_log_probs_and_grpo_gradients(shared):
+    model = tiny_lm()
+    batch = lm_batch().replace(shared_prompts=shared)
+    graphdef, params = nnx.split(model, nnx.Param)
+    config = GRPOConfig(num_generations=4, beta=0.04, entropy_coeff=0.01)
+
+    def loss(params, remat):
+        log_probs, entropy = causal_lm_log_probs(
+            nnx.merge(graphdef, params),
+            batch.prompt_ids,
+            batch.completion_ids,
+            prompt_mask=batch.prompt_mask,
+            shared_prompt_group=batch.group_size if shared else None,
+            remat=remat,
+        )
+        value, _ = grpo_objective(log_probs, entropy, batch, config)
+        return value, (log_probs, entropy)
+
+    run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (loss0, (logp0, ent0)), grads0 = run(params, False)
+    (loss1, (logp1, ent1)), grads1 = run(params, True)
+    np.testing.assert_allclose(np.asarray(logp1), np.asarray(logp0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ent1), np.asarray(ent0), rtol=1e-6, atol=1e-6)
+    assert float(loss1) == pytest.approx(float(loss0), rel=1e-6)
+    g0, g1 = flat(grads0), flat(grads1)
+    assert g0.keys() == g1.keys() and len(g0) > 15  # every parameter of the 2 layers
+    for name, expected in g0.items():
+        assert np.abs(expected).max() > 0, name
+        np.testing.assert_allclose(g1[name], expected, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_remat_shrinks_the_temporaries_of_the_compiled_gradient():
+    model = tiny_lm(num_layers=3)
+    batch = lm_batch(prompts=2, g=4, p=8, t=56).replace(shared_prompts=False)
+    params = nnx.state(model, nnx.Param)
+    temp, flops = {}, {}
+    for flag in (False, True):
+        loss_fn = make_grpo_loss(model, GRPOConfig(num_generations=4, beta=0.0, remat=flag))
+        compiled = jax.jit(jax.value_and_grad(loss_fn, has_aux=True)).lower(params, batch).compile()
+        temp[flag] = compiled.memory_analysis().temp_size_in_bytes
+        cost = compiled.cost_analysis()
+        flops[flag] = (cost[0] if isinstance(cost, list | tuple) else cost)["flops"]
+    # Without remat every layer's attention scores and MLP activations stay alive until the
+    # backward pass; with it, one layer's at a time (measured: 2.8 MB vs 7.6 MB).
+    assert temp[True] < 0.6 * temp[False], temp
+    assert flops[True] > flops[False], flops  # the layers' forward pass runs twice
+
+
+def test_remat_must_be_a_bool():
+    assert GRPOConfig().remat is False
+    for value in ("yes", 1, None):
+        with pytest.raises(TypeError, match=r"GRPOConfig\.remat must be a bool"):
+            GRPOConfig(remat=value)
+    from artifex.cli import build_parser
+
+    base = ["train", "--model", "m", "--data", "d.jsonl", "--reward", "math"]
+    parser = build_parser()
+    assert vars(parser.parse_args([*base, "--remat"]))["GRPOConfig.remat"] is True
+    assert vars(parser.parse_args([*base, "--remat", "false"]))["GRPOConfig.remat"] is False
+
+
+def test_trainer_step_with_remat_matches_the_step_without(monkeypatch):
+    seen = []
+    hidden_states = CausalLM.hidden_states
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("remat", False))
+        return hidden_states(self, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "hidden_states", spy)
+    # ref_log_probs given: the step runs the policy alone. Every row has its own prompt (the
+    # shared-prompt path is compared above), which keeps the two compilations short.
+    batch = lm_batch(seed=1)
+    rng = np.random.default_rng(1)
+    batch = batch.replace(prompt_ids=jnp.asarray(rng.integers(1, VOCAB, batch.prompt_ids.shape)))
+    updated, metrics = [], []
+    for flag in (False, True):
+        policy = tiny_lm(seed=0)
+        optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
+        config = GRPOConfig(num_generations=4, beta=0.04, remat=flag)
+        trainer = GRPOTrainer(policy, optimizer, config)
+        seen.clear()
+        metrics.append(trainer.train_step(batch))
+        assert set(seen) == {flag}, seen  # the default log-prob function got the option
+        updated.append(flat(nnx.state(policy, nnx.Param)))
+    assert metrics[1]["total_loss"] == pytest.approx(metrics[0]["total_loss"], rel=1e-6)
+    assert metrics[1]["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)
+    for name, expected in updated[0].items():
+        np.testing.assert_allclose(updated[1][name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
