@@ -446,6 +446,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--weight-decay", type=_non_negative(float), default=0.0)
     tr.add_argument("--lora-rank", type=_non_negative(int), default=0, help="0: full fine-tuning")
     tr.add_argument("--lora-alpha", type=_non_negative(float), default=None)
+    tr.add_argument(
+        "--lora-targets",
+        nargs="+",
+        choices=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        default=None,
+        metavar="PROJ",
+        help="projections that get adapters (default: all seven: q_proj k_proj v_proj o_proj "
+        "gate_proj up_proj down_proj)",
+    )
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     tr.add_argument("--output", default="runs/train/model", help="save_pretrained directory")
     _add_distributed_options(tr)
@@ -912,7 +921,10 @@ def _train(args: argparse.Namespace) -> int:
     )
     reference = None
     if args.lora_rank > 0:
-        lora = LoRAConfig(rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank)
+        targets = {} if args.lora_targets is None else {"target_modules": tuple(args.lora_targets)}
+        lora = LoRAConfig(
+            rank=args.lora_rank, alpha=args.lora_alpha or 2.0 * args.lora_rank, **targets
+        )
         apply_lora(model, lora, nnx.Rngs(loop.seed))
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
     else:

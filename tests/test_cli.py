@@ -51,10 +51,12 @@ ARGS = [
 ]
 
 
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("lora", [None, "all", "q_proj v_proj"])
 def test_train_command_saves_a_loadable_model(tmp_path, model_dir, data_file, lora):
     out = str(tmp_path / "out" / "model")
-    extra = ["--lora-rank", "2"] if lora else []
+    extra = [] if lora is None else ["--lora-rank", "2"]
+    if lora not in (None, "all"):
+        extra += ["--lora-targets", *lora.split()]
     rc = main(
         [
             "train",
@@ -77,6 +79,13 @@ def test_train_command_saves_a_loadable_model(tmp_path, model_dir, data_file, lo
     base = CausalLM.from_pretrained(model_dir)
     ids = np.array([[1, 5, 6, 14, 7, 15]], np.int32)
     assert not np.allclose(np.asarray(trained(ids)), np.asarray(base(ids)))
+    if lora == "q_proj v_proj":  # adapters (merged on export) on q and v only
+        for layer, ref in zip(trained.layers, base.layers, strict=True):
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                same = np.array_equal(getattr(layer.attn, name).kernel[...],
+                                      getattr(ref.attn, name).kernel[...])  # fmt: skip
+                assert same == (name not in ("q_proj", "v_proj")), name
+            assert np.array_equal(layer.mlp.up_proj.kernel[...], ref.mlp.up_proj.kernel[...])
     assert os.path.exists(tmp_path / "out" / "logs" / "metrics.jsonl")
     assert os.listdir(tmp_path / "ckpt")
 
