@@ -83,14 +83,15 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def summarize(out: str, wall_s: float, peak_rss: int, command: list[str]) -> dict:
+def summarize(out: str, wall_s: float, peak_rss: int, command: list[str], recipe: str) -> dict:
     """``summary.json``: held-out pass@1 per evaluation, the reward curve and the costs."""
     rows = read_jsonl(os.path.join(out, "logs", "metrics.jsonl"))
     evals = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
     steps = [r for r in rows if "reward_mean" in r]
     step_s = sorted(r["step_time"] for r in steps[1:] if "step_time" in r)  # after compiling
     summary = {
-        "command": " ".join(command),
+        "recipe_command": recipe,
+        "train_command": " ".join(command),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "held_out_pass@1": evals,
         "reward_mean": [(r["step"], r["reward_mean"]) for r in steps],
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = " (SIGKILL: out of memory?)" if done.returncode == -9 else ""
         print(f"run.py: the training process {how}{hint}; nothing summarized", file=sys.stderr)
         return done.returncode if done.returncode > 0 else 1
-    summary = summarize(out, wall, peak, command)
+    recipe = " ".join(["python recipes/smollm2_addition/run.py", *(argv or sys.argv[1:])])
+    summary = summarize(out, wall, peak, command, recipe)
     ev = summary["held_out_pass@1"]
     print(
         f"held-out pass@1 {ev[0][1]:.2f} -> {ev[-1][1]:.2f}; "
