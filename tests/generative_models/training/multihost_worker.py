@@ -150,6 +150,8 @@ def run_loop(out: str, name: str, ckpt: str, mesh, kill_after: int | None = None
         checkpoint_dir=ckpt,
         checkpoint_every=1,
         log_dir=os.path.join(out, f"logs-{name}-p{jax.process_index()}"),
+        log_completions_every=1,
+        completions_to_print=0,
     )
     result = train(
         trainer,

@@ -164,6 +164,21 @@ def test_only_process_zero_writes_logs_and_the_model(runs):
     for key, value in full_step3.items():
         if key not in timings:
             np.testing.assert_array_equal(resumed[0][key], value, err_msg=key)
+    # The completions log: process 0 writes its own rows (its 2 prompts x 4 completions) of
+    # every step, and the resumed run's step 3 wrote exactly what the uninterrupted run did.
+    samples = _jsonl(os.path.join(out, "logs-full-p0", "completions.jsonl"))
+    assert sorted({r["step"] for r in samples}) == [1, 2, 3]
+    for step in (1, 2, 3):
+        rows = [r for r in samples if r["step"] == step]
+        assert [r["index"] for r in rows] == list(range(8))
+        assert [r["group"] for r in rows] == [i // 4 for i in range(8)]
+        for r in rows:
+            assert set(r["rewards"]) == {"math_answer_reward", "digit_reward"}
+            assert r["reward"] == pytest.approx(sum(r["rewards"].values()))
+        for g in range(2):  # group-standardized advantages sum to zero within a group
+            assert abs(sum(r["advantage"] for r in rows if r["group"] == g)) < 1e-4
+    resumed_samples = _jsonl(os.path.join(out, "logs-resume-p0", "completions.jsonl"))
+    assert resumed_samples == [r for r in samples if r["step"] == 3]
     # save_pretrained from process 0 wrote the gathered (FSDP-sharded) parameters.
     from flax import nnx
 
