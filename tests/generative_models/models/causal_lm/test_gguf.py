@@ -409,3 +409,46 @@ def test_smollm2_matches_transformers(tmp_path):
         tok2.apply_chat_template(meta["chats"][2], add_generation_prompt=True)
         == meta["chat_ids"][2]
     )
+
+
+@pytest.mark.slow
+def test_two_grpo_steps_on_smollm2():
+    """The real checkpoint trains: two GRPO steps of the whole loop (LoRA on q and v, a KL to
+    the base model), chat prompts of the recipe's task, the math reward on the last number."""
+    import optax
+
+    from artifex.generative_models.models.causal_lm import LoRAConfig, apply_lora
+    from artifex.generative_models.training.rl import GRPOConfig, GRPOTrainer, RolloutConfig
+    from artifex.generative_models.training.rl.loop import TrainConfig, train
+    from artifex.generative_models.training.rl.rewards import math_answer_reward
+
+    model, tok = load_gguf(smollm2_gguf())
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj")),
+               nnx.Rngs(0))  # fmt: skip
+    frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # LoRAParam is a Param too
+    base = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, frozen))]
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.LoRAParam)
+    trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4, beta=0.04))
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a} + {b}? Reply with only the number."}],
+         "answer": str(a + b)}
+        for a, b in [(12, 7), (30, 14), (5, 9), (21, 21)]
+    ]  # fmt: skip
+    result = train(
+        trainer, tok, rows, [math_answer_reward(extraction="last_number")],
+        TrainConfig(num_steps=2, prompts_per_step=2, seed=0, progress=False),
+        RolloutConfig(max_new_tokens=8),
+    )  # fmt: skip
+    assert len(result.history) == 2
+    for metrics in result.history:
+        for key in ("total_loss", "kl", "grad_norm", "entropy", "completion_length"):
+            assert np.isfinite(metrics[key]), key
+        assert metrics["num_tokens"] > 0
+    assert result.history[1]["kl"] >= 0.0  # the base model (adapters off) is the reference
+    # The adapters moved (lora_b starts at zero); the 134.5M base weights did not.
+    flat, _ = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.LoRAParam))
+    lora_b = [np.asarray(x) for path, x in flat if "lora_b" in jax.tree_util.keystr(path)]
+    assert lora_b and any(np.abs(b).max() > 0 for b in lora_b)
+    after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, frozen))]
+    for x, y in zip(base, after, strict=True):
+        np.testing.assert_array_equal(x, y)
