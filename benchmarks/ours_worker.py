@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--flops", action="store_true", help="XLA cost analysis of the update")
     parser.add_argument(
+        "--layers", choices=("scan", "unroll"), default="scan", help="CausalLM.scan_layers"
+    )
+    parser.add_argument(
         "--compilation-cache", default="none", help="JAX persistent cache dir ('none': off)"
     )
     args = parser.parse_args(argv)
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     policy = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
     reference = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
+    policy.scan_layers = reference.scan_layers = args.layers == "scan"
     optimizer = nnx.Optimizer(policy, optax.adamw(w["learning_rate"]), wrt=nnx.Param)
     trainer = GRPOTrainer(
         policy,
@@ -129,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"jax": jax.__version__},
         "device": str(jax.devices()[0].device_kind),
         "dtype": args.dtype,
+        "layers": args.layers,
         "params": int(n_params),
         "load_s": load_s,
         "first_step_s": first_step_s,

@@ -197,6 +197,9 @@ def _decode(
     pad_id: int,
 ) -> TurnOutput:
     model = nnx.merge(graphdef, state)
+    # Scanned layers: stack the layer weights once, outside the decode loop.
+    stack = model.layer_stack() if getattr(model, "scan_layers", False) else None
+    layers = {} if stack is None else {"layer_stack": stack}
     rows, n = active.shape[0], max_new_tokens
     width = max((len(s) for s in stop_sequences), default=1)
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
@@ -228,7 +231,10 @@ def _decode(
         is_eos = alive & jnp.any(token[:, None] == eos[None, :], axis=-1)
         is_stop = alive & ~is_eos & stop_hit(recent)
         hidden, new_cache = model.hidden_states(
-            token[:, None], attention_mask=alive[:, None].astype(jnp.int32), cache=c["cache"]
+            token[:, None],
+            attention_mask=alive[:, None].astype(jnp.int32),
+            cache=c["cache"],
+            **layers,
         )
         new_logits = model.logits_from_hidden(hidden[:, 0])
         return dict(

@@ -207,6 +207,9 @@ def _generate(
     share_prefill: bool,
 ) -> SamplerOutput:
     model = nnx.merge(graphdef, state)
+    # Scanned layers: stack the layer weights once, outside the decode loop.
+    stack = model.layer_stack() if getattr(model, "scan_layers", False) else None
+    layers = {} if stack is None else {"layer_stack": stack}
     k, n = num_generations, max_new_tokens
     b, p = prompt_ids.shape
     rows = b * k
@@ -218,12 +221,14 @@ def _generate(
     # Prefill once per prompt, then share the cache with the prompt's K generations.
     if share_prefill:
         cache = model.init_cache(b, p + n)
-        hidden, cache = model.hidden_states(prompt_ids, attention_mask=prompt_mask, cache=cache)
+        hidden, cache = model.hidden_states(
+            prompt_ids, attention_mask=prompt_mask, cache=cache, **layers
+        )
         cache = cache.repeat(k)
         last = jnp.repeat(hidden[:, -1], k, axis=0)
     else:
         cache = model.init_cache(rows, p + n)
-        hidden, cache = model.hidden_states(rep_ids, attention_mask=rep_mask, cache=cache)
+        hidden, cache = model.hidden_states(rep_ids, attention_mask=rep_mask, cache=cache, **layers)
         last = hidden[:, -1]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
@@ -265,7 +270,7 @@ def _generate(
         step = c["step"] + 1
         alive = (~c["done"]).astype(jnp.int32)
         hidden, cache = model.hidden_states(
-            c["last"][:, None], attention_mask=alive[:, None], cache=c["cache"]
+            c["last"][:, None], attention_mask=alive[:, None], cache=c["cache"], **layers
         )
         token, logp = draw(model.logits_from_hidden(hidden[:, 0]), step)
         c = dict(c, cache=cache, step=step)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,14 @@ from artifex.generative_models.models.causal_lm.modules import DecoderLayer, Emb
 from artifex.generative_models.models.causal_lm.rope import rope_cos_sin, rope_inv_frequencies
 from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
 
-__all__ = ["CausalLM", "from_pretrained", "load_gguf", "positions_from_mask", "resolve_dtype"]
+__all__ = [
+    "CausalLM",
+    "LayerStack",
+    "from_pretrained",
+    "load_gguf",
+    "positions_from_mask",
+    "resolve_dtype",
+]
 
 Rules = Callable[[str, tuple[int, ...]], PartitionSpec]
 
@@ -102,9 +109,15 @@ class CausalLM(nnx.Module):
         rngs: Random streams; `rngs.params()` draws the initial weights.
         dtype: Optional override of `config.param_dtype` ("float32", "bfloat16" or a dtype); the
             stored config is updated to match.
+        scan_layers: Run the decoder layers as one `jax.lax.scan` over their stacked weights
+            (the default) instead of unrolling them in Python. The values are the same; the
+            compiled programs hold one layer instead of `num_layers`, so they compile several
+            times faster and need less memory. The attribute `model.scan_layers` can be changed
+            after construction (it is read when a function is traced).
 
     Raises:
         ValueError: If `dtype` is not float32 or bfloat16.
+        TypeError: If `scan_layers` is not a bool.
 
     Example:
         >>> import jax.numpy as jnp
@@ -121,7 +134,12 @@ class CausalLM(nnx.Module):
     """
 
     def __init__(
-        self, config: CausalLMConfig, *, rngs: nnx.Rngs, dtype: str | jnp.dtype | None = None
+        self,
+        config: CausalLMConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype: str | jnp.dtype | None = None,
+        scan_layers: bool = False,
     ) -> None:
         if not isinstance(config, CausalLMConfig):
             msg = f"config must be a CausalLMConfig, got {type(config).__name__}"
@@ -129,8 +147,12 @@ class CausalLM(nnx.Module):
         dt = resolve_dtype(config.param_dtype if dtype is None else dtype)
         if dt.name != config.param_dtype:
             config = config.replace(param_dtype=dt.name)
+        if not isinstance(scan_layers, bool):
+            msg = f"scan_layers must be a bool, got {type(scan_layers).__name__} {scan_layers!r}"
+            raise TypeError(msg)
         self.config = config
         self.dtype = dt
+        self.scan_layers = scan_layers
         std = config.initializer_range
         self.embed = Embed(
             config.vocab_size,
@@ -180,6 +202,7 @@ class CausalLM(nnx.Module):
         cache: KVCache | None = None,
         *,
         remat: bool = False,
+        layer_stack: LayerStack | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder and returns the final-norm hidden states.
 
@@ -196,6 +219,14 @@ class CausalLM(nnx.Module):
         forward pass of compute. Values and gradients are the same; forward-mode
         differentiation (`jax.jvp`) is not supported in that mode.
 
+        With `model.scan_layers` (the default) the layers run as one `jax.lax.scan` over their
+        weights stacked along a new leading axis (`layer_stack()`; the stacking is a copy of the
+        layer weights made inside the traced function, once per call). Pass a `layer_stack`
+        computed once to reuse it across calls, as the sampler does for its decode loop. A
+        one-token step with a cache (decoding) writes the new keys and values into the stacked
+        cache in place; other calls with a cache pass each layer its own slice, so a gradient
+        keeps one copy of the cache, not one per layer.
+
         Args:
             input_ids: Token ids (B, T).
             attention_mask: (B, T), 1 on real tokens, 0 on padding; None means all 1.
@@ -204,6 +235,8 @@ class CausalLM(nnx.Module):
             cache: Optional `KVCache` from `init_cache` (or a previous call).
             remat: Rematerialize each decoder layer in the backward pass (less activation memory
                 for training, more compute).
+            layer_stack: Optional result of `layer_stack()` for this model's current weights; the
+                layers are then scanned with it whatever `scan_layers` says.
 
         Returns:
             `(hidden, cache)`: hidden states (B, T, D) in the compute dtype and the updated cache
@@ -253,7 +286,11 @@ class CausalLM(nnx.Module):
         inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)
         h = self.embed(input_ids).astype(self.dtype)
-        if remat:
+        if layer_stack is None and getattr(self, "scan_layers", False):
+            layer_stack = self.layer_stack()
+        if layer_stack is not None:
+            h, kv = _scan_layers(layer_stack, h, cos, sin, mask, kv, index, remat=remat)
+        elif remat:
             h, kv = _remat_layers(self.layers, h, cos, sin, mask, kv, index)
         else:
             for i, layer in enumerate(self.layers):
@@ -263,6 +300,42 @@ class CausalLM(nnx.Module):
             return hidden, None
         new_cache = cache.replace(keys=kv[0], values=kv[1], valid=valid, index=index + t)
         return hidden, new_cache
+
+    def layer_stack(self) -> LayerStack | None:
+        """The decoder layers as one layer's graph and their states stacked on a new axis 0.
+
+        Every layer must have the same structure (the same variables, shapes and dtypes, LoRA
+        adapters included); otherwise there is nothing to scan over and None is returned (the
+        layers then run unrolled). Inside a traced function the stack is a copy of the layer
+        weights that a gradient flows through back to each layer's own variables.
+
+        Returns:
+            A `LayerStack` `(graphdef, state)` with every leaf of shape `(num_layers, ...)`, or
+            None if the layers differ in structure.
+
+        Example:
+            >>> from flax import nnx
+            >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+            >>> stack = model.layer_stack()
+            >>> stack.state["mlp"]["up_proj"]["kernel"].shape  # (L, D, F)
+            (2, 128, 384)
+        """
+        graphdef = None
+        states = []
+        for layer in self.layers:
+            layer_graph, state = nnx.split(layer)
+            if graphdef is None:
+                graphdef = layer_graph
+            elif layer_graph != graphdef:
+                return None
+            states.append(state)
+        if graphdef is None:
+            return None
+        shapes = {tuple((x.shape, x.dtype) for x in jax.tree.leaves(st)) for st in states}
+        if len(shapes) != 1:
+            return None
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+        return LayerStack(graphdef, stacked)
 
     def output_embedding(self) -> jax.Array:
         """The (D, V) matrix that maps hidden states to logits (`embedding.T` when tied).
@@ -424,6 +497,66 @@ class CausalLM(nnx.Module):
             (['config.json', 'model.safetensors'], True)
         """
         _save_pretrained(self, path, max_shard_size=max_shard_size)
+
+
+class LayerStack(NamedTuple):
+    """Decoder layers ready for `jax.lax.scan`: one layer's graph and the stacked states.
+
+    Attributes:
+        graphdef: The static structure shared by every layer.
+        state: The layers' states, each leaf stacked to `(num_layers, ...)`.
+    """
+
+    graphdef: nnx.GraphDef
+    state: nnx.State
+
+
+def _scan_layers(
+    stack: LayerStack,
+    h: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    mask: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    index: jax.Array | None,
+    *,
+    remat: bool,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """Runs the decoder layers as one `lax.scan` over the stacked layer states."""
+    graphdef, stacked = stack
+    step = functools.partial(_remat_layer_step if remat else _layer_step, graphdef)
+    if kv is None:
+
+        def body(h, state):
+            h, _ = step(state, h, cos, sin, mask, None, index)
+            return h, None
+
+        h, _ = jax.lax.scan(body, h, stacked)
+        return h, None
+    keys, values = kv
+    if h.shape[1] == 1 and not remat:
+        # Decoding: the whole stacked cache is carried and each layer writes its new key and
+        # value in place (a per-layer slice in and out would copy the cache every token).
+        def decode_body(carry, xs):
+            h, keys, values = carry
+            state, i = xs
+            layer = nnx.merge(graphdef, state)
+            h, (keys, values) = layer(h, cos, sin, mask, (keys, values), i, index)
+            return (h, keys, values), None
+
+        layer_ids = jnp.arange(keys.shape[0], dtype=jnp.int32)
+        (h, keys, values), _ = jax.lax.scan(decode_body, (h, keys, values), (stacked, layer_ids))
+        return h, (keys, values)
+
+    def body(h, xs):
+        state, layer_keys, layer_values = xs
+        h, (layer_keys, layer_values) = step(
+            state, h, cos, sin, mask, (layer_keys[None], layer_values[None]), index
+        )
+        return h, (layer_keys[0], layer_values[0])
+
+    h, (keys, values) = jax.lax.scan(body, h, (stacked, keys, values))
+    return h, (keys, values)
 
 
 def _layer_step(
