@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--flops", action="store_true", help="XLA cost analysis of the update")
     parser.add_argument(
-        "--layers", choices=("scan", "unroll"), default="scan", help="CausalLM.scan_layers"
+        "--layers", choices=("scan", "unroll"), default="unroll", help="CausalLM.scan_layers"
     )
     parser.add_argument(
         "--compilation-cache", default="none", help="JAX persistent cache dir ('none': off)"

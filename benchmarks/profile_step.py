@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -107,14 +108,12 @@ def main(argv: list[str] | None = None) -> int:
 
     batch = step()
     rss_step = cleanwin.peak_rss_bytes()
-    update = _analysis(
-        trainer.compiled_step()
-        .lower(
-            trainer.state,
-            batch,
-        )
-        .compile()
-    )
+    t0 = time.perf_counter()
+    compiled = trainer.compiled_step().lower(trainer.state, batch).compile()
+    compile_s = time.perf_counter() - t0  # ahead-of-time: compiled again, not from the jit cache
+    update = _analysis(compiled)
+    update["compile_s"] = compile_s
+    update["optimized_hlo_chars"] = len(compiled.as_text())
     if args.trace:
         with jax.profiler.trace(args.trace):
             step()
@@ -137,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{update['flops'] / 1e9:.1f} GFLOP, {update['bytes_accessed'] / gb:.2f} GB accessed, "
         f"args {u['argument_bytes']:.2f} GB, outputs {u['output_bytes']:.2f} GB (aliased "
         f"{u['alias_bytes']:.2f} GB), temporaries {u['temp_bytes']:.2f} GB; peak RSS after load "
-        f"{rss_loaded / gb:.2f} GB, after the first step {rss_step / gb:.2f} GB",
+        f"{rss_loaded / gb:.2f} GB, after the first step {rss_step / gb:.2f} GB; compiling the "
+        f"update {compile_s:.1f} s ({update['optimized_hlo_chars'] / 1e6:.1f} M characters of "
+        "optimized HLO)",
         flush=True,
     )
     cleanwin.emit("PROFILE", result)

@@ -45,6 +45,7 @@ from artifex.generative_models.models.causal_lm.lora import (
 )
 from artifex.generative_models.models.causal_lm.model import (
     CausalLM,
+    LayerStack,
     from_pretrained,
     load_gguf,
     positions_from_mask,
@@ -79,6 +80,7 @@ __all__ = [  # noqa: RUF022 - grouped by topic, sorted within each group
     "DecoderLayer",
     "Embed",
     "KVCache",
+    "LayerStack",
     "Linear",
     "RMSNorm",
     "apply_rope",
