@@ -10,10 +10,13 @@ model.safetensors, tokenizer, prompts.json, workload.json) that every system loa
 ``CausalLM.from_pretrained``, TRL with transformers' ``AutoModelForCausalLM`` (through
 ``GRPOTrainer(model=DIR)``), Tunix with its own safetensors loader. Each system runs in its own
 process, in the order ours, TRL, Tunix, ours (W2: ours, TRL, ours, then ours with bfloat16
-parameters), one after the other. Every process times its steps as windows and measures the CPU
-that other processes used in each window (``benchmarks/cleanwin.py``); windows above the
-threshold (5%) are re-run, up to ``--max-retries`` more, and a row whose windows never got clean
-says so. The fp32 matmul peak is measured in the same run, before and after, in clean windows too.
+parameters and ours without remat), one after the other. On W2 ours recomputes each layer's
+activations in the backward pass (``GRPOConfig(remat=True)``), as TRL does by default (its
+``gradient_checkpointing=True``); on W1 it does not, as Tunix (``RematConfig.NONE``). Every process
+times its steps as windows and measures the CPU that other processes used in each window
+(``benchmarks/cleanwin.py``); windows above the threshold (5%) are re-run, up to ``--max-retries``
+more, and a row whose windows never got clean says so. The fp32 matmul peak is measured in the same
+run, before and after, in clean windows too.
 
 Rows: median seconds per whole step with the spread (min-max) over the clean windows, generation
 and training parts, first step (compilation included), peak resident memory of the process
@@ -240,18 +243,27 @@ def main(argv: list[str] | None = None) -> int:
         )
         order: list[tuple[str, list[str], dict, str]] = []
         ours_cmd = [sys.executable, os.path.join(HERE, "ours_worker.py"), "--dir", wdir, *wins]
+        # TRL recomputes activations in the backward pass by default (gradient checkpointing):
+        # where TRL is the peer (W2), ours does the same (GRPOConfig.remat). Tunix, W1's faster
+        # peer, keeps them (RematConfig.NONE), and so does ours on W1.
+        no_remat_cmd = ours_cmd
+        if wname == "w2":
+            ours_cmd = [*ours_cmd, "--remat"]
         peer_names = [p for p in PEERS if p in systems and wname in PEERS[p][3]]
+        tag = ", remat" if wname == "w2" else ""
         if "ours" in systems:
-            order.append(("ours", [*ours_cmd, "--flops"], ours_env, "ours (1st)"))
+            order.append(("ours", [*ours_cmd, "--flops"], ours_env, f"ours (1st{tag})"))
         for p in peer_names:
             name, script, default, _ = PEERS[p]
             python = os.environ.get(f"ARTIFEX_{p.upper()}_PYTHON", default)
             cmd = [python, os.path.join(HERE, "peers", script), "--model-dir", wdir, *wins]
             order.append((p, cmd, peer_env, name))
         if "ours" in systems and peer_names:
-            order.append(("ours", ours_cmd, ours_env, "ours (last)"))
+            order.append(("ours", ours_cmd, ours_env, f"ours (last{tag})"))
         if "ours" in systems and wname == "w2" and not args.no_bf16:
-            order.append(("ours", [*ours_cmd, "--dtype", "bfloat16"], ours_env, "ours, bf16"))
+            order.append(("ours", [*ours_cmd, "--dtype", "bfloat16"], ours_env, f"ours, bf16{tag}"))
+        if "ours" in systems and wname == "w2":
+            order.append(("ours", no_remat_cmd, ours_env, "ours, no remat"))
         runs = []
         for system, cmd, env, label in order:
             if not os.path.exists(cmd[0]):

@@ -1,6 +1,7 @@
 """Our GRPO step on a workload directory (``benchmarks/hfdir.py``), in its own process.
 
     python benchmarks/ours_worker.py --dir DIR [--windows 5] [--max-retries 10] [--dtype bfloat16]
+        [--remat] [--layers scan]
 
 Loads the policy and the reference with ``CausalLM.from_pretrained(DIR)``, reads the prompt ids
 from ``DIR/prompts.json`` and the settings from ``DIR/workload.json``. One step = generate
@@ -33,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flops", action="store_true", help="XLA cost analysis of the update")
     parser.add_argument(
         "--layers", choices=("scan", "unroll"), default="unroll", help="CausalLM.scan_layers"
+    )
+    parser.add_argument(
+        "--remat",
+        action="store_true",
+        help="GRPOConfig(remat=True): recompute each layer in the backward pass (as TRL's "
+        "default gradient checkpointing)",
     )
     parser.add_argument(
         "--compilation-cache", default="none", help="JAX persistent cache dir ('none': off)"
@@ -68,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = GRPOTrainer(
         policy,
         optimizer,
-        GRPOConfig(num_generations=k, beta=w["beta"]),
+        GRPOConfig(num_generations=k, beta=w["beta"], remat=args.remat),
         reference_model=reference,
     )
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Param)))
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(jax.devices()[0].device_kind),
         "dtype": args.dtype,
         "layers": args.layers,
+        "remat": args.remat,
         "params": int(n_params),
         "load_s": load_s,
         "first_step_s": first_step_s,

@@ -9,6 +9,10 @@ from artifex.generative_models.utils.atomic import (
     remove_temp_files,
     temp_path,
 )
+from artifex.generative_models.utils.host_memory import (
+    release_freed_host_memory,
+    release_memory_after_compilation,
+)
 from artifex.generative_models.utils.validation import (
     check_bool,
     check_callable,
@@ -25,6 +29,9 @@ __all__ = [  # noqa: RUF022 - grouped by module, sorted within each group
     "commit_file",
     "remove_temp_files",
     "temp_path",
+    # host memory
+    "release_freed_host_memory",
+    "release_memory_after_compilation",
     # validation (wrong type: TypeError; out of range: ValueError)
     "check_bool",
     "check_callable",

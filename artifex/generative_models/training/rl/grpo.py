@@ -53,6 +53,7 @@ from artifex.generative_models.training.sharding import (
     shard_model,
     shard_optimizer,
 )
+from artifex.generative_models.utils.host_memory import release_memory_after_compilation
 
 __all__ = [
     "GRPOTrainer",
@@ -313,6 +314,9 @@ class GRPOTrainer:
         }
         self._log_probs_fn = jax.jit(make_grpo_log_probs(model, config, **self._bound))
         self.grpo_loss = make_grpo_loss(model, config, wrt=self.wrt, log_prob_fn=self.log_prob_fn)
+        # XLA's working memory for compiling the step is freed but kept by the C allocator:
+        # give it back so that the step's own temporaries do not come on top of it.
+        release_memory_after_compilation()
 
     # ----------------------------------------------------------------- public helpers
     @property

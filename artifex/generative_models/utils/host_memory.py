@@ -1,0 +1,116 @@
+"""Giving the compiler's freed working memory back to the operating system.
+
+XLA compiles a program with a large, short-lived working set on the host (for a 30-layer
+policy's update, more than a gigabyte on the CPU). The C library's allocator keeps what was
+freed in its arenas instead of returning it, so the process stays that much larger for the rest
+of the run, and the first execution of the program (whose temporaries XLA:CPU allocates as one
+new block) adds its whole working set on top. On glibc, ``malloc_trim(0)`` returns the free
+pages of every arena to the system. Measured on W2 (a 135M-parameter policy, the 2-core CPU
+machine, ``docs/benchmarks.md``): after compiling the update the process held 4.0 GB, 2.9 GB after
+the trim, and the peak over two steps fell from 6.9 to 5.8 GB.
+
+:func:`release_memory_after_compilation` registers, once per process, a ``jax.monitoring``
+listener that trims after every XLA compilation that took at least ``min_seconds`` (short
+compilations free little, and a trim costs a few milliseconds). :class:`GRPOTrainer` calls it; a
+loop of one's own can call it too. On other C libraries (macOS, musl) it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import threading
+
+import jax
+
+__all__ = ["release_freed_host_memory", "release_memory_after_compilation"]
+
+#: The event JAX records (with its duration in seconds) after each XLA compilation.
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+#: Set to ``0`` to keep freed memory in the allocator (no trim after compilations).
+ENV_VAR = "ARTIFEX_TRIM_AFTER_COMPILE"
+
+_lock = threading.Lock()
+_registered: dict[str, float] = {}
+
+
+@functools.cache
+def _malloc_trim():
+    """The C library's ``malloc_trim`` (glibc), or ``None`` where the C library has none."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def release_freed_host_memory() -> bool:
+    """Returns the allocator's free memory to the operating system (``malloc_trim(0)``).
+
+    Memory still in use is untouched; this only shrinks the resident set by pages that were
+    freed and kept for reuse.
+
+    Returns:
+        Whether a trim ran (``False`` where the C library has no ``malloc_trim``).
+
+    Example:
+        >>> import sys
+        >>> release_freed_host_memory() or not sys.platform.startswith("linux")
+        True
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def _on_duration(event: str, duration: float, **_: object) -> None:
+    if event == COMPILE_EVENT and duration >= _registered.get("min_seconds", float("inf")):
+        release_freed_host_memory()
+
+
+def release_memory_after_compilation(min_seconds: float = 0.5) -> bool:
+    """Trims the allocator after every XLA compilation of at least ``min_seconds``.
+
+    Registers one ``jax.monitoring`` listener per process (later calls only update
+    ``min_seconds``). The environment variable ``ARTIFEX_TRIM_AFTER_COMPILE=0`` turns it off.
+
+    Args:
+        min_seconds: Compilations shorter than this are not followed by a trim (>= 0).
+
+    Returns:
+        Whether the listener is registered (``False`` when turned off by the environment or
+        where the C library has no ``malloc_trim``).
+
+    Raises:
+        ValueError: ``min_seconds`` is negative or not a number.
+
+    Example:
+        >>> import sys
+        >>> release_memory_after_compilation() or not sys.platform.startswith("linux")
+        True
+    """
+    if isinstance(min_seconds, bool) or not isinstance(min_seconds, int | float):
+        msg = f"min_seconds must be a number >= 0, got {min_seconds!r}"
+        raise ValueError(msg)
+    if not min_seconds >= 0:
+        msg = f"min_seconds must be a number >= 0, got {min_seconds!r}"
+        raise ValueError(msg)
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if _malloc_trim() is None:
+        return False
+    with _lock:
+        first = "min_seconds" not in _registered
+        _registered["min_seconds"] = float(min_seconds)
+        if first:
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    return True
