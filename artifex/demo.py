@@ -12,7 +12,6 @@ held-out greedy accuracy (pass@1) before and after, with a reward-curve plot.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from artifex.generative_models.training.rl.grpo import GRPOTrainer
 from artifex.generative_models.training.rl.loop import TrainConfig, TrainResult, evaluate, train
 from artifex.generative_models.training.rl.rewards import RewardCombiner, math_answer_reward
 from artifex.generative_models.training.rl.rollout import Policy, RolloutConfig
+from artifex.generative_models.utils.atomic import atomic_write, atomic_write_json
 
 __all__ = [
     "DemoConfig",
@@ -296,7 +296,8 @@ def plot_rewards(result: TrainResult, path: str) -> None:
     ax.legend(loc="lower right")
     ax.set_title("artifex-grpo demo: 2-digit addition")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_write(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
 
 
@@ -438,8 +439,7 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
         "metrics": os.path.join(out_dir, "logs", "metrics.jsonl"),
         "out_dir": out_dir,
     }
-    with open(os.path.join(out_dir, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=2)
+    atomic_write_json(os.path.join(out_dir, "summary.json"), summary, indent=2)
     say("")
     say(f"mean training reward: {first:.3f} (first 10 steps) -> {last:.3f} (last 10 steps)")
     say(

@@ -18,7 +18,6 @@ tool-call rate before and after.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any
@@ -45,6 +44,7 @@ from artifex.generative_models.training.rl.multiturn import (
 from artifex.generative_models.training.rl.rewards import math_answer_reward
 from artifex.generative_models.training.rl.rollout import Policy, RolloutConfig
 from artifex.generative_models.training.rl.tools import tool_schema
+from artifex.generative_models.utils.atomic import atomic_write_json
 
 __all__ = [
     "TOOL_CHAT_TEMPLATE",
@@ -421,8 +421,7 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
         "metrics": os.path.join(out_dir, "logs", "metrics.jsonl"),
         "out_dir": out_dir,
     }
-    with open(os.path.join(out_dir, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=2)
+    atomic_write_json(os.path.join(out_dir, "summary.json"), summary, indent=2)
     say("")
     say(
         f"held-out greedy accuracy: {summary['held_out_accuracy_before']:.3f} (before GRPO) -> "

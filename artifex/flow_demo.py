@@ -16,7 +16,6 @@ reported. Run it with ``artifex-grpo demo --task flow``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any
@@ -50,7 +49,8 @@ from artifex.generative_models.models.flow import (
 )
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.grpo import GRPOTrainer
-from artifex.generative_models.utils.validation import check_choice
+from artifex.generative_models.utils.atomic import atomic_write, atomic_write_json
+from artifex.generative_models.utils.validation import check_choice, check_int
 
 __all__ = [
     "FlowDemoConfig",
@@ -124,13 +124,8 @@ class FlowDemoConfig:
             "num_generations",
             "num_eval",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                msg = f"FlowDemoConfig.{name} must be a positive int, got {value!r}"
-                raise ValueError(msg)
-        if not isinstance(self.grpo_steps, int) or self.grpo_steps < 0:
-            msg = f"FlowDemoConfig.grpo_steps must be an int >= 0, got {self.grpo_steps!r}"
-            raise ValueError(msg)
+            check_int(f"FlowDemoConfig.{name}", getattr(self, name), minimum=1)
+        check_int("FlowDemoConfig.grpo_steps", self.grpo_steps, minimum=0)
         if not self.classes or any(not 0 <= int(c) < 10 for c in self.classes):
             msg = f"FlowDemoConfig.classes must be digits 0..9, got {self.classes}"
             raise ValueError(msg)
@@ -379,8 +374,7 @@ def run_flow_demo(config: FlowDemoConfig | None = None, *, verbose: bool = True)
     )
     if config.out_dir:
         os.makedirs(config.out_dir, exist_ok=True)
-        with open(os.path.join(config.out_dir, "metrics.json"), "w") as f:
-            json.dump(result.summary(), f, indent=2)
+        atomic_write_json(os.path.join(config.out_dir, "metrics.json"), result.summary(), indent=2)
         plot_image_grid(
             result.images_before,
             result.images_after,
@@ -436,7 +430,8 @@ def plot_image_grid(
         ax.axis("off")
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=100)
+        with atomic_write(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=100)
     return fig
 
 
@@ -478,5 +473,6 @@ def plot_flow_rewards(result: FlowDemoResult, path: str | None = None) -> Any:
     ax2.set_title("closed-form KL to the reference")
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=100)
+        with atomic_write(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=100)
     return fig

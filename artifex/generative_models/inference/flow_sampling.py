@@ -43,6 +43,7 @@ from flax import nnx
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.logprobs import LogProbFn
+from artifex.generative_models.utils.validation import check_int
 
 __all__ = [
     "FlowSampler",
@@ -82,21 +83,17 @@ class SDEConfig:
     train_steps: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_steps, int) or isinstance(self.num_steps, bool):
-            msg = f"SDEConfig.num_steps must be an int, got {self.num_steps!r}"
-            raise ValueError(msg)
-        if self.num_steps < 2:
-            msg = f"SDEConfig.num_steps must be >= 2, got {self.num_steps}"
-            raise ValueError(msg)
+        check_int("SDEConfig.num_steps", self.num_steps, minimum=2)
         if not (math.isfinite(self.noise_level) and self.noise_level >= 0):
             msg = f"SDEConfig.noise_level must be finite and >= 0, got {self.noise_level}"
             raise ValueError(msg)
-        k = self.train_steps
-        if k is not None and (
-            not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_steps
-        ):
-            msg = f"SDEConfig.train_steps must be None or in [1, {self.num_steps}], got {k!r}"
-            raise ValueError(msg)
+        check_int(
+            "SDEConfig.train_steps",
+            self.train_steps,
+            minimum=1,
+            maximum=self.num_steps,
+            allow_none=True,
+        )
 
 
 def time_grid(num_steps: int) -> np.ndarray:

@@ -36,6 +36,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from artifex.generative_models.utils.validation import check_int
+
 __all__ = [
     "CheckpointManager",
     "CorruptCheckpointError",
@@ -250,9 +252,7 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int = 3):
-        if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
-            msg = f"max_to_keep must be an int >= 1, got {max_to_keep!r}"
-            raise ValueError(msg)
+        max_to_keep = check_int("max_to_keep", max_to_keep, minimum=1)
         self.directory = os.path.abspath(os.fspath(directory))
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             msg = f"checkpoint directory {self.directory} is an existing file: choose another path"

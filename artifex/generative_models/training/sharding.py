@@ -80,6 +80,7 @@ from flax.nnx import spmd
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from artifex.generative_models.training.logging import is_primary_process
+from artifex.generative_models.utils.validation import check_int
 
 __all__ = [
     "CAUSAL_LM_RULES",
@@ -174,9 +175,7 @@ def make_mesh(
     for name, size in (("fsdp", fsdp), ("tensor", tensor), ("data", data)):
         if size is None:
             continue
-        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
-            msg = f"make_mesh: {name} must be a positive int, got {size!r}"
-            raise ValueError(msg)
+        check_int(f"make_mesh: {name}", size, minimum=1)
     if data is None:
         if n % (fsdp * tensor):
             msg = (
@@ -347,9 +346,7 @@ class PartitionRules:
             )
             raise ValueError(msg)
         size = self.fsdp_min_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            msg = f"PartitionRules.fsdp_min_size must be an int >= 0, got {size!r}"
-            raise ValueError(msg)
+        check_int("PartitionRules.fsdp_min_size", size, minimum=0)
 
     def validate(self, mesh: Mesh) -> PartitionRules:
         """Checks that every axis the rules name exists in ``mesh``.

@@ -23,8 +23,6 @@ import functools
 import os
 import threading
 
-import jax
-
 __all__ = ["release_freed_host_memory", "release_memory_after_compilation"]
 
 #: The event JAX records (with its duration in seconds) after each XLA compilation.
@@ -112,5 +110,7 @@ def release_memory_after_compilation(min_seconds: float = 0.5) -> bool:
         first = "min_seconds" not in _registered
         _registered["min_seconds"] = float(min_seconds)
         if first:
+            import jax  # here, so that importing the utilities does not import JAX
+
             jax.monitoring.register_event_duration_secs_listener(_on_duration)
     return True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,10 +64,21 @@ def test_kernel_eps_must_be_a_finite_non_negative_number(eps):
             call()
 
 
-@pytest.mark.parametrize("kwargs", [{"ddof": -1}, {"ddof": True}, {"ddof": 1.0}])
-def test_kernel_ddof_must_be_a_non_negative_int(kwargs):
-    with pytest.raises(ValueError, match="ddof must be an int >= 0"):
-        group_advantages(jnp.arange(8.0), 4, **kwargs)
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"ddof": -1}, ValueError, "ddof must be an int >= 0, got -1"),
+        ({"ddof": True}, TypeError, "ddof must be an int, got True"),
+        ({"ddof": 1.0}, TypeError, "ddof must be an int, got 1.0"),
+        ({"group_size": 0}, ValueError, "group_size must be an int >= 1, got 0"),
+        ({"group_size": 2.0}, TypeError, "group_size must be an int"),
+    ],
+)
+def test_kernel_sizes_follow_the_one_rule(kwargs, error, match):
+    """Wrong type -> TypeError, right type out of range -> ValueError (CONTRIBUTING.md)."""
+    kwargs = {"group_size": 4, **kwargs}
+    with pytest.raises(error, match=match):
+        group_advantages(jnp.arange(8.0), **kwargs)
 
 
 def test_kernels_still_trace_inside_jit():
@@ -104,3 +117,42 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_rejected(model):
 
     with pytest.raises(ValueError, match=r"tokenizer has .* token ids but the model.s vocabulary"):
         check_tokenizer_fits(Bigger(), model)
+
+
+def test_sizes_elsewhere_follow_the_one_rule(tmp_path):
+    """The same rule for the step, the batch, checkpoints, meshes and the flow sampler."""
+    import optax
+    from flax import nnx
+
+    from artifex.generative_models.inference.flow_sampling import SDEConfig
+    from artifex.generative_models.training.checkpointing import CheckpointManager
+    from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+    from artifex.generative_models.training.rl.state import make_grpo_train_step
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    tx = optax.adam(1e-3)
+    for bad, error in ((2.0, TypeError), (True, TypeError), (0, ValueError)):
+        with pytest.raises(error, match="num_microbatches must be an int"):
+            make_grpo_train_step(model, tx, GRPOConfig(), num_microbatches=bad)
+        with pytest.raises(error, match="max_to_keep must be an int"):
+            CheckpointManager(tmp_path / "ckpt", max_to_keep=bad)
+    with pytest.raises(TypeError, match=re.escape("SDEConfig.num_steps must be an int, got 2.5")):
+        SDEConfig(num_steps=2.5)
+    with pytest.raises(ValueError, match=re.escape("num_steps must be an int >= 2, got 1")):
+        SDEConfig(num_steps=1)
+    with pytest.raises(TypeError, match=re.escape("SDEConfig.train_steps must be an int or None")):
+        SDEConfig(num_steps=4, train_steps="2")
+    with pytest.raises(ValueError, match=re.escape("SDEConfig.train_steps must be an int in")):
+        SDEConfig(num_steps=4, train_steps=5)
+    batch = GRPOBatch(
+        prompt_ids=jnp.ones((4, 2), jnp.int32),
+        prompt_mask=jnp.ones((4, 2), jnp.int32),
+        completion_ids=jnp.ones((4, 3), jnp.int32),
+        completion_mask=jnp.ones((4, 3), jnp.int32),
+        rewards=jnp.arange(4.0),
+        group_size=2.0,
+    )
+    with pytest.raises(TypeError, match=re.escape("GRPOBatch.group_size must be an int, got 2.0")):
+        batch.validate()
+    with pytest.raises(ValueError, match=re.escape("group_size must be an int >= 1, got 0")):
+        batch.replace(group_size=0).validate()

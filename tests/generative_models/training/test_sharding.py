@@ -6,6 +6,7 @@ Runs on 8 simulated CPU devices (``tests/conftest.py`` sets the XLA flag before 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -124,8 +125,10 @@ def test_make_mesh_errors_name_the_numbers():
         make_mesh(data=2, fsdp=2)
     with pytest.raises(ValueError, match="does not divide the 8 devices"):
         make_mesh(fsdp=3)
-    with pytest.raises(ValueError, match="tensor must be a positive int"):
+    with pytest.raises(ValueError, match="make_mesh: tensor must be an int >= 1, got 0"):
         make_mesh(tensor=0)
+    with pytest.raises(TypeError, match=re.escape("make_mesh: fsdp must be an int, got 2.0")):
+        make_mesh(fsdp=2.0)
 
 
 def test_explicit_axes_mesh_is_an_error():

@@ -45,6 +45,7 @@ from artifex.generative_models.training.rl.configs import (
     GRPOConfig,
     RewardScaling,
 )
+from artifex.generative_models.utils.validation import check_int
 
 __all__ = [
     "GroupStats",
@@ -132,9 +133,7 @@ def _segment_reducers(group_ids: jax.Array, num_groups: int) -> tuple[Callable, 
 
 
 def _check_group_size(num_rows: int, group_size: int) -> None:
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-        msg = f"group_size must be a positive int, got {group_size!r}"
-        raise ValueError(msg)
+    group_size = check_int("group_size", group_size, minimum=1)
     if num_rows % group_size:
         msg = (
             f"rewards has {num_rows} rows, which is not a multiple of group_size={group_size}; "
@@ -251,19 +250,15 @@ def _check_kernel_args(fn: Callable) -> Callable:
             msg = f"{fn.__name__}: eps must be a finite number >= 0, got {eps!r}"
             raise ValueError(msg)
         ddof = kwargs.get("ddof")
-        if ddof is not None and (isinstance(ddof, bool) or not isinstance(ddof, int) or ddof < 0):
-            msg = f"{fn.__name__}: ddof must be an int >= 0, got {ddof!r}"
-            raise ValueError(msg)
+        if ddof is not None:
+            check_int(f"{fn.__name__}: ddof", ddof, minimum=0)
         segment = fn.__name__ == "segment_advantages"
         sizes = {"num_groups": kwargs.get("num_groups")}
         if not segment:
             sizes["group_size"] = kwargs.get("group_size", args[1] if len(args) > 1 else None)
         for name, value in sizes.items():
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1
-            ):
-                msg = f"{fn.__name__}: {name} must be an int >= 1, got {value!r}"
-                raise ValueError(msg)
+            if value is not None:
+                check_int(f"{fn.__name__}: {name}", value, minimum=1)
         if segment:
             rewards = args[0] if args else kwargs["rewards"]
             group_ids = args[1] if len(args) > 1 else kwargs.get("group_ids")
@@ -608,9 +603,7 @@ def pass_at_k_advantages(
         Chen et al., 2025, "Pass@k Training for Adaptively Balancing Exploration and
         Exploitation of Large Reasoning Models", arXiv:2508.10751, sec. 3.3.
     """
-    if not isinstance(k, int) or k < 1:
-        msg = f"k must be an int >= 1, got {k!r}"
-        raise ValueError(msg)
+    k = check_int("k", k, minimum=1)
     rewards = jnp.asarray(rewards, jnp.float32)
     valid = ~jnp.isnan(rewards)
     group_sum, _ = _reducers(rewards.shape[0], group_size, group_ids)

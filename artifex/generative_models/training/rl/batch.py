@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from artifex.generative_models.training.rl.compat import dict_batch_fields
+from artifex.generative_models.utils.validation import check_int
 
 __all__ = ["GRPOBatch"]
 
@@ -175,10 +176,7 @@ class GRPOBatch:
                 multiple of the group size, or a value is invalid (e.g. an infinite reward).
             TypeError: A field has the wrong dtype kind.
         """
-        g = self.group_size
-        if not isinstance(g, int | np.integer) or isinstance(g, bool) or g < 1:
-            msg = f"GRPOBatch.group_size must be a positive int, got {g!r}"
-            raise ValueError(msg)
+        g = check_int("GRPOBatch.group_size", self.group_size, minimum=1)
         rshape = _shape(self.rewards)
         if len(rshape) != 1:
             msg = f"GRPOBatch.rewards must have shape (B,), got {rshape}"

@@ -686,9 +686,7 @@ def reward_signal_diagnosis(rewards: Sequence[float] | Any, group_size: int) -> 
         True
     """
     r = np.asarray([np.nan if v is None else v for v in np.asarray(rewards, object).ravel()], float)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        msg = f"group_size must be an int >= 1, got {group_size!r}"
-        raise ValueError(msg)
+    group_size = check_int("group_size", group_size, minimum=1)
     if r.size % group_size:
         msg = f"{r.size} rewards do not split into groups of group_size={group_size}"
         raise ValueError(msg)

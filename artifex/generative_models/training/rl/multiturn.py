@@ -849,6 +849,11 @@ class MultiTurnRollout:
         )
         if self.config.turn_rewards_as_step_rewards:
             batch = batch.replace(step_rewards=jnp.asarray(turn_step_rewards(ep)))
+        grpo = policy.config
+        if grpo.sampler_correction != "none" or grpo.off_policy_mask_threshold is not None:
+            # The sampler's log-probs of the model's tokens (0 on tool and environment tokens,
+            # which the completion mask leaves out), as the single-turn rollout does.
+            batch = batch.replace(sampler_log_probs=jnp.asarray(ep.log_probs))
         if need_old_log_probs:
             use_sampler = config.old_log_probs == "sampler" or (
                 config.old_log_probs == "auto" and _sampler_matches_loss(policy, config)

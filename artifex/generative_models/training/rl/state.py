@@ -42,6 +42,7 @@ from artifex.generative_models.training.rl.objective import (
     grpo_objective,
     split_microbatches,
 )
+from artifex.generative_models.utils.validation import check_int
 
 __all__ = [
     "GRPOTrainState",
@@ -311,13 +312,7 @@ def make_grpo_train_step(
         >>> int(state.step), float(metrics["update_applied"])
         (1, 1.0)
     """
-    if (
-        isinstance(num_microbatches, bool)
-        or not isinstance(num_microbatches, int)
-        or num_microbatches < 1
-    ):
-        msg = f"num_microbatches must be an int >= 1, got {num_microbatches!r}"
-        raise ValueError(msg)
+    check_int("num_microbatches", num_microbatches, minimum=1)
     program = _program(model, config, wrt, reference_model, log_prob_fn)
     log_prob = program.log_prob_fn
 

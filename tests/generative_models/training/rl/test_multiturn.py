@@ -301,6 +301,57 @@ def test_multi_turn_rollout_trains_one_step() -> None:
     assert np.isfinite(trainer.train_step(ro2.batch)["total_loss"])
 
 
+def test_sampler_log_probs_feed_the_mismatch_correction() -> None:
+    """Multi-turn batches carry the sampler's log-probs of the model's tokens, so the sampler
+    correction and its metrics work as in the single-turn rollout (top-k sampling makes the
+    sampler differ from the trainer)."""
+    tok = tool_demo_tokenizer()
+    model = _model(tok)
+    config = GRPOConfig(
+        num_generations=4,
+        beta=0.0,
+        entropy_coeff=0.0,
+        sampler_correction="truncate",
+        sampler_ratio_max=2.0,
+    )
+    trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param), config)
+    ro_fn = MultiTurnRollout(
+        lambda: ScriptedModelEnv(2),
+        MultiTurnConfig(max_turns=3, max_new_tokens=5, max_completion_tokens=64),
+    )
+    rewards = RewardCombiner([environment_reward])
+    rows = [{"prompt": "3*4", "answer": "12"}, {"prompt": "5*6", "answer": "30"}]
+    ro = ro_fn(
+        trainer,
+        tok,
+        rows,
+        rewards,
+        RolloutConfig(top_k=3),
+        key=jax.random.key(3),
+        need_old_log_probs=True,
+    )
+    b = ro.batch.validate()
+    mask = np.asarray(b.completion_mask) > 0
+    assert mask.sum() > 0 and b.sampler_log_probs is not None
+    np.testing.assert_array_equal(np.asarray(b.sampler_log_probs), ro.episodes.log_probs)
+    sampler = np.asarray(b.sampler_log_probs)[mask]
+    trainer_lp = np.asarray(b.old_log_probs)[mask]
+    # Top-k renormalizes over 3 tokens: the sampler's probabilities are higher.
+    assert (sampler >= trainer_lp - 1e-5).all() and (sampler > trainer_lp + 1e-3).any()
+    metrics = trainer.train_step(b)
+    d = trainer_lp - sampler
+    np.testing.assert_allclose(metrics["sampler_logp_diff_mean"], np.abs(d).mean(), rtol=1e-4)
+    assert metrics["sampler_ratio_max"] <= 2.0 + 1e-6
+    # Without a correction (nor an off-policy mask) the batch does not carry them.
+    plain = GRPOTrainer(
+        model,
+        nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+        GRPOConfig(num_generations=4, beta=0.0),
+    )
+    ro = ro_fn(plain, tok, rows, rewards, RolloutConfig(top_k=3), key=jax.random.key(3))
+    assert ro.batch.sampler_log_probs is None
+
+
 def test_environment_protocol_and_config_checks() -> None:
     assert isinstance(ScriptedModelEnv(), Environment)
     assert isinstance(ToolEnvironment([multiply]), Environment)
