@@ -373,3 +373,42 @@ def test_environment_protocol_and_config_checks() -> None:
     with pytest.raises(TypeError, match="environment_factory must be callable"):
         MultiTurnRollout(None, MultiTurnConfig())
     assert TOOL_CHAT_TEMPLATE
+
+
+def test_episodes_compile_once_per_shape() -> None:
+    """Turns and episodes reuse the compiled decode and append programs: after a first batch of
+    episodes, more episodes (other prompts of the same bucket, other keys, other turn counts)
+    compile nothing new."""
+    from artifex.generative_models.inference import multiturn as kv
+
+    tok = tool_demo_tokenizer()
+    model = _model(tok)
+    cfg = MultiTurnConfig(
+        max_turns=4,
+        max_new_tokens=8,
+        max_completion_tokens=128,
+        stop_strings=tuple("0123456789*"),  # turns end early: several turns per episode
+    )
+
+    def run(rows, seed, turns):
+        return run_episodes(
+            model,
+            tok,
+            rows,
+            lambda: ScriptedModelEnv(turns),
+            cfg,
+            key=jax.random.key(seed),
+            num_generations=2,
+        )
+
+    ep = run([{"prompt": "3*4"}, {"prompt": "5*6"}], 0, 3)
+    assert ep.turns.max() >= 2  # several turns went through the same programs
+    decode, append = kv._decode._cache_size(), kv._append._cache_size()
+    assert decode >= 1 and append >= 1
+    for seed, turns, rows in (
+        (1, 2, [{"prompt": "7*8"}, {"prompt": "9*2"}]),
+        (2, 3, [{"prompt": "12*4"}, {"prompt": "6*66"}]),
+    ):
+        run(rows, seed, turns)
+    assert kv._decode._cache_size() == decode
+    assert kv._append._cache_size() == append
