@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,17 +17,12 @@ import pytest
 
 from artifex.demo import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.models.causal_lm import CausalLM
+from tests.processes import free_port, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 600  # a hang fails the test instead of stalling CI
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(tmp_path, name: str, args: list[str]) -> None:
@@ -39,7 +33,7 @@ def _launch(tmp_path, name: str, args: list[str]) -> None:
         JAX_PLATFORMS="cpu",
         PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
     )
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for pid in range(2):
         cmd = [sys.executable, "-m", "artifex.cli", "train", *args]
@@ -49,14 +43,8 @@ def _launch(tmp_path, name: str, args: list[str]) -> None:
         logs.append(log)
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
     try:
-        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{name}: the two processes did not finish within {TIMEOUT_S} s")
+        codes = wait_for(procs, name, TIMEOUT_S)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         for log in logs:
             log.close()
     if codes != [0, 0]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -21,17 +20,12 @@ import numpy as np
 import pytest
 
 from tests.generative_models.training import multihost_worker as worker
+from tests.processes import free_port, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TIMEOUT_S = 600  # per launch; a hang fails the test instead of stalling CI
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(mode: str, out: str, cache: str) -> list[subprocess.Popen]:
@@ -44,7 +38,7 @@ def _start(mode: str, out: str, cache: str) -> list[subprocess.Popen]:
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
-    port = _free_port()
+    port = free_port()
     procs = []
     for pid in range(2):
         cmd = [sys.executable, "-m", "tests.generative_models.training.multihost_worker"]
@@ -56,19 +50,7 @@ def _start(mode: str, out: str, cache: str) -> list[subprocess.Popen]:
 
 
 def _wait(procs: list[subprocess.Popen], out: str, mode: str) -> list[int]:
-    codes = []
-    try:
-        for p in procs:
-            codes.append(p.wait(timeout=TIMEOUT_S))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{mode}: the two processes did not finish within {TIMEOUT_S} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = wait_for(procs, mode, TIMEOUT_S)
     expected = [-signal.SIGKILL] * 2 if mode == "first" else [0, 0]
     if codes != expected:
         with open(os.path.join(out, f"{mode}-stdout-p0.txt")) as fh:

@@ -46,6 +46,22 @@ def _model(tokenizer, seed: int = 0) -> CausalLM:
     return CausalLM(config, rngs=nnx.Rngs(seed))
 
 
+ROWS = [{"prompt": "3*4", "answer": "12"}, {"prompt": "5*6", "answer": "30"}]
+
+
+def _trainer(tok, **grpo) -> GRPOTrainer:
+    """A trainer of a fresh tiny model (4 generations, no KL unless ``grpo`` says so)."""
+    model = _model(tok)
+    config = GRPOConfig(**{"num_generations": 4, "beta": 0.0, **grpo})
+    return GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param), config)
+
+
+def _scripted_rollout(**config) -> MultiTurnRollout:
+    """Two-turn scripted episodes (see ``ScriptedModelEnv``)."""
+    settings = {"max_turns": 3, "max_new_tokens": 5, "max_completion_tokens": 64, **config}
+    return MultiTurnRollout(lambda: ScriptedModelEnv(2), MultiTurnConfig(**settings))
+
+
 class ScriptedModelEnv:
     """An environment that always answers with an observation until ``turns`` turns."""
 
@@ -254,18 +270,10 @@ def test_faulty_tools_leave_the_run_going(name: str) -> None:
 def test_multi_turn_rollout_trains_one_step() -> None:
     """The rollout plugs into the unchanged trainer: one GRPO step on a multi-turn batch."""
     tok = tool_demo_tokenizer()
-    model = _model(tok)
-    trainer = GRPOTrainer(
-        model,
-        nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
-        GRPOConfig(num_generations=4, beta=0.0),
-    )
-    ro_fn = MultiTurnRollout(
-        lambda: ScriptedModelEnv(2),
-        MultiTurnConfig(max_turns=3, max_new_tokens=5, max_completion_tokens=64),
-    )
+    trainer = _trainer(tok)
+    ro_fn = _scripted_rollout()
     rewards = RewardCombiner([environment_reward])
-    rows = [{"prompt": "3*4", "answer": "12"}, {"prompt": "5*6", "answer": "30"}]
+    rows = ROWS
     ro = ro_fn(
         trainer,
         tok,
@@ -287,15 +295,7 @@ def test_multi_turn_rollout_trains_one_step() -> None:
     assert ev["eval/pass@1"] == 1.0  # two turns: rewards 1 + 2
     assert b.step_rewards is None
     # per-turn rewards as process-supervision step rewards train too
-    ro_fn = MultiTurnRollout(
-        lambda: ScriptedModelEnv(2),
-        MultiTurnConfig(
-            max_turns=3,
-            max_new_tokens=5,
-            max_completion_tokens=64,
-            turn_rewards_as_step_rewards=True,
-        ),
-    )
+    ro_fn = _scripted_rollout(turn_rewards_as_step_rewards=True)
     ro2 = ro_fn(trainer, tok, rows, rewards, RolloutConfig(), key=jax.random.key(1))
     assert ro2.batch.step_rewards is not None
     assert np.isfinite(trainer.train_step(ro2.batch)["total_loss"])
@@ -306,30 +306,11 @@ def test_sampler_log_probs_feed_the_mismatch_correction() -> None:
     correction and its metrics work as in the single-turn rollout (top-k sampling makes the
     sampler differ from the trainer)."""
     tok = tool_demo_tokenizer()
-    model = _model(tok)
-    config = GRPOConfig(
-        num_generations=4,
-        beta=0.0,
-        entropy_coeff=0.0,
-        sampler_correction="truncate",
-        sampler_ratio_max=2.0,
-    )
-    trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param), config)
-    ro_fn = MultiTurnRollout(
-        lambda: ScriptedModelEnv(2),
-        MultiTurnConfig(max_turns=3, max_new_tokens=5, max_completion_tokens=64),
-    )
-    rewards = RewardCombiner([environment_reward])
-    rows = [{"prompt": "3*4", "answer": "12"}, {"prompt": "5*6", "answer": "30"}]
-    ro = ro_fn(
-        trainer,
-        tok,
-        rows,
-        rewards,
-        RolloutConfig(top_k=3),
-        key=jax.random.key(3),
-        need_old_log_probs=True,
-    )
+    trainer = _trainer(tok, entropy_coeff=0.0, sampler_correction="truncate", sampler_ratio_max=2.0)
+    ro_fn, rewards = _scripted_rollout(), RewardCombiner([environment_reward])
+    key = jax.random.key(3)
+    config = RolloutConfig(top_k=3)
+    ro = ro_fn(trainer, tok, ROWS, rewards, config, key=key, need_old_log_probs=True)
     b = ro.batch.validate()
     mask = np.asarray(b.completion_mask) > 0
     assert mask.sum() > 0 and b.sampler_log_probs is not None
@@ -343,12 +324,7 @@ def test_sampler_log_probs_feed_the_mismatch_correction() -> None:
     np.testing.assert_allclose(metrics["sampler_logp_diff_mean"], np.abs(d).mean(), rtol=1e-4)
     assert metrics["sampler_ratio_max"] <= 2.0 + 1e-6
     # Without a correction (nor an off-policy mask) the batch does not carry them.
-    plain = GRPOTrainer(
-        model,
-        nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
-        GRPOConfig(num_generations=4, beta=0.0),
-    )
-    ro = ro_fn(plain, tok, rows, rewards, RolloutConfig(top_k=3), key=jax.random.key(3))
+    ro = ro_fn(_trainer(tok), tok, ROWS, rewards, config, key=key)
     assert ro.batch.sampler_log_probs is None
 
 
