@@ -1,8 +1,10 @@
-"""Every metric key the objective, the train step and a multi-turn rollout produce is documented.
+"""Every metric key the objective, the train step, a multi-turn rollout and the loop produce is
+documented.
 
 The keys are computed by running the code (``grpo_objective`` with its optional variants turned
-on, the pure train step, ``Episodes.metrics``) and compared with the keys listed in the tables of
-``docs/metrics.md``.
+on, the pure train step, ``Episodes.metrics``, and ``artifex-grpo train`` with evaluation and
+dynamic sampling, whose ``metrics.jsonl`` holds every key the rollout and the loop log) and
+compared with the keys listed in the tables of ``docs/metrics.md``.
 """
 
 from __future__ import annotations
@@ -118,6 +120,36 @@ def multiturn_keys() -> set[str]:
     return set(Episodes(**values).metrics())
 
 
+def loop_keys(tmp_path_factory) -> set[str]:
+    """Every key of ``metrics.jsonl`` of two short runs of the command (one with dynamic
+    sampling and a completions log, both with evaluation)."""
+    import json
+
+    from artifex.cli import main
+    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+
+    tmp = tmp_path_factory.mktemp("loop_keys")
+    tok = demo_tokenizer()
+    demo_model(tok).save_pretrained(str(tmp / "model"))
+    tok.save_pretrained(str(tmp / "model"))
+    rows, held_out = addition_dataset(num_eval=4)
+    for name, data in (("train", rows[:16]), ("eval", held_out)):
+        (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    common = ["train", "--model", str(tmp / "model"), "--data", str(tmp / "train.jsonl")]
+    common += ["--eval-data", str(tmp / "eval.jsonl"), "--reward", "math", "--reward", "format"]
+    common += ["--num-steps", "2", "--prompts-per-step", "2", "--num-generations", "4"]
+    common += ["--max-new-tokens", "4", "--progress", "false", "--beta", "0.04"]
+    keys: set[str] = set()
+    for i, extra in enumerate(([], ["--dynamic-sampling", "true", "--max-resample-rounds", "1"])):
+        log_dir = tmp / f"logs{i}"
+        assert (
+            main([*common, *extra, "--log-dir", str(log_dir), "--output", str(tmp / f"m{i}")]) == 0
+        )
+        for line in (log_dir / "metrics.jsonl").read_text().splitlines():
+            keys |= set(json.loads(line))
+    return keys
+
+
 @pytest.fixture(scope="module")
 def metrics_page() -> str:
     return (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
@@ -127,6 +159,15 @@ def metrics_page() -> str:
 def test_every_metric_key_is_documented(source, metrics_page):
     keys = source()
     assert keys
+    missing = undocumented(keys, metrics_page)
+    assert not missing, f"metric keys missing from docs/metrics.md: {missing}"
+
+
+def test_every_key_the_loop_logs_is_documented(tmp_path_factory, metrics_page):
+    keys = loop_keys(tmp_path_factory)
+    for key in ("rollout_time", "step_time", "eval/pass@1", "rewards/format_reward"):
+        assert key in keys, key
+    assert any(k.startswith("dynamic_sampling/") for k in keys), sorted(keys)
     missing = undocumented(keys, metrics_page)
     assert not missing, f"metric keys missing from docs/metrics.md: {missing}"
 
