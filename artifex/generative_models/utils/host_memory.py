@@ -5,9 +5,9 @@ policy's update, more than a gigabyte on the CPU). The C library's allocator kee
 freed in its arenas instead of returning it, so the process stays that much larger for the rest
 of the run, and the first execution of the program (whose temporaries XLA:CPU allocates as one
 new block) adds its whole working set on top. On glibc, ``malloc_trim(0)`` returns the free
-pages of every arena to the system. Measured on W2 (a 135M-parameter policy, the 2-core CPU
-machine, ``docs/benchmarks.md``): after compiling the update the process held 4.0 GB, 2.9 GB after
-the trim, and the peak over two steps fell from 6.9 to 5.8 GB.
+pages of every arena to the system. Measured on W2 (a 135M-parameter policy with
+``remat=True``, the 2-core CPU machine; ``docs/benchmarks.md`` gives the command): the peak
+resident memory of a run fell from 6.12 GB without the trim to 5.18 GB with it.
 
 :func:`release_memory_after_compilation` registers, once per process, a ``jax.monitoring``
 listener that trims after every XLA compilation that took at least ``min_seconds`` (short
