@@ -47,6 +47,7 @@ from artifex.generative_models.training.rl.rollout import (
     Rollout,
     RolloutConfig,
     SupportsPolicy,
+    _needs_sampler_log_probs,
     _sampler_matches_loss,
     as_policy,
 )
@@ -849,8 +850,7 @@ class MultiTurnRollout:
         )
         if self.config.turn_rewards_as_step_rewards:
             batch = batch.replace(step_rewards=jnp.asarray(turn_step_rewards(ep)))
-        grpo = policy.config
-        if grpo.sampler_correction != "none" or grpo.off_policy_mask_threshold is not None:
+        if _needs_sampler_log_probs(policy.config):
             # The sampler's log-probs of the model's tokens (0 on tool and environment tokens,
             # which the completion mask leaves out), as the single-turn rollout does.
             batch = batch.replace(sampler_log_probs=jnp.asarray(ep.log_probs))

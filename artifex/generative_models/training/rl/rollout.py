@@ -329,6 +329,11 @@ def _repeat_columns(
     return {name: [row.get(name) for row in rows for _ in range(k)] for name in names}
 
 
+def _needs_sampler_log_probs(grpo: GRPOConfig) -> bool:
+    """Whether the loss reads ``GRPOBatch.sampler_log_probs`` (correction or off-policy mask)."""
+    return grpo.sampler_correction != "none" or grpo.off_policy_mask_threshold is not None
+
+
 def _sampler_matches_loss(policy: Policy, config: RolloutConfig) -> bool:
     """Whether the sampler's log-probs are the ones the loss scores."""
     dtype = getattr(policy.model, "dtype", jnp.float32)
@@ -614,7 +619,7 @@ def rollout(
         group_size=k,
         shared_prompts=True,
     )
-    if grpo.sampler_correction != "none" or grpo.off_policy_mask_threshold is not None:
+    if _needs_sampler_log_probs(grpo):
         batch = batch.replace(sampler_log_probs=out.log_probs)
     if placement is not None:  # back onto the training mesh
         batch = placement.to_training(batch, mesh)
