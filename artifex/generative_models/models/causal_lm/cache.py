@@ -13,16 +13,19 @@ __all__ = ["KVCache"]
 class KVCache:
     """Per-layer keys and values of the tokens seen so far, in fixed-size slots.
 
-    All layers are stacked so the cache is four arrays whatever the depth. Slot `s` of row `b`
-    holds a real token iff `valid[b, s]`; a query written at slot `q` attends to slot `s` iff
-    `valid[b, s] and s <= q`. `index` is the next slot to write; a forward pass over `T` tokens
-    writes slots `[index, index + T)` and advances `index` by `T`. Shapes never change, so the
-    cache can be carried through `jax.lax.while_loop`. The caller keeps `index + T <= max_length`
-    (a write past the end is clamped by `lax.dynamic_update_slice`, overwriting the last slots).
+    Each layer has its own key and value arrays, laid out `(B, K, S, H)`: a decoding step writes
+    its token into them in place and attention reads them as they are, with the kv heads as a
+    batch axis of its matmuls (one stacked `(L, ...)` array would make every layer copy its slice
+    out at every token). Slot `s` of row `b` holds a real token iff `valid[b, s]`; a query
+    written at slot `q` attends to slot `s` iff `valid[b, s] and s <= q`. `index` is the next
+    slot to write; a forward pass over `T` tokens writes slots `[index, index + T)` and advances
+    `index` by `T`. Shapes never change, so the cache can be carried through
+    `jax.lax.while_loop`. The caller keeps `index + T <= max_length` (a write past the end is
+    clamped by `lax.dynamic_update_slice`, overwriting the last slots).
 
     Attributes:
-        keys: (L, B, S, K, H) rotated keys, in the compute dtype.
-        values: (L, B, S, K, H) values.
+        keys: Tuple of L arrays (B, K, S, H): each layer's rotated keys, in the compute dtype.
+        values: Tuple of L arrays (B, K, S, H): each layer's values.
         valid: (B, S) bool, True on slots that hold real (non-padding) tokens.
         index: int32 scalar, the next slot to write.
 
@@ -32,12 +35,14 @@ class KVCache:
         ...                        head_dim=4)
         >>> cache.num_layers, cache.batch_size, cache.max_length, int(cache.index)
         (2, 1, 16, 0)
+        >>> cache.keys[0].shape  # layer 0: (B, K, S, H)
+        (1, 2, 16, 4)
         >>> cache.repeat(3).batch_size  # one prompt's cache shared by 3 generations
         3
     """
 
-    keys: jax.Array
-    values: jax.Array
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
     valid: jax.Array
     index: jax.Array
 
@@ -79,10 +84,10 @@ class KVCache:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 msg = f"KVCache.create: {name} must be a positive int, got {value!r}"
                 raise ValueError(msg)
-        shape = (num_layers, batch_size, max_length, num_kv_heads, head_dim)
+        shape = (batch_size, num_kv_heads, max_length, head_dim)
         return cls(
-            keys=jnp.zeros(shape, dtype),
-            values=jnp.zeros(shape, dtype),
+            keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
             valid=jnp.zeros((batch_size, max_length), jnp.bool_),
             index=jnp.zeros((), jnp.int32),
         )
@@ -90,17 +95,17 @@ class KVCache:
     @property
     def num_layers(self) -> int:
         """Number of layers L."""
-        return self.keys.shape[0]
+        return len(self.keys)
 
     @property
     def batch_size(self) -> int:
         """Number of rows B."""
-        return self.keys.shape[1]
+        return self.valid.shape[0]
 
     @property
     def max_length(self) -> int:
         """Number of slots S per row."""
-        return self.keys.shape[2]
+        return self.valid.shape[1]
 
     def repeat(self, k: int) -> KVCache:
         """Repeats every row `k` times consecutively (`jnp.repeat` along the batch axis).
@@ -123,7 +128,7 @@ class KVCache:
         if k == 1:
             return self
         return self.replace(
-            keys=jnp.repeat(self.keys, k, axis=1),
-            values=jnp.repeat(self.values, k, axis=1),
+            keys=tuple(jnp.repeat(x, k, axis=0) for x in self.keys),
+            values=tuple(jnp.repeat(x, k, axis=0) for x in self.values),
             valid=jnp.repeat(self.valid, k, axis=0),
         )

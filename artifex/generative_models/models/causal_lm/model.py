@@ -110,7 +110,7 @@ class CausalLM(nnx.Module):
         dtype: Optional override of `config.param_dtype` ("float32", "bfloat16" or a dtype); the
             stored config is updated to match.
         scan_layers: Run the decoder layers as one `jax.lax.scan` over their stacked weights
-            (the default) instead of unrolling them in Python. The values are the same; the
+            instead of unrolling them in Python. The values are the same; the
             compiled programs hold one layer instead of `num_layers`, so they compile several
             times faster and need less memory. The attribute `model.scan_layers` can be changed
             after construction (it is read when a function is traced).
@@ -219,13 +219,12 @@ class CausalLM(nnx.Module):
         forward pass of compute. Values and gradients are the same; forward-mode
         differentiation (`jax.jvp`) is not supported in that mode.
 
-        With `model.scan_layers` (the default) the layers run as one `jax.lax.scan` over their
+        With `model.scan_layers` the layers run as one `jax.lax.scan` over their
         weights stacked along a new leading axis (`layer_stack()`; the stacking is a copy of the
         layer weights made inside the traced function, once per call). Pass a `layer_stack`
-        computed once to reuse it across calls, as the sampler does for its decode loop. A
-        one-token step with a cache (decoding) writes the new keys and values into the stacked
-        cache in place; other calls with a cache pass each layer its own slice, so a gradient
-        keeps one copy of the cache, not one per layer.
+        computed once to reuse it across calls, as the sampler does for its decode loop. With a
+        cache, the scan runs over the layers' caches stacked along a new axis (a copy of the
+        cache made inside the call, which unrolled layers do not need).
 
         Args:
             input_ids: Token ids (B, T).
@@ -268,10 +267,17 @@ class CausalLM(nnx.Module):
             index = None
         else:
             cfg = self.config
-            expected = (cfg.num_layers, b, cache.max_length, cfg.num_kv_heads, cfg.head_dim)
-            if cache.keys.shape != expected:
-                msg = f"cache.keys must have shape {expected}, got {cache.keys.shape}"
+            if len(cache.keys) != cfg.num_layers or len(cache.values) != cfg.num_layers:
+                msg = (
+                    f"cache.keys and cache.values must hold one array per layer "
+                    f"({cfg.num_layers}), got {len(cache.keys)} and {len(cache.values)}"
+                )
                 raise ValueError(msg)
+            expected = (b, cfg.num_kv_heads, cache.max_length, cfg.head_dim)
+            for x in (*cache.keys, *cache.values):
+                if x.shape != expected:
+                    msg = f"cache.keys and cache.values must be {expected} per layer, got {x.shape}"
+                    raise ValueError(msg)
             index = cache.index
             if positions is None:
                 offset = jnp.sum(cache.valid, axis=-1, dtype=jnp.int32)
@@ -293,8 +299,12 @@ class CausalLM(nnx.Module):
         elif remat:
             h, kv = _remat_layers(self.layers, h, cos, sin, mask, kv, index)
         else:
+            new_kv = []
             for i, layer in enumerate(self.layers):
-                h, kv = layer(h, cos, sin, mask, kv, i, index)
+                layer_kv = None if kv is None else (kv[0][i], kv[1][i])
+                h, layer_kv = layer(h, cos, sin, mask, layer_kv, index)
+                new_kv.append(layer_kv)
+            kv = None if kv is None else _unzip(new_kv)
         hidden = self.final_norm(h)
         if cache is None:
             return hidden, None
@@ -371,7 +381,7 @@ class CausalLM(nnx.Module):
             dtype: Dtype of keys/values; None means the compute dtype.
 
         Returns:
-            A `KVCache` with keys/values (L, B, S, K, H).
+            A `KVCache` with L per-layer key and value arrays (B, K, S, H).
 
         Example:
             >>> import jax.numpy as jnp
@@ -522,18 +532,26 @@ class LayerStack(NamedTuple):
     state: nnx.State
 
 
+KVPairs = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]
+
+
+def _unzip(pairs: list[tuple[jax.Array, jax.Array]]) -> KVPairs:
+    """Per-layer `(keys, values)` pairs as the cache's `(keys per layer, values per layer)`."""
+    return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+
+
 def _scan_layers(
     stack: LayerStack,
     h: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
     mask: jax.Array,
-    kv: tuple[jax.Array, jax.Array] | None,
+    kv: KVPairs | None,
     index: jax.Array | None,
     *,
     remat: bool,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-    """Runs the decoder layers as one `lax.scan` over the stacked layer states."""
+) -> tuple[jax.Array, KVPairs | None]:
+    """Runs the decoder layers as one `lax.scan` over the stacked layer states (and caches)."""
     graphdef, stacked = stack
     step = functools.partial(_remat_layer_step if remat else _layer_step, graphdef)
     if kv is None:
@@ -544,30 +562,14 @@ def _scan_layers(
 
         h, _ = jax.lax.scan(body, h, stacked)
         return h, None
-    keys, values = kv
-    if h.shape[1] == 1 and not remat:
-        # Decoding: the whole stacked cache is carried and each layer writes its new key and
-        # value in place (a per-layer slice in and out would copy the cache every token).
-        def decode_body(carry, xs):
-            h, keys, values = carry
-            state, i = xs
-            layer = nnx.merge(graphdef, state)
-            h, (keys, values) = layer(h, cos, sin, mask, (keys, values), i, index)
-            return (h, keys, values), None
 
-        layer_ids = jnp.arange(keys.shape[0], dtype=jnp.int32)
-        (h, keys, values), _ = jax.lax.scan(decode_body, (h, keys, values), (stacked, layer_ids))
-        return h, (keys, values)
-
-    def body(h, xs):
+    def body_kv(h, xs):
         state, layer_keys, layer_values = xs
-        h, (layer_keys, layer_values) = step(
-            state, h, cos, sin, mask, (layer_keys[None], layer_values[None]), index
-        )
-        return h, (layer_keys[0], layer_values[0])
+        return step(state, h, cos, sin, mask, (layer_keys, layer_values), index)
 
-    h, (keys, values) = jax.lax.scan(body, h, (stacked, keys, values))
-    return h, (keys, values)
+    keys, values = jnp.stack(kv[0]), jnp.stack(kv[1])
+    h, (keys, values) = jax.lax.scan(body_kv, h, (stacked, keys, values))
+    return h, (tuple(keys), tuple(values))
 
 
 def _layer_step(
@@ -580,8 +582,7 @@ def _layer_step(
     kv: tuple[jax.Array, jax.Array] | None,
     index: jax.Array | None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-    # `kv` is this layer's own one-layer slice of the stacked cache, hence layer index 0.
-    return nnx.merge(graphdef, state)(h, cos, sin, mask, kv, 0, index)
+    return nnx.merge(graphdef, state)(h, cos, sin, mask, kv, index)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -619,25 +620,21 @@ def _remat_layers(
     cos: jax.Array,
     sin: jax.Array,
     mask: jax.Array,
-    kv: tuple[jax.Array, jax.Array] | None,
+    kv: KVPairs | None,
     index: jax.Array | None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+) -> tuple[jax.Array, KVPairs | None]:
     """Runs the decoder layers rematerialized: each keeps its inputs, not its activations.
 
-    A rematerialized layer keeps its inputs for the backward pass. Passing the stacked
-    (L, B, S, K, H) cache to each layer would keep L copies of the whole cache, so each layer gets
-    only its own slice `(keys[i:i+1], values[i:i+1])` and the updated slice is written back into
-    the stack outside the rematerialized function.
+    A rematerialized layer keeps its inputs for the backward pass: its hidden states and, with
+    a cache, its own keys and values.
     """
-    keys, values = (None, None) if kv is None else kv
+    new_kv = []
     for i, layer in enumerate(layers):
         graphdef, state = nnx.split(layer)
-        layer_kv = None if kv is None else (keys[i : i + 1], values[i : i + 1])
+        layer_kv = None if kv is None else (kv[0][i], kv[1][i])
         h, layer_kv = _remat_layer_step(graphdef, state, h, cos, sin, mask, layer_kv, index)
-        if kv is not None:
-            keys = jax.lax.dynamic_update_slice(keys, layer_kv[0], (i, 0, 0, 0, 0))
-            values = jax.lax.dynamic_update_slice(values, layer_kv[1], (i, 0, 0, 0, 0))
-    return h, None if kv is None else (keys, values)
+        new_kv.append(layer_kv)
+    return h, None if kv is None else _unzip(new_kv)
 
 
 def from_pretrained(

@@ -229,7 +229,6 @@ class Attention(nnx.Module):
         sin: jax.Array,
         mask: jax.Array,
         kv: tuple[jax.Array, jax.Array] | None = None,
-        layer: int = 0,
         index: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """Attends the T new tokens to themselves or to the cached slots.
@@ -239,14 +238,13 @@ class Attention(nnx.Module):
             cos: RoPE cosines (B, T, H/2).
             sin: RoPE sines (B, T, H/2).
             mask: Bool (B, T, S): query t may attend to key s. S = T without a cache.
-            kv: None, or the stacked cache `(keys, values)`, each (L, B, S, K, H); the new keys
-                and values are written at `[layer, :, index:index+T]` and attention runs over all
-                S slots.
-            layer: Index of this layer in the stacked cache.
+            kv: None, or this layer's cache `(keys, values)`, each (B, K, S, H); the new keys
+                and values are written at slots `[index, index + T)` and attention runs over
+                all S slots.
             index: int32 scalar, first slot to write (with `kv`).
 
         Returns:
-            `(out, kv)`: the output (B, T, D) and the updated stacked cache (None without one).
+            `(out, kv)`: the output (B, T, D) and the layer's updated cache (None without one).
         """
         b, t, _ = x.shape
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
@@ -257,25 +255,17 @@ class Attention(nnx.Module):
             q = self.q_norm(q)
             key = self.k_norm(key)
         q = apply_rope(q, cos, sin)
-        key = apply_rope(key, cos, sin)
+        key = apply_rope(key, cos, sin).transpose(0, 2, 1, 3)  # (B, K, T, H)
+        value = value.transpose(0, 2, 1, 3)
 
         if kv is not None:
-            keys_all, values_all = kv
-            start = (layer, 0, index, 0, 0)
-            keys_all = jax.lax.dynamic_update_slice(
-                keys_all, key[None].astype(keys_all.dtype), start
-            )
-            values_all = jax.lax.dynamic_update_slice(
-                values_all, value[None].astype(values_all.dtype), start
-            )
-            key = keys_all[layer].astype(q.dtype)
-            value = values_all[layer].astype(q.dtype)
-            kv = (keys_all, values_all)
-
-        if t == 1 and kv is not None:
-            out = _decode_attention(q, key, value, mask)
-        else:
-            out = _grouped_attention(q, key, value, mask)
+            keys, values = kv
+            start = (0, 0, index, 0)
+            keys = jax.lax.dynamic_update_slice(keys, key.astype(keys.dtype), start)
+            values = jax.lax.dynamic_update_slice(values, value.astype(values.dtype), start)
+            kv = (keys, values)
+            key, value = keys.astype(q.dtype), values.astype(q.dtype)
+        out = _grouped_attention(q, key, value, mask)
         return self.o_proj(out.reshape(b, t, n * h)), kv
 
 
@@ -285,62 +275,29 @@ def _grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
     Queries are laid out (B, K, Q, H) with Q = G * T (row `g * T + t`), keys and values
     (B, K, S, H), so both matmuls are batched over (B, K) with the contracted axis minor: the
     layout XLA's dot kernels want, with no relayout of the score matrices in the forward or the
-    backward pass (2-3x faster than contracting over (B, T, K, G, H) views on CPU).
+    backward pass (2-3x faster than contracting over (B, T, K, G, H) views on CPU). The KV cache
+    holds keys and values in this layout, so a decoding step (T = 1) reads it in place.
 
     Args:
         q: Queries (B, T, N, H), query head `n = kv_head * G + g`.
-        k: Keys (B, S, K, H).
-        v: Values (B, S, K, H).
+        k: Keys (B, K, S, H).
+        v: Values (B, K, S, H).
         mask: Bool (B, T, S).
 
     Returns:
         Attention output (B, T, N, H).
     """
     b, t, n, h = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     groups = n // kv_heads
     queries = q.reshape(b, t, kv_heads, groups, h).transpose(0, 2, 3, 1, 4)
     queries = queries.reshape(b, kv_heads, groups * t, h)
-    keys = k.transpose(0, 2, 1, 3)
-    values = v.transpose(0, 2, 1, 3)
-    scores = jnp.einsum("BKQH,BKSH->BKQS", queries, keys, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("BKQH,BKSH->BKQS", queries, k, preferred_element_type=jnp.float32)
     allowed = jnp.tile(mask, (1, groups, 1))[:, None]  # (B, 1, G*T, S)
     scores = jnp.where(allowed, scores * (h**-0.5), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKQS,BKSH->BKQH", probs, values)
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, v)
     return out.reshape(b, kv_heads, groups, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-
-
-def _decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """GQA for one query token against a cache laid out (B, S, K, H), without relayouts.
-
-    Making K a batch axis of the matmul (as `_grouped_attention` does) forces a transposed copy
-    of the whole cache on every decoding step. Here the cache is read in place as (B, S*K, H):
-    every query head scores every (slot, kv head) pair and the pairs of other kv heads are
-    masked out. That is K times the score FLOPs, but decoding is bound by reading the cache,
-    not by these FLOPs, so it is the faster form for T = 1.
-
-    Args:
-        q: Queries (B, 1, N, H).
-        k: Keys (B, S, K, H).
-        v: Values (B, S, K, H).
-        mask: Bool (B, 1, S).
-
-    Returns:
-        Attention output (B, 1, N, H).
-    """
-    b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    groups = n // kv_heads
-    keys = k.reshape(b, s * kv_heads, h)  # X = S*K, slot-major: x = s * K + kv
-    values = v.reshape(b, s * kv_heads, h)
-    scores = jnp.einsum("BTNH,BXH->BTNX", q, keys, preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, t, kv_heads, groups, s, kv_heads)
-    own_head = jnp.eye(kv_heads, dtype=jnp.bool_)[:, None, None, :]  # (K, 1, 1, K')
-    allowed = mask[:, :, None, None, :, None] & own_head
-    scores = jnp.where(allowed, scores * (h**-0.5), MASK_VALUE).reshape(b, t, n, s * kv_heads)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("BTNX,BXH->BTNH", probs, values)
 
 
 class MLP(nnx.Module):
@@ -415,7 +372,6 @@ class DecoderLayer(nnx.Module):
         sin: jax.Array,
         mask: jax.Array,
         kv: tuple[jax.Array, jax.Array] | None = None,
-        layer: int = 0,
         index: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """Applies the layer.
@@ -425,13 +381,12 @@ class DecoderLayer(nnx.Module):
             cos: RoPE cosines (B, T, H/2).
             sin: RoPE sines (B, T, H/2).
             mask: Bool attention mask (B, T, S).
-            kv: Optional stacked cache `(keys, values)`, see `Attention`.
-            layer: Index of this layer in the stacked cache.
+            kv: Optional cache `(keys, values)` of this layer, see `Attention`.
             index: First slot to write (with `kv`).
 
         Returns:
             `(y, kv)`: hidden states (B, T, D) and the updated cache (or None).
         """
-        attn_out, kv = self.attn(self.attn_norm(x), cos, sin, mask, kv, layer, index)
+        attn_out, kv = self.attn(self.attn_norm(x), cos, sin, mask, kv, index)
         h = x + attn_out
         return h + self.mlp(self.mlp_norm(h)), kv

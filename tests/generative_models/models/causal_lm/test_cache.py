@@ -16,14 +16,15 @@ def _cache(b=2, s=5):
 
 def test_create_shapes_and_dtypes():
     c = _cache()
-    assert c.keys.shape == c.values.shape == (3, 2, 5, 2, 4)
+    assert len(c.keys) == len(c.values) == 3
+    assert all(x.shape == (2, 2, 5, 4) for x in (*c.keys, *c.values))
     assert c.valid.shape == (2, 5) and c.valid.dtype == jnp.bool_ and not bool(c.valid.any())
     assert c.index.shape == () and c.index.dtype == jnp.int32 and int(c.index) == 0
     assert (c.num_layers, c.batch_size, c.max_length) == (3, 2, 5)
     bf = KVCache.create(
         num_layers=1, batch_size=1, max_length=2, num_kv_heads=1, head_dim=2, dtype=jnp.bfloat16
     )
-    assert bf.keys.dtype == jnp.bfloat16
+    assert bf.keys[0].dtype == bf.values[0].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize(
@@ -36,10 +37,10 @@ def test_create_validates(name):
         KVCache.create(**kwargs)
 
 
-def test_is_pytree_with_four_leaves():
+def test_is_pytree_with_one_leaf_per_layer_array():
     c = _cache()
     leaves, treedef = jax.tree.flatten(c)
-    assert len(leaves) == 4
+    assert len(leaves) == 2 * 3 + 2
     again = jax.tree.unflatten(treedef, leaves)
     assert isinstance(again, KVCache)
 
@@ -47,18 +48,21 @@ def test_is_pytree_with_four_leaves():
 def test_repeat_rows_consecutively():
     rng = np.random.default_rng(0)
     c = _cache(b=3).replace(
-        keys=jnp.asarray(rng.normal(size=(3, 3, 5, 2, 4)), jnp.float32),
-        values=jnp.asarray(rng.normal(size=(3, 3, 5, 2, 4)), jnp.float32),
+        keys=tuple(jnp.asarray(rng.normal(size=(3, 2, 5, 4)), jnp.float32) for _ in range(3)),
+        values=tuple(jnp.asarray(rng.normal(size=(3, 2, 5, 4)), jnp.float32) for _ in range(3)),
         valid=jnp.asarray(rng.random((3, 5)) > 0.5),
         index=jnp.int32(4),
     )
     r = c.repeat(2)
-    assert r.keys.shape == (3, 6, 5, 2, 4) and r.valid.shape == (6, 5) and int(r.index) == 4
+    assert r.keys[0].shape == (6, 2, 5, 4) and r.valid.shape == (6, 5) and int(r.index) == 4
     for row in range(6):
-        np.testing.assert_array_equal(np.asarray(r.keys[:, row]), np.asarray(c.keys[:, row // 2]))
-        np.testing.assert_array_equal(
-            np.asarray(r.values[:, row]), np.asarray(c.values[:, row // 2])
-        )
+        for layer in range(3):
+            np.testing.assert_array_equal(
+                np.asarray(r.keys[layer][row]), np.asarray(c.keys[layer][row // 2])
+            )
+            np.testing.assert_array_equal(
+                np.asarray(r.values[layer][row]), np.asarray(c.values[layer][row // 2])
+            )
         np.testing.assert_array_equal(np.asarray(r.valid[row]), np.asarray(c.valid[row // 2]))
     assert c.repeat(1) is c
     with pytest.raises(ValueError, match="k must be"):
@@ -70,11 +74,13 @@ def test_carried_through_while_loop():
 
     def body(carry):
         cache = carry
-        keys = jax.lax.dynamic_update_slice(
-            cache.keys, jnp.ones((3, 2, 1, 2, 4)), (0, 0, cache.index, 0, 0)
+        keys = tuple(
+            jax.lax.dynamic_update_slice(k, jnp.ones((2, 2, 1, 4)), (0, 0, cache.index, 0))
+            for k in cache.keys
         )
         return cache.replace(keys=keys, index=cache.index + 1)
 
     out = jax.jit(lambda c: jax.lax.while_loop(lambda x: x.index < 3, body, c))(c)
     assert int(out.index) == 3
-    np.testing.assert_array_equal(np.asarray(out.keys[0, 0, :, 0, 0]), [1, 1, 1, 0, 0])
+    for k in out.keys:
+        np.testing.assert_array_equal(np.asarray(k[0, 0, :, 0]), [1, 1, 1, 0, 0])

@@ -114,6 +114,10 @@ def test_shape_errors(model):
         model(jnp.ones((2, 5), jnp.int32), jnp.ones((2, 4), jnp.int32))
     with pytest.raises(ValueError, match=r"cache\.keys"):
         model.hidden_states(jnp.ones((2, 5), jnp.int32), cache=model.init_cache(3, 8))
+    short = model.init_cache(2, 8)
+    short = short.replace(keys=short.keys[:1])
+    with pytest.raises(ValueError, match=r"one array per layer \(2\), got 1 and 2"):
+        model.hidden_states(jnp.ones((2, 5), jnp.int32), cache=short)
 
 
 def test_bf16_params_give_fp32_logits(model):
@@ -211,10 +215,9 @@ def test_cache_decode_with_padding_tokens(model):
 
 def test_init_cache_dtype(model):
     c = model.init_cache(2, 4)
-    assert (
-        isinstance(c, KVCache) and c.keys.shape == (2, 2, 4, 2, 32) and c.keys.dtype == jnp.float32
-    )
-    assert model.init_cache(1, 4, dtype=jnp.bfloat16).values.dtype == jnp.bfloat16
+    assert isinstance(c, KVCache) and len(c.keys) == len(c.values) == 2
+    assert all(x.shape == (2, 2, 4, 32) and x.dtype == jnp.float32 for x in (*c.keys, *c.values))
+    assert model.init_cache(1, 4, dtype=jnp.bfloat16).values[1].dtype == jnp.bfloat16
 
 
 def test_jit_compiles_once(model):

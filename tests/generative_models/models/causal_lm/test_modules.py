@@ -144,21 +144,35 @@ def test_attention_matches_naive_gqa(overrides, seed):
     assert np.all(np.isfinite(_np(got)))  # padding query rows stay finite
 
 
+@pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize(("n", "k"), [(4, 2), (4, 1), (6, 3), (2, 2)])
-def test_decode_attention_equals_grouped(n, k):
-    from artifex.generative_models.models.causal_lm.modules import (
-        _decode_attention,
-        _grouped_attention,
-    )
+def test_grouped_attention_on_cache_layout_matches_numpy(n, k, t):
+    """Keys and values in the cache's (B, K, S, H) layout, decoding (T=1) and prefill shapes."""
+    from artifex.generative_models.models.causal_lm.modules import _grouped_attention
 
-    rng = np.random.default_rng(n * 10 + k)
+    rng = np.random.default_rng(n * 10 + k + t)
     b, s, h = 3, 7, 8
-    q = jnp.asarray(rng.normal(size=(b, 1, n, h)), jnp.float32)
-    keys = jnp.asarray(rng.normal(size=(b, s, k, h)), jnp.float32)
-    values = jnp.asarray(rng.normal(size=(b, s, k, h)), jnp.float32)
-    mask = jnp.asarray(rng.random((b, 1, s)) > 0.4).at[2].set(False)  # row 2: nothing visible
-    got = _decode_attention(q, keys, values, mask)
-    want = _grouped_attention(q, keys, values, mask)
+    q = rng.normal(size=(b, t, n, h))
+    keys = rng.normal(size=(b, k, s, h))
+    values = rng.normal(size=(b, k, s, h))
+    mask = rng.random((b, t, s)) > 0.4
+    mask[2] = False  # row 2 sees nothing
+    mask[0, :, 0] = mask[1, :, 0] = True
+    got = _grouped_attention(
+        jnp.asarray(q, jnp.float32),
+        jnp.asarray(keys, jnp.float32),
+        jnp.asarray(values, jnp.float32),
+        jnp.asarray(mask),
+    )
+    assert got.shape == (b, t, n, h)
+    kk = np.repeat(keys, n // k, axis=1)  # query head n reads kv head n // G
+    vv = np.repeat(values, n // k, axis=1)
+    scores = np.einsum("btnh,bnsh->bnts", q, kk) / np.sqrt(h)
+    scores = np.where(mask[:, None], scores, -np.inf)
+    with np.errstate(invalid="ignore"):  # row 2's all -inf scores give NaN, not compared
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p = p / p.sum(-1, keepdims=True)
+    want = np.einsum("bnts,bnsh->btnh", p, vv)
     # rows that see at least one slot agree; a row that sees nothing only has to stay finite
-    np.testing.assert_allclose(np.asarray(got[:2]), np.asarray(want[:2]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[:2]), want[:2], rtol=1e-5, atol=1e-6)
     assert np.all(np.isfinite(np.asarray(got)))
