@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import jax
@@ -34,6 +33,7 @@ from flax import nnx
 
 from artifex.generative_models.inference.sampling import bucket_length, sample_logits
 from artifex.generative_models.models.causal_lm.cache import KVCache
+from artifex.generative_models.utils.compile_options import jit
 from artifex.generative_models.utils.validation import check_float, check_int
 
 __all__ = [
@@ -75,7 +75,7 @@ class TurnOutput:
     logits: jax.Array
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
+@jit(static_argnames=("graphdef",))
 def _append(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -164,8 +164,7 @@ def append_tokens(
     return _append(graphdef, state, cache, jnp.asarray(ids), jnp.asarray(mask), logits)
 
 
-@partial(
-    jax.jit,
+@jit(
     static_argnames=(
         "graphdef",
         "max_new_tokens",

@@ -53,6 +53,7 @@ from artifex.generative_models.training.sharding import (
     shard_model,
     shard_optimizer,
 )
+from artifex.generative_models.utils.compile_options import compiler_options
 from artifex.generative_models.utils.host_memory import release_memory_after_compilation
 
 __all__ = [
@@ -312,7 +313,9 @@ class GRPOTrainer:
             "reference_model": reference_model,
             "log_prob_fn": self.log_prob_fn,
         }
-        self._log_probs_fn = jax.jit(make_grpo_log_probs(model, config, **self._bound))
+        self._log_probs_fn = jax.jit(
+            make_grpo_log_probs(model, config, **self._bound), compiler_options=compiler_options()
+        )
         self.grpo_loss = make_grpo_loss(model, config, wrt=self.wrt, log_prob_fn=self.log_prob_fn)
         # XLA's working memory for compiling the step is freed but kept by the C allocator:
         # give it back so that the step's own temporaries do not come on top of it.
@@ -498,7 +501,12 @@ class GRPOTrainer:
                     lambda x: x.sharding, (state.params, state.opt_state, state.step)
                 )
                 shardings["out_shardings"] = (layout, NamedSharding(self.mesh, PartitionSpec()))
-            jitted = jax.jit(split_step, donate_argnums=0, **shardings)
+            jitted = jax.jit(
+                split_step,
+                donate_argnums=0,
+                compiler_options=compiler_options(),
+                **shardings,
+            )
             self._steps[num_microbatches] = _CompiledStep(jitted)
         return self._steps[num_microbatches]
 
