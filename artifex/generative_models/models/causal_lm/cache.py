@@ -16,16 +16,19 @@ class KVCache:
     Each layer has its own key and value arrays, laid out `(B, K, S, H)`: a decoding step writes
     its token into them in place and attention reads them as they are, with the kv heads as a
     batch axis of its matmuls (one stacked `(L, ...)` array would make every layer copy its slice
-    out at every token). Slot `s` of row `b` holds a real token iff `valid[b, s]`; a query
-    written at slot `q` attends to slot `s` iff `valid[b, s] and s <= q`. `index` is the next
-    slot to write; a forward pass over `T` tokens writes slots `[index, index + T)` and advances
-    `index` by `T`. Shapes never change, so the cache can be carried through
-    `jax.lax.while_loop`. The caller keeps `index + T <= max_length` (a write past the end is
-    clamped by `lax.dynamic_update_slice`, overwriting the last slots).
+    out at every token). A model whose layers run as one `lax.scan` (`CausalLM.scan_layers`)
+    keeps them stacked instead, as one `(L, B, K, S, H)` array each, which the scan reads and
+    writes layer by layer (`stacked=True`). Slot `s` of row `b` holds a real token iff
+    `valid[b, s]`; a query written at slot `q` attends to slot `s` iff `valid[b, s] and s <= q`.
+    `index` is the next slot to write; a forward pass over `T` tokens writes slots
+    `[index, index + T)` and advances `index` by `T`. Shapes never change, so the cache can be
+    carried through `jax.lax.while_loop`. The caller keeps `index + T <= max_length` (a write
+    past the end is clamped by `lax.dynamic_update_slice`, overwriting the last slots).
 
     Attributes:
-        keys: Tuple of L arrays (B, K, S, H): each layer's rotated keys, in the compute dtype.
-        values: Tuple of L arrays (B, K, S, H): each layer's values.
+        keys: Tuple of L arrays (B, K, S, H): each layer's rotated keys, in the compute dtype;
+            or one (L, B, K, S, H) array when stacked.
+        values: The values, in the same form as `keys`.
         valid: (B, S) bool, True on slots that hold real (non-padding) tokens.
         index: int32 scalar, the next slot to write.
 
@@ -41,8 +44,8 @@ class KVCache:
         3
     """
 
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
+    keys: tuple[jax.Array, ...] | jax.Array
+    values: tuple[jax.Array, ...] | jax.Array
     valid: jax.Array
     index: jax.Array
 
@@ -56,6 +59,7 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: jnp.dtype = jnp.float32,
+        stacked: bool = False,
     ) -> KVCache:
         """Builds an empty cache (all slots invalid, index 0).
 
@@ -66,6 +70,8 @@ class KVCache:
             num_kv_heads: Key/value heads K.
             head_dim: Head width H.
             dtype: Dtype of keys and values.
+            stacked: One (L, B, K, S, H) array for the keys and one for the values instead of
+                L per-layer arrays (for layers run as a `lax.scan`).
 
         Returns:
             The zero-filled cache.
@@ -85,17 +91,28 @@ class KVCache:
                 msg = f"KVCache.create: {name} must be a positive int, got {value!r}"
                 raise ValueError(msg)
         shape = (batch_size, num_kv_heads, max_length, head_dim)
+        if stacked:
+            keys = jnp.zeros((num_layers, *shape), dtype)
+            values = jnp.zeros((num_layers, *shape), dtype)
+        else:
+            keys = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+            values = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         return cls(
-            keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-            values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            keys=keys,
+            values=values,
             valid=jnp.zeros((batch_size, max_length), jnp.bool_),
             index=jnp.zeros((), jnp.int32),
         )
 
     @property
+    def stacked(self) -> bool:
+        """Whether keys and values are one (L, B, K, S, H) array each (else L arrays)."""
+        return not isinstance(self.keys, tuple)
+
+    @property
     def num_layers(self) -> int:
         """Number of layers L."""
-        return len(self.keys)
+        return self.keys.shape[0] if self.stacked else len(self.keys)
 
     @property
     def batch_size(self) -> int:
@@ -127,6 +144,12 @@ class KVCache:
             raise ValueError(msg)
         if k == 1:
             return self
+        if self.stacked:
+            return self.replace(
+                keys=jnp.repeat(self.keys, k, axis=1),
+                values=jnp.repeat(self.values, k, axis=1),
+                valid=jnp.repeat(self.valid, k, axis=0),
+            )
         return self.replace(
             keys=tuple(jnp.repeat(x, k, axis=0) for x in self.keys),
             values=tuple(jnp.repeat(x, k, axis=0) for x in self.values),

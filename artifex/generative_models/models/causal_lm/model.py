@@ -266,18 +266,7 @@ class CausalLM(nnx.Module):
             kv = None
             index = None
         else:
-            cfg = self.config
-            if len(cache.keys) != cfg.num_layers or len(cache.values) != cfg.num_layers:
-                msg = (
-                    f"cache.keys and cache.values must hold one array per layer "
-                    f"({cfg.num_layers}), got {len(cache.keys)} and {len(cache.values)}"
-                )
-                raise ValueError(msg)
-            expected = (b, cfg.num_kv_heads, cache.max_length, cfg.head_dim)
-            for x in (*cache.keys, *cache.values):
-                if x.shape != expected:
-                    msg = f"cache.keys and cache.values must be {expected} per layer, got {x.shape}"
-                    raise ValueError(msg)
+            _check_cache(cache, self.config, b)
             index = cache.index
             if positions is None:
                 offset = jnp.sum(cache.valid, axis=-1, dtype=jnp.int32)
@@ -308,7 +297,12 @@ class CausalLM(nnx.Module):
         hidden = self.final_norm(h)
         if cache is None:
             return hidden, None
-        new_cache = cache.replace(keys=kv[0], values=kv[1], valid=valid, index=index + t)
+        keys, values = kv
+        if cache.stacked and isinstance(keys, tuple):
+            keys, values = jnp.stack(keys), jnp.stack(values)
+        elif not cache.stacked and not isinstance(keys, tuple):
+            keys, values = tuple(keys), tuple(values)
+        new_cache = cache.replace(keys=keys, values=values, valid=valid, index=index + t)
         return hidden, new_cache
 
     def layer_stack(self) -> LayerStack | None:
@@ -372,16 +366,22 @@ class CausalLM(nnx.Module):
         w = self.output_embedding()
         return jnp.einsum("...D,DV->...V", hidden, w, preferred_element_type=jnp.float32)
 
-    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
+    def init_cache(
+        self, batch_size: int, max_length: int, dtype: Any = None, *, stacked: bool | None = None
+    ) -> KVCache:
         """Builds an empty KV cache for this model.
 
         Args:
             batch_size: Rows B.
             max_length: Slots S per row (prompt plus generated tokens).
             dtype: Dtype of keys/values; None means the compute dtype.
+            stacked: Keys and values as one (L, B, K, S, H) array each, which scanned layers
+                read and write layer by layer, instead of L per-layer arrays (B, K, S, H),
+                which unrolled layers update in place; None follows `model.scan_layers`.
+                Either form works with either kind of layers (converted inside the call).
 
         Returns:
-            A `KVCache` with L per-layer key and value arrays (B, K, S, H).
+            An empty `KVCache`.
 
         Example:
             >>> import jax.numpy as jnp
@@ -403,6 +403,7 @@ class CausalLM(nnx.Module):
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=self.dtype if dtype is None else jnp.dtype(dtype),
+            stacked=bool(getattr(self, "scan_layers", False)) if stacked is None else stacked,
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -532,7 +533,33 @@ class LayerStack(NamedTuple):
     state: nnx.State
 
 
-KVPairs = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]
+KVPairs = tuple[tuple[jax.Array, ...] | jax.Array, tuple[jax.Array, ...] | jax.Array]
+
+
+def _check_cache(cache: KVCache, cfg: CausalLMConfig, batch: int) -> None:
+    """Raises ValueError unless ``cache`` fits this model and a batch of ``batch`` rows."""
+    per_layer = (batch, cfg.num_kv_heads, cache.max_length, cfg.head_dim)
+    if cache.stacked:
+        expected = (cfg.num_layers, *per_layer)
+        for name, x in (("keys", cache.keys), ("values", cache.values)):
+            if not isinstance(x, jax.Array | np.ndarray) or x.shape != expected:
+                got = getattr(x, "shape", type(x).__name__)
+                msg = f"cache.{name} (stacked) must have shape {expected}, got {got}"
+                raise ValueError(msg)
+        return
+    if not isinstance(cache.values, tuple):
+        msg = "cache.keys and cache.values must both be stacked arrays or both tuples"
+        raise ValueError(msg)
+    if len(cache.keys) != cfg.num_layers or len(cache.values) != cfg.num_layers:
+        msg = (
+            f"cache.keys and cache.values must hold one array per layer "
+            f"({cfg.num_layers}), got {len(cache.keys)} and {len(cache.values)}"
+        )
+        raise ValueError(msg)
+    for x in (*cache.keys, *cache.values):
+        if getattr(x, "shape", None) != per_layer:
+            msg = f"cache.keys and cache.values must be {per_layer} per layer, got {x.shape}"
+            raise ValueError(msg)
 
 
 def _unzip(pairs: list[tuple[jax.Array, jax.Array]]) -> KVPairs:
@@ -567,9 +594,11 @@ def _scan_layers(
         state, layer_keys, layer_values = xs
         return step(state, h, cos, sin, mask, (layer_keys, layer_values), index)
 
-    keys, values = jnp.stack(kv[0]), jnp.stack(kv[1])
+    keys, values = kv
+    if isinstance(keys, tuple):  # per-layer arrays: stacked here, a copy per call
+        keys, values = jnp.stack(keys), jnp.stack(values)
     h, (keys, values) = jax.lax.scan(body_kv, h, (stacked, keys, values))
-    return h, (tuple(keys), tuple(values))
+    return h, (keys, values)
 
 
 def _layer_step(

@@ -84,3 +84,18 @@ def test_carried_through_while_loop():
     assert int(out.index) == 3
     for k in out.keys:
         np.testing.assert_array_equal(np.asarray(k[0, 0, :, 0]), [1, 1, 1, 0, 0])
+
+
+def test_stacked_form_create_and_repeat():
+    c = KVCache.create(
+        num_layers=3, batch_size=2, max_length=5, num_kv_heads=2, head_dim=4, stacked=True
+    )
+    assert c.stacked and not _cache().stacked
+    assert c.keys.shape == c.values.shape == (3, 2, 2, 5, 4)
+    assert (c.num_layers, c.batch_size, c.max_length) == (3, 2, 5)
+    rng = np.random.default_rng(1)
+    c = c.replace(keys=jnp.asarray(rng.normal(size=c.keys.shape), jnp.float32))
+    r = c.repeat(2)
+    assert r.keys.shape == (3, 4, 2, 5, 4) and r.stacked
+    for row in range(4):
+        np.testing.assert_array_equal(np.asarray(r.keys[:, row]), np.asarray(c.keys[:, row // 2]))

@@ -118,6 +118,9 @@ def test_shape_errors(model):
     short = short.replace(keys=short.keys[:1])
     with pytest.raises(ValueError, match=r"one array per layer \(2\), got 1 and 2"):
         model.hidden_states(jnp.ones((2, 5), jnp.int32), cache=short)
+    stacked = model.init_cache(3, 8, stacked=True)
+    with pytest.raises(ValueError, match=r"cache\.keys \(stacked\) must have shape \(2, 2,"):
+        model.hidden_states(jnp.ones((2, 5), jnp.int32), cache=stacked)
 
 
 def test_bf16_params_give_fp32_logits(model):

@@ -184,3 +184,25 @@ def test_grpo_step_equals_unrolled():
         np.testing.assert_allclose(results[0][0][key], results[1][0][key], rtol=1e-5, atol=1e-7)
     for a, b in zip(results[0][1], results[1][1], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_cache_forms_give_the_same_values_with_either_kind_of_layers(scan, stacked):
+    """Stacked and per-layer caches, scanned and unrolled layers: prefill then one token."""
+    model = CausalLM(CausalLMConfig.tiny(num_layers=3), rngs=nnx.Rngs(0))
+    ids = jnp.array([[1, 2, 3], [4, 5, 6]])
+    model.scan_layers = False
+    ref_cache = model.init_cache(2, 8)
+    _, ref_cache = model.hidden_states(ids, cache=ref_cache)
+    ref, ref_cache = model.hidden_states(jnp.array([[7], [8]]), cache=ref_cache)
+    model.scan_layers = scan
+    cache = model.init_cache(2, 8, stacked=stacked)
+    assert cache.stacked == stacked
+    _, cache = model.hidden_states(ids, cache=cache)
+    got, cache = model.hidden_states(jnp.array([[7], [8]]), cache=cache)
+    assert cache.stacked == stacked  # the form is kept
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6)
+    keys = cache.keys if stacked else jnp.stack(cache.keys)
+    np.testing.assert_allclose(np.asarray(keys), np.asarray(jnp.stack(ref_cache.keys)), atol=2e-6)
+    assert model.init_cache(1, 4).stacked == scan  # the default follows model.scan_layers
