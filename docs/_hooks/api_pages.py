@@ -147,6 +147,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_GM}.utils",
             f"{_GM}.utils.validation",
             f"{_GM}.utils.tool_schema",
+            f"{_GM}.utils.compile_options",
             f"{_GM}.utils.host_memory",
         ),
     ),

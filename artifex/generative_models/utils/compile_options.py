@@ -38,6 +38,13 @@ def compiler_options() -> dict[str, Any] | None:
     Returns:
         A copy of :data:`CPU_COMPILER_OPTIONS` when the default backend is the CPU and
         ``ARTIFEX_CPU_FAST_COMPILE`` is not ``0``/``false``/``no``/``off``; otherwise None.
+
+    Example:
+        >>> import jax
+        >>> options = compiler_options()
+        >>> options is None or options == {"xla_backend_optimization_level": 1}
+        True
+        >>> f = jax.jit(lambda x: x + 1, compiler_options=options)
     """
     if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
@@ -84,6 +91,17 @@ def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
 
     Returns:
         The jitted function (built at its first call), or a decorator.
+
+    Raises:
+        TypeError: If ``compiler_options`` is passed (it is chosen per backend).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> @jit(static_argnames=("k",))
+        ... def scale(x, k):
+        ...     return k * x
+        >>> int(scale(jnp.int32(2), k=3))
+        6
     """
     if "compiler_options" in kwargs:
         msg = "jit: compiler_options is chosen per backend; call jax.jit directly to set it"

@@ -87,8 +87,10 @@ def test_scan_over_batches_equals_trainer_train_step_loop():
     assert metrics["total_loss"].shape == (3,)
     np.testing.assert_array_equal(np.asarray(metrics["update_applied"]), 1.0)
     assert int(final.step) == 3 == int(trainer.optimizer.step[...])
+    # The trainer compiles with the library's CPU compiler options, this jit without them:
+    # the same math, equal to float32 rounding rather than bitwise.
     chex.assert_trees_all_close(
-        final.params, nnx.as_pure(nnx.state(p1, nnx.Param)), rtol=1e-5, atol=1e-6
+        final.params, nnx.as_pure(nnx.state(p1, nnx.Param)), rtol=1e-5, atol=5e-6
     )
     chex.assert_trees_all_close(
         final.opt_state, nnx.as_pure(trainer.optimizer.opt_state), rtol=1e-5, atol=1e-7
