@@ -223,8 +223,9 @@ class CausalLM(nnx.Module):
         weights stacked along a new leading axis (`layer_stack()`; the stacking is a copy of the
         layer weights made inside the traced function, once per call). Pass a `layer_stack`
         computed once to reuse it across calls, as the sampler does for its decode loop. With a
-        cache, the scan runs over the layers' caches stacked along a new axis (a copy of the
-        cache made inside the call, which unrolled layers do not need).
+        cache, the scan reads and writes a stacked cache (`init_cache` makes one when
+        `scan_layers` is set) layer by layer; a per-layer cache is stacked inside the call (a
+        copy). Either form of cache works with either kind of layers and is returned in its form.
 
         Args:
             input_ids: Token ids (B, T).
