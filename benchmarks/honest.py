@@ -185,7 +185,7 @@ def table(results: dict, peak: dict) -> list[str]:
                 lines.append("")
                 lines.append(
                     f"{r['label']}: training part {r['train_flops'] / 1e9:.1f} GFLOP (XLA cost "
-                    f"analysis) at {achieved / 1e9:.0f} GFLOP/s = "
+                    f"analysis, log-probs in one piece) at {achieved / 1e9:.0f} GFLOP/s = "
                     f"{100 * achieved / (peak['gflops'] * 1e9):.0f}% of the matmul peak; "
                     f"generation {r['generated_tokens'] / r['generation_s']['median']:.0f} tok/s; "
                     f"host overhead {1e3 * host:.0f} ms "

@@ -1,14 +1,16 @@
 """Our GRPO step on a workload directory (``benchmarks/hfdir.py``), in its own process.
 
     python benchmarks/ours_worker.py --dir DIR [--windows 5] [--max-retries 10] [--dtype bfloat16]
-        [--remat] [--layers scan]
+        [--remat] [--layers scan] [--no-compile-ahead]
 
 Loads the policy and the reference with ``CausalLM.from_pretrained(DIR)``, reads the prompt ids
 from ``DIR/prompts.json`` and the settings from ``DIR/workload.json``. One step = generate
 ``num_generations`` completions per prompt (no early stop), score them with the toy reward on the
 host (fraction of even ids), one ``GRPOTrainer.train_step`` (reference forward, AdamW). The first
-step (compilation included) is timed alone; then steps are timed as windows until enough are clean
-(``benchmarks/cleanwin.py``). Prints ``RESULT {json}`` last.
+step (compilation included) is timed alone, from the ``GRPOTrainer.compile_ahead`` call that
+compiles the update during the first rollout (``--no-compile-ahead``: after it); then steps are
+timed as windows until enough are clean (``benchmarks/cleanwin.py``). Prints ``RESULT {json}``
+last.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         "default gradient checkpointing)",
     )
     parser.add_argument(
+        "--no-compile-ahead",
+        dest="compile_ahead",
+        action="store_false",
+        help="compile the update after the first rollout instead of during it",
+    )
+    parser.add_argument(
         "--compilation-cache", default="none", help="JAX persistent cache dir ('none': off)"
     )
     args = parser.parse_args(argv)
@@ -56,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     import optax
     from flax import nnx
 
-    from artifex.generative_models.inference import generate
+    from artifex.generative_models.inference import bucket_length, generate
     from artifex.generative_models.models.causal_lm import CausalLM
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
     from artifex.generative_models.training.rl import GRPOBatch
@@ -116,8 +124,25 @@ def main(argv: list[str] | None = None) -> int:
         return {"generation_s": t1 - t0, "host_s": t2 - t1, "training_s": t3 - t2}
 
     t0 = time.perf_counter()
+    if args.compile_ahead:
+        # The update compiles in the background while the sampler compiles and generates. The
+        # example has the sampler's layout: each prompt repeated k times, padded to its bucket.
+        rows, width = prompt_ids.shape[0] * k, bucket_length(prompt_ids.shape[1])
+        trainer.compile_ahead(
+            GRPOBatch(
+                prompt_ids=jnp.zeros((rows, width), jnp.int32),
+                prompt_mask=jnp.ones((rows, width), jnp.int32),
+                completion_ids=jnp.zeros((rows, n), jnp.int32),
+                completion_mask=jnp.ones((rows, n), jnp.int32),
+                rewards=jnp.zeros(rows, jnp.float32),
+                group_size=k,
+            )
+        )
     first_split = step()
     first_step_s = time.perf_counter() - t0
+    if trainer.num_compilations != 1:
+        msg = f"the update compiled {trainer.num_compilations} times in the first step"
+        raise RuntimeError(msg)
 
     win = cleanwin.Windows(args.windows, args.max_retries, args.threshold)
     while not win.done():
@@ -128,7 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     peak_rss = cleanwin.peak_rss_bytes()  # before the cost analysis below compiles again
     flops = None
     if args.flops:
-        cost = trainer.compiled_step().lower(trainer.state, last["batch"]).compile()
+        # XLA's cost analysis counts a loop body once: the chunked log-probs (a scan over
+        # chunks of rows) would be counted for one chunk only. The count is taken on the same
+        # update with the log-probs in one piece (compiled, never run); it has no chunk
+        # recomputation either, so it counts the update's own FLOPs.
+        from artifex.generative_models.training.rl import causal_lm_log_probs_fn
+
+        whole = GRPOTrainer(
+            policy,
+            optimizer,
+            trainer.config,
+            reference_model=reference,
+            log_prob_fn=causal_lm_log_probs_fn(chunk_size=2**31 - 1, remat=args.remat),
+        )
+        cost = whole.compiled_step().lower(whole.state, last["batch"]).compile()
         cost = cost.cost_analysis()
         if isinstance(cost, list | tuple):
             cost = cost[0]
@@ -142,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "layers": args.layers,
         "remat": args.remat,
+        "compile_ahead": args.compile_ahead,
         "params": int(n_params),
         "load_s": load_s,
         "first_step_s": first_step_s,

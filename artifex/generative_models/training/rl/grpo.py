@@ -12,9 +12,11 @@ validates user batches once at the boundary, runs the compiled update on the sta
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,6 +108,21 @@ def _check_token_range(batch: GRPOBatch, vocab_size: int | None) -> None:
             raise ValueError(msg)
 
 
+def _check_microbatches(num_microbatches: Any, rows: int) -> None:
+    """``num_microbatches`` must be an int >= 1 dividing the batch rows."""
+    if (
+        isinstance(num_microbatches, bool)
+        or not isinstance(num_microbatches, int)
+        or num_microbatches < 1
+        or rows % num_microbatches
+    ):
+        msg = (
+            f"num_microbatches must be an int >= 1 dividing the {rows} batch rows, "
+            f"got {num_microbatches!r}"
+        )
+        raise ValueError(msg)
+
+
 def _uncommitted_key(key: jax.Array) -> jax.Array:
     """A copy of a PRNG key that is not committed to any device (samplers use it anywhere).
 
@@ -126,6 +143,7 @@ class _CompiledStep:
 
     def __init__(self, jitted: Any):
         self._jitted = jitted
+        self._pending: concurrent.futures.Future | None = None  # a compile_ahead in flight
 
     @staticmethod
     def _parts(state: GRPOTrainState) -> tuple[tuple, tuple]:
@@ -138,8 +156,49 @@ class _CompiledStep:
     def __call__(
         self, state: GRPOTrainState, batch: GRPOBatch
     ) -> tuple[GRPOTrainState, dict[str, jax.Array]]:
+        self.wait()
         (params, opt_state, step), metrics = self._jitted(*self._parts(state), batch)
         return state.replace(params=params, opt_state=opt_state, step=step), metrics
+
+    def wait(self) -> None:
+        """Waits for a background compilation (:meth:`compile_ahead`) to finish, if any.
+
+        Its error, if it failed, is not raised here: the step compiles again at the call and
+        raises there, with the caller's traceback (the future keeps the first error).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            concurrent.futures.wait([pending])
+
+    def compile_ahead(self, state: GRPOTrainState, batch: GRPOBatch) -> concurrent.futures.Future:
+        """Traces and compiles the step for ``state`` and ``batch`` in a background thread.
+
+        Only shapes, dtypes and shardings are read (nothing runs); JAX caches the result, so
+        the first call with arguments of the same structure runs without compiling. The call
+        waits for a compilation still in flight instead of starting a second one.
+
+        Args:
+            state: A train state (its arrays are read for their types, not donated).
+            batch: A batch with the structure, shapes and dtypes of the batches to come.
+
+        Returns:
+            A future whose result is ``None`` once the step is compiled (or its error).
+        """
+        self.wait()
+        parts = self._parts(state)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work() -> None:
+            try:
+                self._jitted.lower(*parts, batch).compile()
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+        self._pending = future
+        threading.Thread(target=work, name="artifex-compile-ahead").start()
+        return future
 
     def lower(self, state: GRPOTrainState, batch: GRPOBatch) -> Any:
         """XLA's lowering of the step for ``state`` and ``batch`` (``.compile()`` it).
@@ -593,17 +652,7 @@ class GRPOTrainer:
                 optimizer state; nothing was updated.
         """
         batch = self.prepare_batch(batch)
-        if (
-            isinstance(num_microbatches, bool)
-            or not isinstance(num_microbatches, int)
-            or num_microbatches < 1
-            or batch.batch_size % num_microbatches
-        ):
-            msg = (
-                f"num_microbatches must be an int >= 1 dividing the {batch.batch_size} batch "
-                f"rows, got {num_microbatches!r}"
-            )
-            raise ValueError(msg)
+        _check_microbatches(num_microbatches, batch.batch_size)
         if (
             self.config.beta > 0.0
             and batch.ref_log_probs is None
@@ -617,6 +666,53 @@ class GRPOTrainer:
             )
             self._warned_no_reference = True
         return self.apply_prepared(batch, num_microbatches=num_microbatches)
+
+    def compile_ahead(
+        self, batch: GRPOBatch | Mapping[str, Any], *, num_microbatches: int = 1
+    ) -> concurrent.futures.Future:
+        """Compiles the step for batches like ``batch`` in a background thread, and returns.
+
+        Start it before the first rollout: the update then compiles while the sampler compiles
+        and generates, instead of after it (on the CPU, where both use the cores, the first
+        step of W1 took about 1 s less of 10 s; see ``docs/benchmarks.md``). ``train_step``
+        waits for a compilation still in flight rather than starting a second one, so calling
+        this never compiles the step twice for one batch shape.
+
+        The example is validated like a real batch and only its structure, shapes and dtypes
+        matter; it must be laid out as the batches to come (for a GRPO rollout: each prompt
+        repeated ``group_size`` times, as the sampler returns them, so that the prompts are
+        encoded once per group). If it differs, the first ``train_step`` compiles for its own
+        batch (``num_compilations`` then counts both).
+
+        Args:
+            batch: An example batch, or its dict form (for example zeros of the right shapes).
+            num_microbatches: As for :meth:`train_step`.
+
+        Returns:
+            A ``concurrent.futures.Future``: ``result()`` is ``None`` once compiled, or raises
+            the compilation's error.
+
+        Raises:
+            ValueError: Invalid example batch or ``num_microbatches`` (checked here, at once).
+            TypeError: Wrong batch type or dtypes.
+
+        Example:
+            >>> import jax.numpy as jnp, optax
+            >>> from flax import nnx
+            >>> from artifex.generative_models.training.rl import GRPOConfig
+            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2, beta=0.0))
+            >>> shape = {"observations": jnp.zeros((4, 4)), "actions": jnp.zeros(4, jnp.int32),
+            ...          "rewards": jnp.zeros(4)}
+            >>> future = trainer.compile_ahead(shape)  # compiles while we do other work
+            >>> metrics = trainer.train_step({**shape, "rewards": jnp.array([1.0, 0, 0, 1])})
+            >>> future.result(), trainer.num_compilations
+            (None, 1)
+        """
+        batch = self.prepare_batch(batch)
+        _check_microbatches(num_microbatches, batch.batch_size)
+        return self.compiled_step(num_microbatches).compile_ahead(self.state, batch)
 
     def apply_prepared(self, batch: GRPOBatch, *, num_microbatches: int = 1) -> dict[str, float]:
         """One GRPO update on a batch that is already checked (no host validation).

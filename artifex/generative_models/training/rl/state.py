@@ -23,11 +23,13 @@ One update (DeepSeekMath, Algorithm 1, inner loop):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -389,9 +391,8 @@ def make_grpo_train_step(
         updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         # The update itself can overflow (a huge learning rate, a schedule that overflows): the
-        # new parameters and optimizer state must be finite too (one fused all-finite reduction).
-        params_ok = _all_finite(new_params)
-        opt_ok = _all_finite(new_opt_state)
+        # new parameters and optimizer state must be finite too.
+        params_ok, opt_ok = _finite_flags(new_params, new_opt_state)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
         # A batch without any reward signal (all rewards NaN) moves nothing: its only gradients
         # would be the KL term (and Adam's momentum, weight decay) acting blindly. An entropy
@@ -494,8 +495,58 @@ def _has_reward_signal(batch: GRPOBatch) -> jax.Array:
     return signal
 
 
+def _finite_flags(params: Any, opt_state: Any) -> tuple[jax.Array, jax.Array]:
+    """Whether every inexact leaf of ``params`` / of ``opt_state`` is finite (two bool scalars).
+
+    Optimizer states hold parameter-shaped trees (Adam's moments): each parameter is checked
+    with its moments in one reduction with two outputs, not one reduction per array. The three
+    arrays share a sharding, and on the CPU every reduction is a kernel to compile: for W1 this
+    cut the update's compilation by about a fifth.
+    """
+    p_leaves, p_def = jax.tree.flatten(params)
+    slots: list[list[Any]] = [[] for _ in p_leaves]  # optimizer arrays shaped like parameter i
+    rest: list[Any] = []  # the other optimizer arrays (step counts, ...)
+
+    def parameter_shaped(node: Any) -> bool:
+        if jax.tree.structure(node) != p_def:
+            return False
+        return all(
+            jnp.shape(x) == jnp.shape(p) and jnp.result_type(x) == jnp.result_type(p)
+            for x, p in zip(jax.tree.leaves(node), p_leaves, strict=True)
+        )
+
+    for node in jax.tree.leaves(opt_state, is_leaf=parameter_shaped):
+        if p_leaves and parameter_shaped(node):
+            for slot, x in zip(slots, jax.tree.leaves(node), strict=True):
+                slot.append(x)
+        else:
+            rest.append(node)
+    params_ok, opt_ok = [jnp.asarray(True)], [_all_finite(rest)]
+    for p, slot in zip(p_leaves, slots, strict=True):
+        a, b = _finite_mask([p]), _finite_mask(slot)
+        if a is None or b is None:
+            params_ok.append(_all_finite([p]))
+            opt_ok.append(_all_finite(slot))
+            continue
+        both = jax.lax.reduce(
+            (a, b),
+            (np.bool_(True), np.bool_(True)),
+            lambda x, y: (x[0] & y[0], x[1] & y[1]),
+            tuple(range(a.ndim)),
+        )
+        params_ok.append(both[0])
+        opt_ok.append(both[1])
+    return jnp.all(jnp.stack(params_ok)), jnp.all(jnp.stack(opt_ok))
+
+
+def _finite_mask(arrays: list[Any]) -> jax.Array | None:
+    """Elementwise: every inexact array of ``arrays`` (one shape) is finite there; or None."""
+    masks = [jnp.isfinite(x) for x in arrays if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return functools.reduce(jnp.logical_and, masks) if masks else None
+
+
 def _all_finite(state: Any) -> jax.Array:
-    """Whether every inexact leaf of ``state`` is finite (one fused reduction, a bool scalar)."""
+    """Whether every inexact leaf of ``state`` is finite (a bool scalar)."""
     checks = [
         jnp.all(jnp.isfinite(x))
         for x in jax.tree.leaves(state)

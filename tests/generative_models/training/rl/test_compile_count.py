@@ -146,3 +146,87 @@ def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_b
         assert trainer.compiled_step()._cache_size() == 2
     finally:
         counter.active = False
+
+
+@pytest.mark.slow
+def test_compile_ahead_compiles_the_update_once_for_the_first_rollout(counter):
+    """``compile_ahead`` with a zero example in the sampler's layout: the first real update
+    compiles nothing, and it is the same update as without it (bitwise: the same program)."""
+    cfg, num_prompts, k, p, n = W1_MODEL, 8, 4, 32, 96
+
+    def make():
+        model = CausalLM(cfg, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+        return GRPOTrainer(
+            model,
+            optimizer,
+            GRPOConfig(num_generations=k, beta=0.04),
+            reference_model=CausalLM(cfg, rngs=nnx.Rngs(0)),
+        )
+
+    ahead, plain = make(), make()
+    rows, width = num_prompts * k, sampling.bucket_length(p)
+    future = ahead.compile_ahead(
+        GRPOBatch(
+            prompt_ids=jnp.zeros((rows, width), jnp.int32),
+            prompt_mask=jnp.ones((rows, width), jnp.int32),
+            completion_ids=jnp.zeros((rows, n), jnp.int32),
+            completion_mask=jnp.ones((rows, n), jnp.int32),
+            rewards=jnp.zeros(rows, jnp.float32),
+            group_size=k,
+        )
+    )
+    ids, mask = _prompts(np.random.default_rng(0), num_prompts, p, p, cfg.vocab_size)
+    out = generate(  # the sampler compiles and runs while the update compiles
+        ahead.model, ids, mask, key=jax.random.key(0), num_generations=k, max_new_tokens=n,
+        eos_ids=(),
+    )  # fmt: skip
+    comp = np.asarray(out.completion_ids)
+    batch = GRPOBatch(
+        prompt_ids=out.prompt_ids,
+        prompt_mask=out.prompt_mask,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        rewards=jnp.asarray((comp % 2 == 0).mean(axis=1).astype(np.float32)),
+        group_size=k,
+    )
+    assert future.result() is None
+    counter.count, counter.active = 0, True
+    try:
+        got = ahead.train_step(batch)
+    finally:
+        counter.active = False
+    assert counter.count == 0, f"{counter.count} compilations after compile_ahead"
+    assert ahead.num_compilations == 1
+    want = plain.train_step(batch)
+    assert got == want
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(ahead.model, nnx.Param)),
+        jax.tree.leaves(nnx.state(plain.model, nnx.Param)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_compile_ahead_checks_its_example_at_once():
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param),
+                          GRPOConfig(num_generations=2, beta=0.0))  # fmt: skip
+    example = {"observations": jnp.zeros((4, 4)), "actions": jnp.zeros(4, jnp.int32),
+               "rewards": jnp.zeros(4)}  # fmt: skip
+    with pytest.raises(ValueError, match="num_microbatches"):
+        trainer.compile_ahead(example, num_microbatches=3)
+    with pytest.raises(ValueError, match="group size"):
+        trainer.compile_ahead({**example, "rewards": jnp.zeros(3)})
+    assert trainer.num_compilations == 0
+    # A differently shaped example: the real batch compiles its own program, and says so.
+    trainer.compile_ahead(
+        {
+            **example,
+            "observations": jnp.zeros((6, 4)),
+            "actions": jnp.zeros(6, jnp.int32),
+            "rewards": jnp.zeros(6),
+        }
+    ).result()
+    trainer.train_step({**example, "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])})
+    assert trainer.num_compilations == 2

@@ -177,3 +177,58 @@ def test_train_state_is_a_pytree_of_arrays_and_bad_arguments_are_named():
         make_grpo_train_step(policy, optimizer.tx, CONFIG, num_microbatches=0)
     with pytest.raises(TypeError, match="config must be a GRPOConfig"):
         make_grpo_train_step(policy, optimizer.tx, {"beta": 0.0})
+
+
+@pytest.mark.parametrize("where", ["none", "param", "mu", "nu", "scalar"])
+def test_finite_flags_match_a_numpy_reference(where):
+    """Each parameter is checked with its Adam moments in one two-output reduction."""
+    from artifex.generative_models.training.rl.state import _finite_flags
+
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(4,)), jnp.bfloat16),
+        "s": jnp.float32(0.5),  # a scalar parameter
+        "steps": jnp.int32(3),  # not inexact: never checked
+    }
+    opt_state = optax.adamw(1e-3).init(params)
+    inf = jnp.float32(np.inf)
+    if where == "param":
+        params["b"] = params["b"].at[2].set(jnp.nan)
+    elif where == "mu":
+        mu = dict(opt_state[0].mu, w=opt_state[0].mu["w"].at[1, 1].set(inf))
+        opt_state = (opt_state[0]._replace(mu=mu), *opt_state[1:])
+    elif where == "nu":
+        nu = dict(opt_state[0].nu, s=jnp.float32(np.nan))
+        opt_state = (opt_state[0]._replace(nu=nu), *opt_state[1:])
+    elif where == "scalar":
+        params["s"] = -inf
+
+    def reference(tree):
+        leaves = [
+            np.asarray(x, np.float64)
+            for x in jax.tree.leaves(tree)
+            if np.issubdtype(np.asarray(x).dtype, np.inexact) or x.dtype == jnp.bfloat16
+        ]
+        return all(np.isfinite(x).all() for x in leaves)
+
+    got = jax.jit(_finite_flags)(params, opt_state)
+    assert (bool(got[0]), bool(got[1])) == (reference(params), reference(opt_state)), where
+    assert (bool(got[0]), bool(got[1])) == {
+        "none": (True, True), "param": (False, True), "mu": (True, False),
+        "nu": (True, False), "scalar": (False, True),
+    }[where]  # fmt: skip
+
+
+def test_finite_flags_with_a_single_array_and_an_optimizer_without_moments():
+    from artifex.generative_models.training.rl.state import _finite_flags
+
+    w = jnp.ones((2, 3))
+    assert tuple(map(bool, _finite_flags(w, optax.adam(1.0).init(w)))) == (True, True)
+    assert tuple(map(bool, _finite_flags(w.at[0, 0].set(jnp.inf), optax.sgd(1.0).init(w)))) == (
+        False,
+        True,
+    )
+    bad = optax.adam(1.0).init(w)
+    bad = (bad[0]._replace(nu=bad[0].nu.at[1, 2].set(jnp.nan)), *bad[1:])
+    assert tuple(map(bool, _finite_flags(w, bad))) == (True, False)
