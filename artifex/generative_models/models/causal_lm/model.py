@@ -292,7 +292,10 @@ class CausalLM(nnx.Module):
             new_kv = []
             for i, layer in enumerate(self.layers):
                 layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-                h, layer_kv = layer(h, cos, sin, mask, layer_kv, index)
+                graphdef, state = nnx.split(layer)
+                h, layer_kv = _traced_once_layer_step(
+                    graphdef, state, h, cos, sin, mask, layer_kv, index
+                )
                 new_kv.append(layer_kv)
             kv = None if kv is None else _unzip(new_kv)
         hidden = self.final_norm(h)
@@ -615,6 +618,14 @@ def _layer_step(
     return nnx.merge(graphdef, state)(h, cos, sin, mask, kv, index)
 
 
+# The unrolled layers call one jitted layer function: JAX traces (and differentiates) a layer
+# once per distinct structure and shapes and reuses that trace for every layer and every call
+# of the same shapes, instead of tracing all of them; XLA inlines the calls, so the compiled
+# program is that of the plain unrolled loop. Tracing was about a quarter of the time to
+# compile SmolLM2-135M's update (30 layers).
+_traced_once_layer_step = jax.jit(_layer_step, static_argnums=0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _remat_layer_step(graphdef, state, h, cos, sin, mask, kv, index):
     """`_layer_step` that keeps only its inputs and recomputes the layer in the backward pass."""
@@ -644,6 +655,9 @@ def _remat_layer_bwd(graphdef, residuals, cotangent):
 _remat_layer_step.defvjp(_remat_layer_fwd, _remat_layer_bwd)
 
 
+_traced_once_remat_layer_step = jax.jit(_remat_layer_step, static_argnums=0)
+
+
 def _remat_layers(
     layers: nnx.List,
     h: jax.Array,
@@ -662,7 +676,9 @@ def _remat_layers(
     for i, layer in enumerate(layers):
         graphdef, state = nnx.split(layer)
         layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-        h, layer_kv = _remat_layer_step(graphdef, state, h, cos, sin, mask, layer_kv, index)
+        h, layer_kv = _traced_once_remat_layer_step(
+            graphdef, state, h, cos, sin, mask, layer_kv, index
+        )
         new_kv.append(layer_kv)
     return h, None if kv is None else _unzip(new_kv)
 
