@@ -127,17 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_ahead:
         # The update compiles in the background while the sampler compiles and generates. The
         # example has the sampler's layout: each prompt repeated k times, padded to its bucket.
-        rows, width = prompt_ids.shape[0] * k, bucket_length(prompt_ids.shape[1])
-        trainer.compile_ahead(
-            GRPOBatch(
-                prompt_ids=jnp.zeros((rows, width), jnp.int32),
-                prompt_mask=jnp.ones((rows, width), jnp.int32),
-                completion_ids=jnp.zeros((rows, n), jnp.int32),
-                completion_mask=jnp.ones((rows, n), jnp.int32),
-                rewards=jnp.zeros(rows, jnp.float32),
-                group_size=k,
-            )
-        )
+        width = bucket_length(prompt_ids.shape[1])
+        trainer.compile_ahead(GRPOBatch.zeros(prompt_ids.shape[0], k, width, n))
     first_split = step()
     first_step_s = time.perf_counter() - t0
     if trainer.num_compilations != 1:

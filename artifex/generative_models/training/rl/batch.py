@@ -321,6 +321,54 @@ class GRPOBatch:
                 msg = f"GRPOBatch.group_ids must lie in [0, {b}), got [{host.min()}, {host.max()}]"
                 raise ValueError(msg)
 
+    @classmethod
+    def zeros(
+        cls, num_prompts: int, group_size: int, prompt_length: int, completion_length: int
+    ) -> GRPOBatch:
+        """A batch of zeros in the sampler's layout: the shape of GRPO batches to come.
+
+        ``num_prompts * group_size`` rows, each prompt repeated ``group_size`` times (so the
+        prompts are encoded once per group), full masks, int32 ids, float32 rewards: what
+        :meth:`~artifex.generative_models.training.rl.grpo.GRPOTrainer.compile_ahead` needs to
+        compile the update for the sampler's batches before the first one exists. Pass the
+        prompt width the sampler pads to
+        (:func:`~artifex.generative_models.inference.sampling.bucket_length`).
+
+        Args:
+            num_prompts: Prompts per batch.
+            group_size: Completions per prompt.
+            prompt_length: Prompt width (after padding).
+            completion_length: Completion width (``max_new_tokens``).
+
+        Returns:
+            The batch.
+
+        Raises:
+            ValueError: A size < 1.
+            TypeError: A size that is not an int.
+
+        Example:
+            >>> batch = GRPOBatch.zeros(2, 4, prompt_length=16, completion_length=8)
+            >>> batch.prompt_ids.shape, batch.completion_mask.shape, batch.group_size
+            ((8, 16), (8, 8), 4)
+        """
+        for name, value in (
+            ("num_prompts", num_prompts),
+            ("group_size", group_size),
+            ("prompt_length", prompt_length),
+            ("completion_length", completion_length),
+        ):
+            check_int(f"GRPOBatch.zeros {name}", value, minimum=1)
+        rows = num_prompts * group_size
+        return cls(
+            prompt_ids=jnp.zeros((rows, prompt_length), jnp.int32),
+            prompt_mask=jnp.ones((rows, prompt_length), jnp.int32),
+            completion_ids=jnp.zeros((rows, completion_length), jnp.int32),
+            completion_mask=jnp.ones((rows, completion_length), jnp.int32),
+            rewards=jnp.zeros((rows,), jnp.float32),
+            group_size=group_size,
+        )
+
     # ------------------------------------------------------------------ conversions
     @classmethod
     def from_dict(cls, batch: Mapping[str, Any], *, group_size: int) -> GRPOBatch:

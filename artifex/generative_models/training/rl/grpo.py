@@ -681,11 +681,14 @@ class GRPOTrainer:
         The example is validated like a real batch and only its structure, shapes and dtypes
         matter; it must be laid out as the batches to come (for a GRPO rollout: each prompt
         repeated ``group_size`` times, as the sampler returns them, so that the prompts are
-        encoded once per group). If it differs, the first ``train_step`` compiles for its own
-        batch (``num_compilations`` then counts both).
+        encoded once per group, and padded to the sampler's prompt-length bucket):
+        :meth:`GRPOBatch.zeros` builds one. If it differs, the first ``train_step`` compiles
+        for its own batch (``num_compilations`` then counts both).
 
         Args:
-            batch: An example batch, or its dict form (for example zeros of the right shapes).
+            batch: An example batch (``GRPOBatch.zeros(num_prompts, group_size,
+                bucket_length(prompt_width), max_new_tokens)`` for the sampler's), or a dict
+                batch.
             num_microbatches: As for :meth:`train_step`.
 
         Returns:

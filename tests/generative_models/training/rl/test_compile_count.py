@@ -165,17 +165,9 @@ def test_compile_ahead_compiles_the_update_once_for_the_first_rollout(counter):
         )
 
     ahead, plain = make(), make()
-    rows, width = num_prompts * k, sampling.bucket_length(p)
-    future = ahead.compile_ahead(
-        GRPOBatch(
-            prompt_ids=jnp.zeros((rows, width), jnp.int32),
-            prompt_mask=jnp.ones((rows, width), jnp.int32),
-            completion_ids=jnp.zeros((rows, n), jnp.int32),
-            completion_mask=jnp.ones((rows, n), jnp.int32),
-            rewards=jnp.zeros(rows, jnp.float32),
-            group_size=k,
-        )
-    )
+    example = GRPOBatch.zeros(num_prompts, k, sampling.bucket_length(p), n)
+    assert example.batch_size == num_prompts * k
+    future = ahead.compile_ahead(example)
     ids, mask = _prompts(np.random.default_rng(0), num_prompts, p, p, cfg.vocab_size)
     out = generate(  # the sampler compiles and runs while the update compiles
         ahead.model, ids, mask, key=jax.random.key(0), num_generations=k, max_new_tokens=n,
@@ -230,3 +222,17 @@ def test_compile_ahead_checks_its_example_at_once():
     ).result()
     trainer.train_step({**example, "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])})
     assert trainer.num_compilations == 2
+
+
+def test_zero_batch_has_the_sampler_layout_and_checks_its_sizes():
+    batch = GRPOBatch.zeros(3, 4, 16, 5)
+    assert (batch.batch_size, batch.group_size, batch.completion_length) == (12, 4, 5)
+    assert batch.prompt_ids.shape == batch.prompt_mask.shape == (12, 16)
+    assert batch.prompt_ids.dtype == batch.completion_mask.dtype == jnp.int32
+    assert batch.rewards.dtype == jnp.float32 and batch.rewards.shape == (12,)
+    assert batch.prompts_shared_within_groups()  # encoded once per group, as the sampler's
+    batch.validate()
+    with pytest.raises(ValueError, match="completion_length must be an int >= 1, got 0"):
+        GRPOBatch.zeros(3, 4, 16, 0)
+    with pytest.raises(TypeError, match="num_prompts must be an int"):
+        GRPOBatch.zeros(3.0, 4, 16, 5)
