@@ -65,7 +65,8 @@ def counter():
     c.active = False
 
 
-def _step(trainer, ids, mask, key, k, n):
+def _rollout(trainer, ids, mask, key, k, n):
+    """Samples K completions per prompt and scores them (fraction of even ids): a batch."""
     out = generate(
         trainer.model, ids, mask, key=key, num_generations=k, max_new_tokens=n, eos_ids=()
     )
@@ -79,6 +80,11 @@ def _step(trainer, ids, mask, key, k, n):
         rewards=jnp.asarray(rewards),
         group_size=k,
     )
+    return batch, comp
+
+
+def _step(trainer, ids, mask, key, k, n):
+    batch, comp = _rollout(trainer, ids, mask, key, k, n)
     metrics = trainer.train_step(batch)
     jax.block_until_ready(metrics)
     return comp
@@ -169,19 +175,8 @@ def test_compile_ahead_compiles_the_update_once_for_the_first_rollout(counter):
     assert example.batch_size == num_prompts * k
     future = ahead.compile_ahead(example)
     ids, mask = _prompts(np.random.default_rng(0), num_prompts, p, p, cfg.vocab_size)
-    out = generate(  # the sampler compiles and runs while the update compiles
-        ahead.model, ids, mask, key=jax.random.key(0), num_generations=k, max_new_tokens=n,
-        eos_ids=(),
-    )  # fmt: skip
-    comp = np.asarray(out.completion_ids)
-    batch = GRPOBatch(
-        prompt_ids=out.prompt_ids,
-        prompt_mask=out.prompt_mask,
-        completion_ids=out.completion_ids,
-        completion_mask=out.completion_mask,
-        rewards=jnp.asarray((comp % 2 == 0).mean(axis=1).astype(np.float32)),
-        group_size=k,
-    )
+    # The sampler compiles and runs while the update compiles.
+    batch, _ = _rollout(ahead, ids, mask, jax.random.key(0), k, n)
     assert future.result() is None
     counter.count, counter.active = 0, True
     try:
