@@ -880,7 +880,11 @@ def shard_batch(
             data = np.asarray(x)
             shape = (global_rows, *np.shape(x)[1:])
             return jax.make_array_from_process_local_data(rows_sharding, data, shape)
-        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(rows_sharding, x.ndim):
+        if (
+            isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)  # traced (eval_shape): no sharding to read
+            and x.sharding.is_equivalent_to(rows_sharding, x.ndim)
+        ):
             return x
         return jax.device_put(x, rows_sharding)
 

@@ -64,6 +64,7 @@ class _LazyJit:
         self._fun = fun
         self._kwargs = kwargs
         self._jitted: Any = None
+        self._nested: Any = None
         functools.update_wrapper(self, fun)
 
     def _get(self) -> Any:
@@ -72,6 +73,13 @@ class _LazyJit:
         return self._jitted
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+            # Called inside another transformation (a caller's jit, eval_shape, vmap): JAX
+            # takes compiler options only at the top level, and the caller's compilation
+            # decides them anyway.
+            if self._nested is None:
+                self._nested = jax.jit(self._fun, **self._kwargs)
+            return self._nested(*args, **kwargs)
         return self._get()(*args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:

@@ -87,6 +87,7 @@ from artifex.generative_models.training.rl.rollout import (
     RolloutConfig,
     encode_prompts,
     rollout,
+    rollout_batch_like,
     sample_completions,
 )
 
@@ -173,6 +174,7 @@ __all__ = [
     "process_advantages",
     "reward_names",
     "rollout",
+    "rollout_batch_like",
     "run_episodes",
     "sample_completions",
     "segment_advantages",

@@ -55,7 +55,7 @@ from artifex.generative_models.training.sharding import (
     shard_model,
     shard_optimizer,
 )
-from artifex.generative_models.utils.compile_options import compiler_options
+from artifex.generative_models.utils.compile_options import compiler_options, jit
 from artifex.generative_models.utils.host_memory import release_memory_after_compilation
 
 __all__ = [
@@ -372,9 +372,8 @@ class GRPOTrainer:
             "reference_model": reference_model,
             "log_prob_fn": self.log_prob_fn,
         }
-        self._log_probs_fn = jax.jit(
-            make_grpo_log_probs(model, config, **self._bound), compiler_options=compiler_options()
-        )
+        # The library's jit: the backend's options, and usable inside a caller's trace.
+        self._log_probs_fn = jit(make_grpo_log_probs(model, config, **self._bound))
         self.grpo_loss = make_grpo_loss(model, config, wrt=self.wrt, log_prob_fn=self.log_prob_fn)
         # XLA's working memory for compiling the step is freed but kept by the C allocator:
         # give it back so that the step's own temporaries do not come on top of it.

@@ -61,6 +61,7 @@ from artifex.generative_models.training.rl.rollout import (
     SupportsPolicy,
     as_policy,
     rollout,
+    rollout_batch_like,
     sample_completions,
     spans_processes,
 )
@@ -131,6 +132,10 @@ class TrainConfig:
             (prompt, completion, each reward function's value, the advantage) to
             ``log_dir/completions.jsonl`` and print the first ones as a table (0: never).
         completions_to_print: Rows of that console table (0: the file only).
+        compile_ahead: Compile the first update in a background thread while the first
+            rollout samples (see ``GRPOTrainer.compile_ahead``), for the library's own rollout
+            on one process without dynamic sampling or a rollout placement (elsewhere the
+            update compiles at its first call, as with ``False``).
 
     Example:
         >>> config = TrainConfig(num_steps=100, prompts_per_step=8, num_iterations=2)
@@ -162,6 +167,7 @@ class TrainConfig:
     handle_signals: bool = True
     log_completions_every: int = 0
     completions_to_print: int = 4
+    compile_ahead: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -172,6 +178,7 @@ class TrainConfig:
             "overwrite",
             "allow_dataset_change",
             "handle_signals",
+            "compile_ahead",
         ):
             if not isinstance(getattr(self, name), bool | np.bool_):
                 msg = f"TrainConfig.{name} must be a bool, got {getattr(self, name)!r}"
@@ -793,6 +800,34 @@ def _rollout_step(
     return first, batch, info
 
 
+def _compile_first_update(
+    trainer: GRPOTrainer,
+    policy: Policy,
+    tokenizer: Any,
+    data: DataIterator,
+    rcfg: RolloutConfig,
+    cfg: TrainConfig,
+) -> None:
+    """Starts compiling the update for the next step's batches in a background thread.
+
+    The example is the batch the next rollout will build (its rows read without moving the
+    data position), with the loop's advantages, cut to one minibatch and placed as the loop
+    places its batches, so the first update finds its program compiled (or compiling). The
+    caller makes sure the library's own rollout runs on one process, with no placement and no
+    dynamic sampling (other layouts are not known before sampling).
+    """
+    saved = data.state()
+    rows = data.take(cfg.prompts_per_step)
+    data.restore(saved)
+    need_old = cfg.num_iterations > 1 or cfg.num_minibatches > 1
+    example = rollout_batch_like(policy, tokenizer, rows, rcfg, need_old_log_probs=need_old)
+    example = example.replace(advantages=jnp.zeros((example.batch_size,), jnp.float32))
+    if cfg.num_minibatches > 1:
+        example = _take_rows(example, np.arange(example.batch_size // cfg.num_minibatches))
+    step = trainer.compiled_step(cfg.gradient_accumulation_steps)
+    step.compile_ahead(trainer.state, trainer.place_batch(example))
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _advantages(batch: GRPOBatch, config: Any) -> jax.Array:
     return compute_advantages(batch, config)
@@ -1007,6 +1042,17 @@ def train(
 
     stop = _StopSignals(enabled=config.handle_signals)
     interrupted = None
+    if (
+        config.compile_ahead
+        and start_step < config.num_steps
+        and rollout_fn is None
+        and rollout_placement is None
+        and not config.dynamic_sampling
+        and not spans_processes(policy.mesh)
+    ):
+        # The first update compiles while the sampler compiles and generates (and while the
+        # step-0 evaluation runs), not after them.
+        _compile_first_update(trainer, policy, tokenizer, data, rcfg, config)
     try:
         stop.install()
         if start_step == 0:

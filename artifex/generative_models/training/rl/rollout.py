@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.inference.sampling import generate
+from artifex.generative_models.inference.sampling import bucket_length, generate
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.rewards import RewardCombiner
@@ -52,6 +52,7 @@ __all__ = [
     "SupportsPolicy",
     "encode_prompts",
     "rollout",
+    "rollout_batch_like",
     "sample_completions",
     "spans_processes",
 ]
@@ -645,6 +646,81 @@ def rollout(
         reward_names=list(rewards.names),
         truncated=_all_rows(sampled.truncated, mesh),
     )
+
+
+def rollout_batch_like(
+    policy: Policy | SupportsPolicy,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    config: RolloutConfig,
+    *,
+    need_old_log_probs: bool = False,
+) -> GRPOBatch:
+    """Zeros laid out as the batch :func:`rollout` returns for ``rows``, without sampling.
+
+    The same fields, shapes, dtypes and static flags: the prompts encoded and padded to the
+    sampler's length bucket, ``max_new_tokens`` completion columns, the sampler's log-probs when
+    the loss reads them, and with ``need_old_log_probs`` what the policy's scorer fills (its
+    shapes traced, nothing computed). This is the example
+    :meth:`~artifex.generative_models.training.rl.grpo.GRPOTrainer.compile_ahead` needs to
+    compile the update while the first rollout samples. For one process and the trainer's own
+    mesh (a rollout placement moves the batch between meshes).
+
+    Args:
+        policy: As for :func:`rollout`.
+        tokenizer: As for :func:`rollout`.
+        rows: The dataset rows the rollout will read.
+        config: As for :func:`rollout`.
+        need_old_log_probs: As for :func:`rollout`.
+
+    Returns:
+        A :class:`GRPOBatch` of zeros (ones in the masks).
+
+    Raises:
+        ValueError: The rows are empty, their prompts are missing, empty or too long (as
+            :func:`rollout` would say), the mesh spans several processes, or
+            ``need_old_log_probs`` without a scorer.
+
+    Example:
+        >>> import jax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> tok = Tokenizer.for_characters("0123456789+=")
+        >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
+        >>> policy = Policy(CausalLM(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=4))
+        >>> like = rollout_batch_like(policy, tok, [{"prompt": "1+1="}, {"prompt": "2+3="}],
+        ...                           RolloutConfig(max_new_tokens=3))
+        >>> like.prompt_ids.shape, like.completion_ids.shape, like.shared_prompts
+        ((8, 16), (8, 3), True)
+    """
+    if not rows:
+        msg = "rollout_batch_like needs at least one dataset row"
+        raise ValueError(msg)
+    policy = as_policy(policy)
+    if spans_processes(policy.mesh):
+        msg = "rollout_batch_like: the mesh spans several processes (their prompt widths differ)"
+        raise ValueError(msg)
+    _, ids, _ = encode_prompts(
+        tokenizer,
+        rows,
+        prompt_column=config.prompt_column,
+        max_prompt_length=config.max_prompt_length,
+    )
+    k, n = policy.config.num_generations, config.max_new_tokens
+    batch = GRPOBatch.zeros(len(rows), k, bucket_length(ids.shape[1]), n)
+    batch = batch.replace(shared_prompts=True)
+    if _needs_sampler_log_probs(policy.config):
+        batch = batch.replace(sampler_log_probs=jnp.zeros((batch.batch_size, n), jnp.float32))
+    if need_old_log_probs:
+        if policy.score is None:
+            msg = "rollout_batch_like(need_old_log_probs=True) needs a Policy with a score function"
+            raise ValueError(msg)
+        shapes = jax.eval_shape(policy.score, batch)
+        batch = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return batch
 
 
 def _rewards_array(total: Any, mesh: Any) -> jax.Array:

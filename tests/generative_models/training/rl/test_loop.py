@@ -20,6 +20,7 @@ from artifex.generative_models.training.checkpointing import (
 from artifex.generative_models.training.rl.loop import DataIterator, TrainConfig, train
 from artifex.generative_models.training.rl.rewards import math_answer_reward
 from artifex.generative_models.training.rl.rollout import RolloutConfig
+from artifex.generative_models.training.sharding import make_mesh
 
 TRAIN, EVAL = addition_dataset(seed=0, num_eval=16)
 TRAIN = TRAIN[:64]
@@ -27,7 +28,7 @@ REWARD = math_answer_reward(last_number_fallback=True)
 ROLLOUT = RolloutConfig(max_new_tokens=4)
 
 
-def make_trainer(seed=0, **cfg):
+def make_trainer(seed=0, mesh=None, **cfg):
     tok = demo_tokenizer()
     model = demo_model(tok, seed=seed)
     ref = demo_model(tok, seed=seed + 100)
@@ -35,7 +36,7 @@ def make_trainer(seed=0, **cfg):
         model, optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), wrt=nnx.Param
     )
     config = GRPOConfig(num_generations=4, beta=0.05, **cfg)
-    return GRPOTrainer(model, opt, config, reference_model=ref), tok
+    return GRPOTrainer(model, opt, config, reference_model=ref, mesh=mesh), tok
 
 
 def params(trainer):
@@ -284,3 +285,57 @@ def test_train_config_errors_follow_the_one_rule(field, value, error):
     kwargs = {"num_steps": 1, field: value}
     with pytest.raises(error, match=f"TrainConfig.{field}"):
         TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("loop", "grpo"),
+    [
+        ({}, {}),  # one update per batch: the reference is scored inside the update
+        ({"num_iterations": 2, "num_minibatches": 2}, {}),  # old and reference log-probs
+        ({"gradient_accumulation_steps": 2}, {"sampler_correction": "truncate"}),
+        ({"num_iterations": 2}, {"mesh": "data=2,fsdp=2"}),  # batches sharded over a mesh
+    ],
+    ids=["one-update", "minibatches", "accumulation-sampler-log-probs", "mesh"],
+)
+def test_the_first_update_compiles_during_the_first_rollout(loop, grpo):
+    """The loop compiles the update ahead for the batch the first rollout builds: one trace
+    (a second one would mean the example's layout missed the real batch), and the same update
+    as without it (bitwise: the same program)."""
+    settings = dict(num_steps=1, prompts_per_step=4, progress=False, seed=3, **loop)
+    if "mesh" in grpo:
+        grpo = dict(grpo, mesh=make_mesh(data=2, fsdp=2, devices=jax.devices()[:4]))
+    ahead, tok = make_trainer(**grpo)
+    train(ahead, tok, TRAIN, [REWARD], TrainConfig(**settings), ROLLOUT)
+    assert ahead.num_compilations == 1
+    plain, tok = make_trainer(**grpo)
+    train(plain, tok, TRAIN, [REWARD], TrainConfig(compile_ahead=False, **settings), ROLLOUT)
+    assert plain.num_compilations == 1
+    for a, b in zip(params(ahead), params(plain), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_compile_ahead_example_that_misses_the_batch_shows_as_a_second_trace(monkeypatch):
+    """The check above can fail: an example one prompt column too wide compiles a program
+    the first update cannot use, and the update traces again."""
+    from artifex.generative_models.training.rl import loop as loop_module
+
+    real = loop_module.rollout_batch_like
+
+    def too_wide(*args, **kwargs):
+        like = real(*args, **kwargs)
+        wide = np.zeros((like.batch_size, like.prompt_ids.shape[1] + 1), np.int32)
+        return like.replace(
+            prompt_ids=jax.numpy.asarray(wide), prompt_mask=jax.numpy.asarray(wide + 1)
+        )
+
+    monkeypatch.setattr(loop_module, "rollout_batch_like", too_wide)
+    trainer, tok = make_trainer()
+    train(
+        trainer,
+        tok,
+        TRAIN,
+        [REWARD],
+        TrainConfig(num_steps=1, prompts_per_step=4, progress=False),
+        ROLLOUT,
+    )
+    assert trainer.num_compilations == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,12 @@ from artifex.demo import demo_model, demo_tokenizer
 from artifex.generative_models.models.causal_lm import Tokenizer
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl.rewards import RewardCombiner, RewardFunctionError
-from artifex.generative_models.training.rl.rollout import RolloutConfig, encode_prompts, rollout
+from artifex.generative_models.training.rl.rollout import (
+    RolloutConfig,
+    encode_prompts,
+    rollout,
+    rollout_batch_like,
+)
 
 ROWS = [
     {"prompt": "12+3=", "answer": "15", "id": 0},
@@ -304,3 +311,50 @@ def test_an_object_holding_a_model_still_works_with_a_deprecation_warning():
     assert isinstance(policy, Policy) and policy.model is trainer.model
     with pytest.raises(TypeError, match="policy must be a rollout Policy"):
         as_policy(object())
+
+
+def _layout(batch):
+    """Everything a compiled program is specialized on: tree, static flags, shapes, dtypes."""
+    leaves, tree = jax.tree.flatten(batch)
+    return tree, [(x.shape, x.dtype) for x in leaves]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "need_old", "rollout_cfg"),
+    [
+        ({}, False, {}),
+        ({"beta": 0.05}, True, {}),  # old and reference log-probs from the scorer
+        ({"beta": 0.0}, True, {"old_log_probs": "sampler"}),
+        ({"sampler_correction": "truncate"}, False, {"max_prompt_length": 40}),
+    ],
+)
+def test_rollout_batch_like_has_the_layout_of_the_rollouts_batch(cfg, need_old, rollout_cfg):
+    trainer, tok = make_trainer(**cfg)
+    config = RolloutConfig(max_new_tokens=5, **rollout_cfg)
+    like = rollout_batch_like(trainer, tok, ROWS, config, need_old_log_probs=need_old)
+    real = rollout(
+        trainer,
+        tok,
+        ROWS,
+        RewardCombiner([lambda prompts, completions, **_: [1.0] * len(completions)]),
+        config,
+        key=jax.random.key(0),
+        need_old_log_probs=need_old,
+    ).batch
+    assert _layout(like) == _layout(real)
+    assert (like.old_log_probs is not None) == need_old
+    assert (like.ref_log_probs is not None) == (need_old and cfg.get("beta", 0.0) > 0)
+    assert (like.sampler_log_probs is not None) == ("sampler_correction" in cfg)
+
+
+def test_rollout_batch_like_reports_bad_input_as_the_rollout_would():
+    trainer, tok = make_trainer()
+    with pytest.raises(ValueError, match="at least one dataset row"):
+        rollout_batch_like(trainer, tok, [], RolloutConfig())
+    with pytest.raises(ValueError, match="no prompt column 'question'"):
+        rollout_batch_like(trainer, tok, ROWS, RolloutConfig(prompt_column="question"))
+    with pytest.raises(ValueError, match="more than max_prompt_length=2"):
+        rollout_batch_like(trainer, tok, ROWS, RolloutConfig(max_prompt_length=2))
+    policy = dataclasses.replace(trainer.policy(), score=None)
+    with pytest.raises(ValueError, match="needs a Policy with a score function"):
+        rollout_batch_like(policy, tok, ROWS, RolloutConfig(), need_old_log_probs=True)
