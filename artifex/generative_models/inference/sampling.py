@@ -42,6 +42,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "bucket_length",
+    "check_fits_positions",
     "generate",
     "sample_logits",
 ]
@@ -98,6 +99,32 @@ def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS) 
         if b >= length:
             return int(b)
     return int(length)
+
+
+def check_fits_positions(model: Any, longest_prompt: int, max_new_tokens: int) -> None:
+    """Raises unless the longest prompt plus ``max_new_tokens`` fits the model's positions.
+
+    Args:
+        model: The model; its ``config.max_position_embeddings`` (if any) is the limit.
+        longest_prompt: Tokens of the longest prompt (without padding).
+        max_new_tokens: Tokens to generate.
+
+    Raises:
+        ValueError: Naming both lengths and the limit.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8))
+        >>> check_fits_positions(model, 5, 3)  # 8 positions: fits
+    """
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if max_pos is not None and longest_prompt + max_new_tokens > max_pos:
+        msg = (
+            f"prompt too long: the longest prompt has {longest_prompt} tokens and "
+            f"max_new_tokens={max_new_tokens}, but the model has {max_pos} positions "
+            f"(max_position_embeddings)"
+        )
+        raise ValueError(msg)
 
 
 def _argmax(x: jax.Array) -> jax.Array:
@@ -424,14 +451,7 @@ def generate(
     check_float("top_p", top_p, greater_than=0.0, maximum=1.0)
     check_float("temperature", temperature, minimum=0.0)
     config = getattr(model, "config", None)
-    max_pos = getattr(config, "max_position_embeddings", None)
-    if max_pos is not None and int(lengths.max()) + max_new_tokens > max_pos:
-        msg = (
-            f"prompt too long: the longest prompt has {int(lengths.max())} tokens and "
-            f"max_new_tokens={max_new_tokens}, but the model has {max_pos} positions "
-            f"(max_position_embeddings)"
-        )
-        raise ValueError(msg)
+    check_fits_positions(model, int(lengths.max()), max_new_tokens)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int) and not isinstance(vocab, bool):
         real = np.where(mask.astype(bool), ids, 0)

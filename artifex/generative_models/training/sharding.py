@@ -883,9 +883,11 @@ def shard_batch(
         if (
             isinstance(x, jax.Array)
             and not isinstance(x, jax.core.Tracer)  # traced (eval_shape): no sharding to read
-            and x.sharding.is_equivalent_to(rows_sharding, x.ndim)
+            and x.sharding == rows_sharding
         ):
             return x
+        # Also an equivalent layout under another spec (P('data') for P(('data', 'fsdp')) with
+        # fsdp 1): one spec for every batch, so one compiled program serves them all.
         return jax.device_put(x, rows_sharding)
 
     return jax.tree.map(put, batch)

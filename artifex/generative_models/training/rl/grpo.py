@@ -171,11 +171,15 @@ class _CompiledStep:
             concurrent.futures.wait([pending])
 
     def compile_ahead(self, state: GRPOTrainState, batch: GRPOBatch) -> concurrent.futures.Future:
-        """Traces and compiles the step for ``state`` and ``batch`` in a background thread.
+        """Traces the step for ``state`` and ``batch`` here and compiles it in a background thread.
 
         Only shapes, dtypes and shardings are read (nothing runs); JAX caches the result, so
-        the first call with arguments of the same structure runs without compiling. The call
-        waits for a compilation still in flight instead of starting a second one.
+        the first call with arguments of the same structure and placement runs without
+        compiling. The tracing happens in the calling thread, under its JAX context (a mesh
+        set with ``jax.set_mesh``, a default device, a matmul precision: per-thread settings
+        a background thread would not see); XLA's compilation, the long part, in the
+        background. The call waits for a compilation still in flight instead of starting a
+        second one.
 
         Args:
             state: A train state (its arrays are read for their types, not donated).
@@ -185,12 +189,12 @@ class _CompiledStep:
             A future whose result is ``None`` once the step is compiled (or its error).
         """
         self.wait()
-        parts = self._parts(state)
+        lowered = self._jitted.lower(*self._parts(state), batch)
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def work() -> None:
             try:
-                self._jitted.lower(*parts, batch).compile()
+                lowered.compile()
             except BaseException as exc:  # handed to whoever waits on the future
                 future.set_exception(exc)
             else:
@@ -488,10 +492,22 @@ class GRPOTrainer:
             batch: A :class:`GRPOBatch` of arrays.
 
         Returns:
-            The batch with its rows split over the mesh's data axes (the batch itself without
-            a mesh).
+            The batch with its rows split over the mesh's data axes; without a mesh, on the
+            device the parameters are committed to (restored or ``device_put`` weights), or
+            the batch itself when they are not committed. Either way every batch the library
+            builds is placed alike, so a compiled step (and one compiled ahead for a zero
+            example) serves them all.
         """
-        return batch if self.mesh is None else shard_batch(batch, self.mesh)
+        if self.mesh is not None:
+            return shard_batch(batch, self.mesh)
+        # Metadata only: inside the loop's updates these buffers may already be donated.
+        leaf = jax.tree.leaves(self.state.params)[:1]
+        if not leaf or not isinstance(leaf[0], jax.Array) or not leaf[0].committed:
+            return batch
+        devices = leaf[0].sharding.device_set
+        if len(devices) != 1:  # parameters spread over devices without a mesh: leave it be
+            return batch
+        return jax.device_put(batch, next(iter(devices)))
 
     def _score(self, batch: GRPOBatch) -> GRPOBatch:
         """Old and reference log-probs of a library-built batch (see :meth:`compute_log_probs`)."""
@@ -592,9 +608,7 @@ class GRPOTrainer:
         if batch.group_size < 2 and batch.advantages is None and batch.group_ids is None:
             msg = f"batch group_size must be >= 2 to compare completions, got {batch.group_size}"
             raise ValueError(msg)
-        if self.mesh is not None:
-            batch = shard_batch(batch, self.mesh)
-        return batch
+        return self.place_batch(batch)
 
     def compute_log_probs(self, batch: GRPOBatch | Mapping[str, Any]) -> GRPOBatch:
         """Fills ``old_log_probs`` (current policy) and ``ref_log_probs`` (reference) of a batch.
@@ -673,16 +687,18 @@ class GRPOTrainer:
 
         Start it before the first rollout: the update then compiles while the sampler compiles
         and generates, instead of after it (on the CPU, where both use the cores, the first
-        step of W1 took about 1 s less of 10 s; see ``docs/benchmarks.md``). ``train_step``
-        waits for a compilation still in flight rather than starting a second one, so calling
-        this never compiles the step twice for one batch shape.
+        step of W1 took about 1 s less of 10 s; see ``docs/benchmarks.md``). The step is
+        traced here, in the caller's JAX context, and compiled in the background;
+        ``train_step`` waits for a compilation still in flight rather than starting a second
+        one.
 
-        The example is validated like a real batch and only its structure, shapes and dtypes
-        matter; it must be laid out as the batches to come (for a GRPO rollout: each prompt
-        repeated ``group_size`` times, as the sampler returns them, so that the prompts are
-        encoded once per group, and padded to the sampler's prompt-length bucket):
-        :meth:`GRPOBatch.zeros` builds one. If it differs, the first ``train_step`` compiles
-        for its own batch (``num_compilations`` then counts both).
+        The example is validated and placed like a real batch (:meth:`prepare_batch`), and
+        only its structure, shapes and dtypes matter; it must be laid out as the batches to
+        come (for a GRPO rollout: each prompt repeated ``group_size`` times, as the sampler
+        returns them, so that the prompts are encoded once per group, and padded to the
+        sampler's prompt-length bucket): :meth:`GRPOBatch.zeros` builds one. If it differs,
+        the first ``train_step`` compiles for its own batch (a different structure or shape
+        shows as ``num_compilations`` counting both).
 
         Args:
             batch: An example batch (``GRPOBatch.zeros(num_prompts, group_size,

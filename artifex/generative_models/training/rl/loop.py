@@ -1042,18 +1042,18 @@ def train(
 
     stop = _StopSignals(enabled=config.handle_signals)
     interrupted = None
-    if (
-        config.compile_ahead
-        and start_step < config.num_steps
-        and rollout_fn is None
-        and rollout_placement is None
-        and not config.dynamic_sampling
-        and not spans_processes(policy.mesh)
-    ):
-        # The first update compiles while the sampler compiles and generates (and while the
-        # step-0 evaluation runs), not after them.
-        _compile_first_update(trainer, policy, tokenizer, data, rcfg, config)
     try:
+        if (
+            config.compile_ahead
+            and start_step < config.num_steps
+            and rollout_fn is None
+            and rollout_placement is None
+            and not config.dynamic_sampling
+            and not spans_processes(policy.mesh)
+        ):
+            # The first update compiles while the sampler compiles and generates (and while
+            # the step-0 evaluation runs), not after them.
+            _compile_first_update(trainer, policy, tokenizer, data, rcfg, config)
         stop.install()
         if start_step == 0:
             run_eval(0)
@@ -1075,7 +1075,11 @@ def train(
             # Advantages once per generation batch, by the one kernel, stored in the batch
             # (the updates below read them); the reward metrics once, from the same statistics.
             batch = trainer.place_batch(batch)
-            batch = batch.replace(advantages=_advantages(batch, trainer.config))
+            # Placed again with its advantages, which then lie as the other fields do (as in
+            # the example the first update was compiled ahead for).
+            batch = trainer.place_batch(
+                batch.replace(advantages=_advantages(batch, trainer.config))
+            )
             batch_metrics = _batch_metrics(batch)
             if step == start_step + 1:  # a run that cannot learn is told so at once
                 note = reward_signal_diagnosis(host_array(ro.batch.rewards), ro.batch.group_size)

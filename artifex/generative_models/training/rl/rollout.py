@@ -25,7 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.inference.sampling import bucket_length, generate
+from artifex.generative_models.inference.sampling import (
+    bucket_length,
+    check_fits_positions,
+    generate,
+)
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.rewards import RewardCombiner
@@ -58,6 +62,9 @@ __all__ = [
 ]
 
 OldLogProbs = Literal["auto", "sampler", "recompute"]
+_COMPLETION_LENGTH_CLASH = (
+    "dataset column 'completion_length' clashes with the rollout's own column"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,8 +479,7 @@ def sample_completions(
     )
     columns = _repeat_columns(rows, num_generations, exclude=config.prompt_column)
     if "completion_length" in columns:
-        msg = "dataset column 'completion_length' clashes with the rollout's own column"
-        raise ValueError(msg)
+        raise ValueError(_COMPLETION_LENGTH_CLASH)
     columns["completion_length"] = [int(n) for n in lengths]
     return Completions(
         output=out,
@@ -677,9 +683,12 @@ def rollout_batch_like(
         A :class:`GRPOBatch` of zeros (ones in the masks).
 
     Raises:
-        ValueError: The rows are empty, their prompts are missing, empty or too long (as
-            :func:`rollout` would say), the mesh spans several processes, or
+        ValueError: The rows are empty, their prompts are missing, empty or too long for
+            ``max_prompt_length`` or the model's positions, a row has a ``completion_length``
+            column (as :func:`rollout` would say), the mesh spans several processes, or
             ``need_old_log_probs`` without a scorer.
+        TypeError: ``config`` is not a :class:`RolloutConfig`, ``need_old_log_probs`` not a
+            bool, or ``rows`` not a sequence.
 
     Example:
         >>> import jax
@@ -696,6 +705,15 @@ def rollout_batch_like(
         >>> like.prompt_ids.shape, like.completion_ids.shape, like.shared_prompts
         ((8, 16), (8, 3), True)
     """
+    if not isinstance(config, RolloutConfig):
+        msg = f"rollout_batch_like: config must be a RolloutConfig, got {type(config).__name__}"
+        raise TypeError(msg)
+    if not isinstance(need_old_log_probs, bool):
+        msg = f"rollout_batch_like: need_old_log_probs must be a bool, got {need_old_log_probs!r}"
+        raise TypeError(msg)
+    if isinstance(rows, str | bytes | Mapping) or not isinstance(rows, Sequence):
+        msg = f"rollout_batch_like: rows must be a sequence of rows, got {type(rows).__name__}"
+        raise TypeError(msg)
     if not rows:
         msg = "rollout_batch_like needs at least one dataset row"
         raise ValueError(msg)
@@ -703,12 +721,16 @@ def rollout_batch_like(
     if spans_processes(policy.mesh):
         msg = "rollout_batch_like: the mesh spans several processes (their prompt widths differ)"
         raise ValueError(msg)
-    _, ids, _ = encode_prompts(
+    # The rollout's own checks of these rows, so that a batch it would refuse is refused here.
+    _, ids, mask = encode_prompts(
         tokenizer,
         rows,
         prompt_column=config.prompt_column,
         max_prompt_length=config.max_prompt_length,
     )
+    check_fits_positions(policy.model, int(mask.sum(axis=1).max()), config.max_new_tokens)
+    if any(isinstance(row, Mapping) and "completion_length" in row for row in rows):
+        raise ValueError(_COMPLETION_LENGTH_CLASH)
     k, n = policy.config.num_generations, config.max_new_tokens
     batch = GRPOBatch.zeros(len(rows), k, bucket_length(ids.shape[1]), n)
     batch = batch.replace(shared_prompts=True)

@@ -287,6 +287,34 @@ def test_train_config_errors_follow_the_one_rule(field, value, error):
         TrainConfig(**kwargs)
 
 
+class UpdateCompiles:
+    """Counts XLA compilations of the update (``split_step``) while active, in any thread."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.active = False
+
+    def __call__(self, event: str, duration: float, **kwargs) -> None:
+        name = str(kwargs.get("fun_name", ""))
+        if self.active and event.endswith("backend_compile_duration") and "split_step" in name:
+            self.count += 1
+
+    def during(self, fn):
+        self.count, self.active = 0, True
+        try:
+            return fn()
+        finally:
+            self.active = False
+
+
+@pytest.fixture(scope="module")
+def update_compiles():
+    counter = UpdateCompiles()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    yield counter
+    counter.active = False
+
+
 @pytest.mark.parametrize(
     ("loop", "grpo"),
     [
@@ -297,21 +325,58 @@ def test_train_config_errors_follow_the_one_rule(field, value, error):
     ],
     ids=["one-update", "minibatches", "accumulation-sampler-log-probs", "mesh"],
 )
-def test_the_first_update_compiles_during_the_first_rollout(loop, grpo):
+def test_the_first_update_compiles_during_the_first_rollout(loop, grpo, update_compiles):
     """The loop compiles the update ahead for the batch the first rollout builds: one trace
-    (a second one would mean the example's layout missed the real batch), and the same update
-    as without it (bitwise: the same program)."""
+    and one XLA compilation (a second would mean the example's layout or placement missed
+    the real batch), and the same update as without it (bitwise: the same program)."""
     settings = dict(num_steps=1, prompts_per_step=4, progress=False, seed=3, **loop)
     if "mesh" in grpo:
         grpo = dict(grpo, mesh=make_mesh(data=2, fsdp=2, devices=jax.devices()[:4]))
     ahead, tok = make_trainer(**grpo)
-    train(ahead, tok, TRAIN, [REWARD], TrainConfig(**settings), ROLLOUT)
-    assert ahead.num_compilations == 1
+    update_compiles.during(
+        lambda: train(ahead, tok, TRAIN, [REWARD], TrainConfig(**settings), ROLLOUT)
+    )
+    assert (ahead.num_compilations, update_compiles.count) == (1, 1)
     plain, tok = make_trainer(**grpo)
     train(plain, tok, TRAIN, [REWARD], TrainConfig(compile_ahead=False, **settings), ROLLOUT)
     assert plain.num_compilations == 1
     for a, b in zip(params(ahead), params(plain), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_resumed_run_compiles_its_first_update_once(tmp_path, update_compiles):
+    """Restored weights are committed to their device; the example batch is placed as the
+    rollout's batches are, so the compiled-ahead program is the one the update runs."""
+    settings = dict(prompts_per_step=4, progress=False, seed=3, checkpoint_dir=str(tmp_path))
+    first, tok = make_trainer()
+    train(first, tok, TRAIN, [REWARD], TrainConfig(num_steps=1, **settings), ROLLOUT)
+    resumed, tok = make_trainer()
+    result = update_compiles.during(
+        lambda: train(resumed, tok, TRAIN, [REWARD], TrainConfig(num_steps=2, **settings), ROLLOUT)
+    )
+    assert result.start_step == 1
+    assert (resumed.num_compilations, update_compiles.count) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "context",
+    [
+        lambda: jax.default_matmul_precision("highest"),
+        lambda: jax.default_device(jax.devices()[1]),
+        lambda: jax.set_mesh(make_mesh(data=2, devices=jax.devices()[:2])),
+    ],
+    ids=["matmul-precision", "default-device", "set-mesh"],
+)
+def test_compile_ahead_traces_under_the_callers_jax_context(context, update_compiles):
+    """Per-thread JAX settings (a ``with`` block around the run) reach the program compiled
+    ahead: it is traced in the caller's thread."""
+    settings = dict(num_steps=1, prompts_per_step=4, progress=False, seed=3)
+    with context():
+        trainer, tok = make_trainer()
+        update_compiles.during(
+            lambda: train(trainer, tok, TRAIN, [REWARD], TrainConfig(**settings), ROLLOUT)
+        )
+    assert (trainer.num_compilations, update_compiles.count) == (1, 1)
 
 
 def test_a_compile_ahead_example_that_misses_the_batch_shows_as_a_second_trace(monkeypatch):

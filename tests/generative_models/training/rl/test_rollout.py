@@ -355,6 +355,20 @@ def test_rollout_batch_like_reports_bad_input_as_the_rollout_would():
         rollout_batch_like(trainer, tok, ROWS, RolloutConfig(prompt_column="question"))
     with pytest.raises(ValueError, match="more than max_prompt_length=2"):
         rollout_batch_like(trainer, tok, ROWS, RolloutConfig(max_prompt_length=2))
+    with pytest.raises(ValueError, match="max_new_tokens=64, but the model has 32 positions"):
+        rollout_batch_like(trainer, tok, ROWS, RolloutConfig(max_new_tokens=64))
+    with pytest.raises(ValueError, match="'completion_length' clashes"):
+        rollout_batch_like(
+            trainer, tok, [{**ROWS[0], "completion_length": 3}], RolloutConfig(max_new_tokens=4)
+        )
+    with pytest.raises(TypeError, match="config must be a RolloutConfig, got dict"):
+        rollout_batch_like(trainer, tok, ROWS, {"max_new_tokens": 4})
+    with pytest.raises(TypeError, match="need_old_log_probs must be a bool, got 'no'"):
+        rollout_batch_like(trainer, tok, ROWS, RolloutConfig(), need_old_log_probs="no")
+    with pytest.raises(TypeError, match="rows must be a sequence of rows, got dict"):
+        rollout_batch_like(trainer, tok, ROWS[0], RolloutConfig())
     policy = dataclasses.replace(trainer.policy(), score=None)
     with pytest.raises(ValueError, match="needs a Policy with a score function"):
-        rollout_batch_like(policy, tok, ROWS, RolloutConfig(), need_old_log_probs=True)
+        rollout_batch_like(
+            policy, tok, ROWS, RolloutConfig(max_new_tokens=4), need_old_log_probs=True
+        )
