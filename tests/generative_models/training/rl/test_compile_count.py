@@ -27,6 +27,7 @@ from artifex.generative_models.inference import generate, sampling
 from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl import GRPOBatch
+from tests.generative_models.training.rl.compiles import CompileCounter, registered
 
 W1_MODEL = CausalLMConfig.qwen2_w1()
 W2_MODEL_2_LAYERS = CausalLMConfig(
@@ -45,24 +46,9 @@ W2_MODEL_2_LAYERS = CausalLMConfig(
 )
 
 
-class CompileCounter:
-    """Counts XLA backend compilations while active."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.active = False
-
-    def __call__(self, event: str, duration: float, **kwargs) -> None:
-        if self.active and event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-
 @pytest.fixture(scope="module")
 def counter():
-    c = CompileCounter()
-    jax.monitoring.register_event_duration_secs_listener(c)
-    yield c
-    c.active = False
+    yield from registered(CompileCounter())
 
 
 def _rollout(trainer, ids, mask, key, k, n):

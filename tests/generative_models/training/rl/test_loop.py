@@ -21,6 +21,7 @@ from artifex.generative_models.training.rl.loop import DataIterator, TrainConfig
 from artifex.generative_models.training.rl.rewards import math_answer_reward
 from artifex.generative_models.training.rl.rollout import RolloutConfig
 from artifex.generative_models.training.sharding import make_mesh
+from tests.generative_models.training.rl.compiles import CompileCounter, registered
 
 TRAIN, EVAL = addition_dataset(seed=0, num_eval=16)
 TRAIN = TRAIN[:64]
@@ -287,32 +288,9 @@ def test_train_config_errors_follow_the_one_rule(field, value, error):
         TrainConfig(**kwargs)
 
 
-class UpdateCompiles:
-    """Counts XLA compilations of the update (``split_step``) while active, in any thread."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.active = False
-
-    def __call__(self, event: str, duration: float, **kwargs) -> None:
-        name = str(kwargs.get("fun_name", ""))
-        if self.active and event.endswith("backend_compile_duration") and "split_step" in name:
-            self.count += 1
-
-    def during(self, fn):
-        self.count, self.active = 0, True
-        try:
-            return fn()
-        finally:
-            self.active = False
-
-
 @pytest.fixture(scope="module")
 def update_compiles():
-    counter = UpdateCompiles()
-    jax.monitoring.register_event_duration_secs_listener(counter)
-    yield counter
-    counter.active = False
+    yield from registered(CompileCounter("split_step"))  # the update's compilations
 
 
 @pytest.mark.parametrize(
