@@ -686,8 +686,8 @@ class GRPOTrainer:
         """Compiles the step for batches like ``batch`` in a background thread, and returns.
 
         Start it before the first rollout: the update then compiles while the sampler compiles
-        and generates, instead of after it (on the CPU, where both use the cores, the first
-        step of W1 took about 1 s less of 10 s; see ``docs/benchmarks.md``). The step is
+        and generates, instead of after it (on the CPU both share the cores, so the first
+        step gains less than the compile time; see ``docs/benchmarks.md``). The step is
         traced here, in the caller's JAX context, and compiled in the background;
         ``train_step`` waits for a compilation still in flight rather than starting a second
         one.
