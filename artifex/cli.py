@@ -456,12 +456,6 @@ def build_parser() -> argparse.ArgumentParser:
         "gate_proj up_proj down_proj)",
     )
     tr.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    tr.add_argument(
-        "--scan-layers",
-        action="store_true",
-        help="run the decoder layers as one lax.scan (CausalLM.scan_layers): the first step "
-        "compiles faster for deep models; later steps are slower on the CPU",
-    )
     tr.add_argument("--output", default="runs/train/model", help="save_pretrained directory")
     _add_distributed_options(tr)
     mt = tr.add_argument_group("multi-turn (tools or an environment)")
@@ -897,7 +891,6 @@ def _train(args: argparse.Namespace) -> int:
     _check_chat_template(tokenizer, rows, column, args.model, "--data")
     _check_chat_template(tokenizer, eval_rows or [], column, args.model, "--eval-data")
     model = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
-    model.scan_layers = args.scan_layers
     check_tokenizer_fits(tokenizer, model)
 
     rewards = _build_rewards(args, grpo.num_generations, rollout_config.max_new_tokens)
@@ -938,7 +931,6 @@ def _train(args: argparse.Namespace) -> int:
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         if grpo.beta > 0:
             reference = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
-            reference.scan_layers = args.scan_layers
     trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference, mesh=mesh)
     hooks = _multi_turn_hooks(args, rollout_config)
     result = train(

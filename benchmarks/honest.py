@@ -10,7 +10,8 @@ model.safetensors, tokenizer, prompts.json, workload.json) that every system loa
 ``CausalLM.from_pretrained``, TRL with transformers' ``AutoModelForCausalLM`` (through
 ``GRPOTrainer(model=DIR)``), Tunix with its own safetensors loader. Each system runs in its own
 process, in the order ours, TRL, Tunix, ours (W2: ours, TRL, ours, then ours with bfloat16
-parameters and ours without remat), one after the other. On W2 ours recomputes each layer's
+parameters, ours without remat and ours with the update's layers scanned,
+``GRPOConfig(scan_layers=True)``), one after the other. On W2 ours recomputes each layer's
 activations in the backward pass (``GRPOConfig(remat=True)``), as TRL does by default (its
 ``gradient_checkpointing=True``); on W1 it does not, as Tunix (``RematConfig.NONE``). Every process
 times its steps as windows and measures the CPU that other processes used in each window
@@ -264,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             order.append(("ours", [*ours_cmd, "--dtype", "bfloat16"], ours_env, f"ours, bf16{tag}"))
         if "ours" in systems and wname == "w2":
             order.append(("ours", no_remat_cmd, ours_env, "ours, no remat"))
+            # GRPOConfig.scan_layers: the update scans the layers (compiles faster), the
+            # sampler stays unrolled
+            label = "ours, remat, scanned update"
+            order.append(("ours", [*ours_cmd, "--scan-update"], ours_env, label))
         runs = []
         for system, cmd, env, label in order:
             if not os.path.exists(cmd[0]):

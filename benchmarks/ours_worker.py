@@ -1,7 +1,7 @@
 """Our GRPO step on a workload directory (``benchmarks/hfdir.py``), in its own process.
 
     python benchmarks/ours_worker.py --dir DIR [--windows 5] [--max-retries 10] [--dtype bfloat16]
-        [--remat] [--layers scan] [--no-compile-ahead]
+        [--remat] [--scan-update] [--layers scan] [--no-compile-ahead]
 
 Loads the policy and the reference with ``CausalLM.from_pretrained(DIR)``, reads the prompt ids
 from ``DIR/prompts.json`` and the settings from ``DIR/workload.json``. One step = generate
@@ -44,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         "default gradient checkpointing)",
     )
     parser.add_argument(
+        "--scan-update",
+        action="store_true",
+        help="GRPOConfig(scan_layers=True): the update scans the decoder layers (the sampler "
+        "follows --layers)",
+    )
+    parser.add_argument(
         "--no-compile-ahead",
         dest="compile_ahead",
         action="store_false",
@@ -83,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = GRPOTrainer(
         policy,
         optimizer,
-        GRPOConfig(num_generations=k, beta=w["beta"], remat=args.remat),
+        GRPOConfig(
+            num_generations=k, beta=w["beta"], remat=args.remat, scan_layers=args.scan_update
+        ),
         reference_model=reference,
     )
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Param)))
@@ -155,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer,
             trainer.config,
             reference_model=reference,
+            # unrolled layers too: a scan over the layers would be counted for one layer
             log_prob_fn=causal_lm_log_probs_fn(chunk_size=2**31 - 1, remat=args.remat),
         )
         cost = whole.compiled_step().lower(whole.state, last["batch"]).compile()
@@ -171,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "layers": args.layers,
         "remat": args.remat,
+        "scan_update": args.scan_update,
         "compile_ahead": args.compile_ahead,
         "params": int(n_params),
         "load_s": load_s,

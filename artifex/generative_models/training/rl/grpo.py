@@ -363,7 +363,12 @@ class GRPOTrainer:
             None if reference_model is None else nnx.as_pure(nnx.state(reference_model))
         )
         self.log_prob_fn = (
-            default_log_prob_fn(model, temperature=config.temperature, remat=config.remat)
+            default_log_prob_fn(
+                model,
+                temperature=config.temperature,
+                remat=config.remat,
+                scan_layers=config.scan_layers,
+            )
             if log_prob_fn is None
             else log_prob_fn
         )

@@ -171,6 +171,7 @@ def causal_lm_log_probs(
     temperature: float = 1.0,
     shared_prompt_group: int | None = None,
     remat: bool = False,
+    scan_layers: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies of completions under a causal LM.
 
@@ -187,6 +188,13 @@ def causal_lm_log_probs(
     (``hidden_states(..., remat=True)``): a gradient keeps each layer's input instead of all its
     activations and recomputes them, for about one more forward pass of compute.
 
+    With ``scan_layers=True`` the decoder layers run as one ``jax.lax.scan`` over their stacked
+    weights (``model.layer_stack()``, computed once per call and shared by the prompt and
+    completion passes), whatever ``model.scan_layers`` says: the same values, a program that
+    holds one layer instead of all of them (it compiles several times faster for deep models),
+    for one stacked copy of the layer weights (and of their gradient) while it runs. A model
+    whose layers differ in structure (``layer_stack()`` is None) runs them unrolled.
+
     Args:
         model: A causal LM with ``hidden_states(ids, attention_mask=..., cache=...)``,
             ``init_cache`` and ``output_embedding() -> (D, V)``.
@@ -199,9 +207,15 @@ def causal_lm_log_probs(
             prompt; ``None`` or 1 encodes every row's prompt.
         remat: Rematerialize the decoder layers in the backward pass (gradient checkpointing);
             the model's ``hidden_states`` must accept ``remat=``. The values are unchanged.
+        scan_layers: Scan the decoder layers (see above); the model must have
+            ``layer_stack()`` and ``hidden_states(..., layer_stack=...)``.
 
     Returns:
         ``(log_probs, entropy)``, each ``(B, T)`` float32.
+
+    Raises:
+        ValueError: If ``prompt_ids`` has no column.
+        TypeError: If ``scan_layers`` is set and the model has no ``layer_stack`` method.
 
     Example:
         >>> import jax.numpy as jnp
@@ -230,7 +244,17 @@ def causal_lm_log_probs(
         prompt_mask = jnp.ones((b, p), jnp.int32)
     prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
     # Only passed when set, so models whose hidden_states has no `remat` keep working.
-    options = {"remat": True} if remat else {}
+    options: dict[str, Any] = {"remat": True} if remat else {}
+    if scan_layers:
+        if not callable(getattr(model, "layer_stack", None)):
+            msg = (
+                "scan_layers=True needs a model with layer_stack() and "
+                f"hidden_states(..., layer_stack=...); got {type(model).__name__}"
+            )
+            raise TypeError(msg)
+        stack = model.layer_stack()
+        if stack is not None:
+            options["layer_stack"] = stack
     g = shared_prompt_group
     if g is not None and g > 1 and b % g == 0 and hasattr(model, "init_cache"):
         cache = model.init_cache(b // g, p + t)
@@ -260,7 +284,11 @@ def causal_lm_log_probs(
 
 
 def causal_lm_log_probs_fn(
-    *, chunk_size: int | None = None, temperature: float = 1.0, remat: bool = False
+    *,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+    remat: bool = False,
+    scan_layers: bool = False,
 ) -> LogProbFn:
     """A log-prob function for causal LMs reading a :class:`GRPOBatch`.
 
@@ -268,6 +296,8 @@ def causal_lm_log_probs_fn(
         chunk_size: Rows per logits chunk; ``None`` picks one from the vocabulary size.
         temperature: Sampling temperature the completions were drawn at (logits are divided).
         remat: Rematerialize the decoder layers in the backward pass (see
+            :func:`causal_lm_log_probs`).
+        scan_layers: Run the decoder layers as one ``lax.scan`` (see
             :func:`causal_lm_log_probs`).
 
     Returns:
@@ -299,6 +329,7 @@ def causal_lm_log_probs_fn(
             temperature=temperature,
             shared_prompt_group=batch.group_size if batch.shared_prompts else None,
             remat=remat,
+            scan_layers=scan_layers,
         )
 
     return fn
@@ -349,7 +380,9 @@ def categorical_log_probs(
     return token_log_probs(logits, batch.completion_ids)
 
 
-def default_log_prob_fn(model: Any, *, temperature: float = 1.0, remat: bool = False) -> LogProbFn:
+def default_log_prob_fn(
+    model: Any, *, temperature: float = 1.0, remat: bool = False, scan_layers: bool = False
+) -> LogProbFn:
     """Chooses the log-prob function for ``model``.
 
     Models with ``hidden_states`` and ``output_embedding`` methods (the library's causal LMs)
@@ -362,6 +395,8 @@ def default_log_prob_fn(model: Any, *, temperature: float = 1.0, remat: bool = F
         remat: For causal LMs, rematerialize the decoder layers in the backward pass
             (``GRPOConfig.remat``); categorical policies have no layers to rematerialize and
             ignore it.
+        scan_layers: For causal LMs with ``layer_stack()``, run the decoder layers as one
+            ``lax.scan`` (``GRPOConfig.scan_layers``); other models ignore it.
 
     Returns:
         A log-prob function.
@@ -372,7 +407,8 @@ def default_log_prob_fn(model: Any, *, temperature: float = 1.0, remat: bool = F
         'categorical_log_probs'
     """
     if hasattr(model, "hidden_states") and hasattr(model, "output_embedding"):
-        return causal_lm_log_probs_fn(temperature=temperature, remat=remat)
+        scan = scan_layers and callable(getattr(model, "layer_stack", None))
+        return causal_lm_log_probs_fn(temperature=temperature, remat=remat, scan_layers=scan)
     if temperature == 1.0:
         return categorical_log_probs
     return partial(categorical_log_probs, temperature=temperature)

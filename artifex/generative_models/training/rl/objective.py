@@ -522,7 +522,12 @@ def make_grpo_loss(
     """
     graphdef = nnx.graphdef(model)
     if log_prob_fn is None:
-        log_prob_fn = default_log_prob_fn(model, temperature=config.temperature, remat=config.remat)
+        log_prob_fn = default_log_prob_fn(
+            model,
+            temperature=config.temperature,
+            remat=config.remat,
+            scan_layers=config.scan_layers,
+        )
 
     @jax.jit
     def _loss(params: nnx.State, rest: nnx.State, batch: GRPOBatch):

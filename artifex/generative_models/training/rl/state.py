@@ -252,7 +252,12 @@ def _program(
         ref_graphdef=None if reference_model is None else nnx.graphdef(reference_model),
         config=config,
         log_prob_fn=(
-            default_log_prob_fn(model, temperature=config.temperature, remat=config.remat)
+            default_log_prob_fn(
+                model,
+                temperature=config.temperature,
+                remat=config.remat,
+                scan_layers=config.scan_layers,
+            )
             if log_prob_fn is None
             else log_prob_fn
         ),

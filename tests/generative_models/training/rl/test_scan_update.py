@@ -1,0 +1,201 @@
+"""``GRPOConfig.scan_layers``: the update scans the decoder layers; the sampler does not.
+
+The scanned update must give the unrolled update's values and gradients (the unrolled path is
+checked against Hugging Face elsewhere), hold one layer in its compiled program whatever the
+depth, and leave ``model.scan_layers`` (which the sampler follows) alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm import (
+    CausalLM,
+    CausalLMConfig,
+    LoRAConfig,
+    apply_lora,
+)
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl import (
+    GRPOBatch,
+    causal_lm_log_probs,
+    default_log_prob_fn,
+    grpo_objective,
+)
+
+VOCAB = 64
+
+
+def tiny_lm(num_layers: int = 3, seed: int = 0) -> CausalLM:
+    cfg = CausalLMConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=256,
+    )
+    return CausalLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def lm_batch(seed: int = 0, prompts: int = 2, g: int = 3, p: int = 5, t: int = 6) -> GRPOBatch:
+    """Prompts shared within groups (one left-padded), ragged completions, old/ref log-probs."""
+    rng = np.random.default_rng(seed)
+    b = prompts * g
+    prompt_ids = np.repeat(rng.integers(1, VOCAB, (prompts, p)), g, axis=0)
+    prompt_mask = np.ones((b, p), np.int32)
+    prompt_mask[:g, :2] = 0
+    lengths = rng.integers(2, t + 1, b)
+    return GRPOBatch(
+        prompt_ids=jnp.asarray(prompt_ids, jnp.int32),
+        prompt_mask=jnp.asarray(prompt_mask),
+        completion_ids=jnp.asarray(rng.integers(1, VOCAB, (b, t)), jnp.int32),
+        completion_mask=jnp.asarray((np.arange(t)[None] < lengths[:, None]).astype(np.float32)),
+        rewards=jnp.asarray(rng.normal(size=b), jnp.float32),
+        old_log_probs=jnp.asarray(-4.0 + 0.1 * rng.normal(size=(b, t)), jnp.float32),
+        ref_log_probs=jnp.asarray(-4.0 + 0.1 * rng.normal(size=(b, t)), jnp.float32),
+        group_size=g,
+    )
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prompt_cache", "every_row"])
+def test_scanned_layers_give_the_unrolled_log_probs_and_gradients(shared, remat):
+    model = tiny_lm()
+    assert model.scan_layers is False
+    batch = lm_batch().replace(shared_prompts=shared)
+    graphdef, params = nnx.split(model, nnx.Param)
+    config = GRPOConfig(num_generations=3, beta=0.04, entropy_coeff=0.01)
+
+    def loss(params, scan):
+        log_probs, entropy = causal_lm_log_probs(
+            nnx.merge(graphdef, params),
+            batch.prompt_ids,
+            batch.completion_ids,
+            prompt_mask=batch.prompt_mask,
+            shared_prompt_group=batch.group_size if shared else None,
+            remat=remat,
+            scan_layers=scan,
+        )
+        value, _ = grpo_objective(log_probs, entropy, batch, config)
+        return value, (log_probs, entropy)
+
+    run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (loss0, (logp0, ent0)), grads0 = run(params, False)
+    (loss1, (logp1, ent1)), grads1 = run(params, True)
+    np.testing.assert_allclose(np.asarray(logp1), np.asarray(logp0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(ent1), np.asarray(ent0), rtol=1e-6, atol=1e-6)
+    assert float(loss1) == pytest.approx(float(loss0), rel=1e-6)
+    g0, g1 = flat(grads0), flat(grads1)
+    assert g0.keys() == g1.keys() and len(g0) > 20  # every parameter of the 3 layers
+    for name, expected in g0.items():
+        assert np.abs(expected).max() > 0, name
+        np.testing.assert_allclose(g1[name], expected, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def _dots_in_update(num_layers: int, scan: bool) -> int:
+    """Dot operations in the optimized program of the whole update (policy and reference)."""
+    policy, reference = tiny_lm(num_layers), tiny_lm(num_layers)
+    optimizer = nnx.Optimizer(policy, optax.adamw(1e-3), wrt=nnx.Param)
+    config = GRPOConfig(num_generations=3, beta=0.04, remat=True, scan_layers=scan)
+    trainer = GRPOTrainer(policy, optimizer, config, reference_model=reference)
+    batch = lm_batch().replace(old_log_probs=None, ref_log_probs=None)
+    text = trainer.compiled_step().lower(trainer.state, batch).compile().as_text()
+    return text.count(" dot(")
+
+
+def test_the_scanned_update_holds_one_layer_whatever_the_depth():
+    unrolled = _dots_in_update(2, False), _dots_in_update(5, False)
+    scanned = _dots_in_update(2, True), _dots_in_update(5, True)
+    assert unrolled[1] > unrolled[0] > 0, unrolled  # a copy of the layer per layer
+    assert scanned[0] == scanned[1] > 0, scanned  # one loop body
+    assert scanned[1] < unrolled[1], (scanned, unrolled)
+
+
+def test_trainer_step_with_scan_layers_matches_the_unrolled_step(monkeypatch):
+    seen = []
+    hidden_states = CausalLM.hidden_states
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("layer_stack") is not None)
+        return hidden_states(self, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "hidden_states", spy)
+    batch = lm_batch(seed=1).replace(ref_log_probs=None)
+    updated, metrics = [], []
+    for scan in (False, True):
+        policy, reference = tiny_lm(seed=0), tiny_lm(seed=5)
+        optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
+        config = GRPOConfig(num_generations=3, beta=0.04, scan_layers=scan)
+        trainer = GRPOTrainer(policy, optimizer, config, reference_model=reference)
+        seen.clear()
+        metrics.append(trainer.train_step(batch))
+        assert seen and set(seen) == {scan}, seen  # policy and reference, every call
+        # the sampler follows model.scan_layers, which the option leaves as it was
+        assert policy.scan_layers is False and reference.scan_layers is False
+        updated.append(flat(nnx.state(policy, nnx.Param)))
+    assert metrics[1]["total_loss"] == pytest.approx(metrics[0]["total_loss"], rel=1e-6)
+    assert metrics[1]["kl"] == pytest.approx(metrics[0]["kl"], rel=1e-5)
+    assert metrics[1]["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)
+    for name, expected in updated[0].items():
+        np.testing.assert_allclose(updated[1][name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_layers_that_differ_run_unrolled_with_the_same_values():
+    model = tiny_lm(num_layers=2)
+    # an adapter on the first layer only: the layers no longer share one structure
+    apply_lora(model, LoRAConfig(rank=2, alpha=4.0, target_modules=("q_proj",)), nnx.Rngs(1))
+    model.layers[1].attn.q_proj.lora = None
+    lora_b = model.layers[0].attn.q_proj.lora.lora_b
+    lora_b[...] = jnp.full_like(lora_b[...], 0.01)
+    assert model.layer_stack() is None
+    batch = lm_batch()
+    scanned = causal_lm_log_probs(
+        model, batch.prompt_ids, batch.completion_ids, prompt_mask=batch.prompt_mask,
+        scan_layers=True,
+    )  # fmt: skip
+    plain = causal_lm_log_probs(
+        model, batch.prompt_ids, batch.completion_ids, prompt_mask=batch.prompt_mask
+    )
+    np.testing.assert_array_equal(np.asarray(scanned[0]), np.asarray(plain[0]))
+
+
+def test_scan_layers_option_is_checked_and_reaches_the_cli():
+    assert GRPOConfig().scan_layers is False
+    for value in ("yes", 1, None):
+        with pytest.raises(TypeError, match=r"GRPOConfig\.scan_layers must be a bool"):
+            GRPOConfig(scan_layers=value)
+    from artifex.cli import build_parser
+
+    base = ["train", "--model", "m", "--data", "d.jsonl", "--reward", "math"]
+    parser = build_parser()
+    assert vars(parser.parse_args([*base, "--scan-layers"]))["GRPOConfig.scan_layers"] is True
+    assert "GRPOConfig.scan_layers" not in vars(parser.parse_args(base))
+
+
+def test_a_model_without_layer_stack_is_refused_by_name():
+    class Plain:
+        def hidden_states(self, ids, attention_mask=None, **kwargs):
+            return jnp.zeros((*ids.shape, 4)), None
+
+        def output_embedding(self):
+            return jnp.zeros((4, VOCAB))
+
+    batch = lm_batch()
+    with pytest.raises(TypeError, match="scan_layers=True needs a model with layer_stack"):
+        causal_lm_log_probs(Plain(), batch.prompt_ids, batch.completion_ids, scan_layers=True)
+    # the trainer's default log-prob function applies the option only where it can
+    fn = default_log_prob_fn(Plain(), scan_layers=True)
+    logp, _ = fn(Plain(), batch.replace(shared_prompts=False))
+    assert logp.shape == batch.completion_ids.shape
