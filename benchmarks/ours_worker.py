@@ -166,7 +166,13 @@ def main(argv: list[str] | None = None) -> int:
             # unrolled layers too: a scan over the layers would be counted for one layer
             log_prob_fn=causal_lm_log_probs_fn(chunk_size=2**31 - 1, remat=args.remat),
         )
-        cost = whole.compiled_step().lower(whole.state, last["batch"]).compile()
+        # The batch as train_step runs it: prepare_batch marks prompts shared within groups
+        # (each encoded once per group), which the raw batch does not say.
+        prepared = whole.prepare_batch(last["batch"])
+        if not prepared.shared_prompts:
+            msg = "the sampler's batch should have its prompts shared within groups"
+            raise RuntimeError(msg)
+        cost = whole.compiled_step().lower(whole.state, prepared).compile()
         cost = cost.cost_analysis()
         if isinstance(cost, list | tuple):
             cost = cost[0]
