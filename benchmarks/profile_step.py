@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     batch = step()
     rss_step = cleanwin.peak_rss_bytes()
     t0 = time.perf_counter()
-    compiled = trainer.compiled_step().lower(trainer.state, batch).compile()
+    # the batch as train_step runs it (prompts shared within groups, encoded once per group)
+    prepared = trainer.prepare_batch(batch)
+    compiled = trainer.compiled_step().lower(trainer.state, prepared).compile()
     compile_s = time.perf_counter() - t0  # ahead-of-time: compiled again, not from the jit cache
     update = _analysis(compiled)
     update["compile_s"] = compile_s

@@ -272,7 +272,8 @@ class CausalLM(nnx.Module):
             if positions is None:
                 offset = jnp.sum(cache.valid, axis=-1, dtype=jnp.int32)
                 positions = positions_from_mask(attention_mask, offset)
-            valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, index))
+            zero = jnp.zeros((), jnp.asarray(index).dtype)  # one index dtype, also under x64
+            valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (zero, index))
             slots = jnp.arange(cache.max_length, dtype=jnp.int32)
             query_slots = index + jnp.arange(t, dtype=jnp.int32)
             mask = valid[:, None, :] & (slots[None, None, :] <= query_slots[None, :, None])

@@ -260,7 +260,8 @@ class Attention(nnx.Module):
 
         if kv is not None:
             keys, values = kv
-            start = (0, 0, index, 0)
+            zero = jnp.zeros((), jnp.asarray(index).dtype)  # one index dtype, also under x64
+            start = (zero, zero, index, zero)
             keys = jax.lax.dynamic_update_slice(keys, key.astype(keys.dtype), start)
             values = jax.lax.dynamic_update_slice(values, value.astype(values.dtype), start)
             kv = (keys, values)
