@@ -191,8 +191,9 @@ def causal_lm_log_probs(
     With ``scan_layers=True`` the decoder layers run as one ``jax.lax.scan`` over their stacked
     weights (``model.layer_stack()``, computed once per call and shared by the prompt and
     completion passes), whatever ``model.scan_layers`` says: the same values, a program that
-    holds one layer instead of all of them (it compiles several times faster for deep models),
-    for one stacked copy of the layer weights (and of their gradient) while it runs. A model
+    holds one layer instead of all of them (it compiles faster for deep models; on the CPU it
+    runs somewhat slower), for one stacked copy of the layer weights (and of their gradient)
+    while it runs. A model
     whose layers differ in structure (``layer_stack()`` is None) runs them unrolled.
 
     Args:
