@@ -16,7 +16,6 @@ from flax import nnx
 
 from artifex.generative_models.models.causal_lm import (
     CausalLM,
-    CausalLMConfig,
     LoRAConfig,
     apply_lora,
 )
@@ -27,46 +26,17 @@ from artifex.generative_models.training.rl import (
     default_log_prob_fn,
     grpo_objective,
 )
-
-VOCAB = 64
+from tests.generative_models.training.rl import test_remat as remat_tests
+from tests.generative_models.training.rl.test_remat import VOCAB, flat
 
 
 def tiny_lm(num_layers: int = 3, seed: int = 0) -> CausalLM:
-    cfg = CausalLMConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=256,
-    )
-    return CausalLM(cfg, rngs=nnx.Rngs(seed))
+    return remat_tests.tiny_lm(num_layers, seed)
 
 
-def lm_batch(seed: int = 0, prompts: int = 2, g: int = 3, p: int = 5, t: int = 6) -> GRPOBatch:
+def lm_batch(seed: int = 0, prompts: int = 2, g: int = 3) -> GRPOBatch:
     """Prompts shared within groups (one left-padded), ragged completions, old/ref log-probs."""
-    rng = np.random.default_rng(seed)
-    b = prompts * g
-    prompt_ids = np.repeat(rng.integers(1, VOCAB, (prompts, p)), g, axis=0)
-    prompt_mask = np.ones((b, p), np.int32)
-    prompt_mask[:g, :2] = 0
-    lengths = rng.integers(2, t + 1, b)
-    return GRPOBatch(
-        prompt_ids=jnp.asarray(prompt_ids, jnp.int32),
-        prompt_mask=jnp.asarray(prompt_mask),
-        completion_ids=jnp.asarray(rng.integers(1, VOCAB, (b, t)), jnp.int32),
-        completion_mask=jnp.asarray((np.arange(t)[None] < lengths[:, None]).astype(np.float32)),
-        rewards=jnp.asarray(rng.normal(size=b), jnp.float32),
-        old_log_probs=jnp.asarray(-4.0 + 0.1 * rng.normal(size=(b, t)), jnp.float32),
-        ref_log_probs=jnp.asarray(-4.0 + 0.1 * rng.normal(size=(b, t)), jnp.float32),
-        group_size=g,
-    )
-
-
-def flat(tree) -> dict[str, np.ndarray]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+    return remat_tests.lm_batch(seed, prompts=prompts, g=g)
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "remat"])
