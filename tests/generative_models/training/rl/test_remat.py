@@ -59,36 +59,43 @@ def flat(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["shared_prompt_cache", "plain"])
-def test_remat_gives_the_same_log_probs_and_grpo_gradients(shared):
-    model = tiny_lm()
-    batch = lm_batch().replace(shared_prompts=shared)
+def assert_same_log_probs_and_gradients(model, batch, baseline: dict, variant: dict) -> None:
+    """``causal_lm_log_probs`` with ``variant`` options gives ``baseline``'s values and GRPO
+    gradients (of every parameter, each nonzero)."""
     graphdef, params = nnx.split(model, nnx.Param)
-    config = GRPOConfig(num_generations=4, beta=0.04, entropy_coeff=0.01)
+    config = GRPOConfig(num_generations=batch.group_size, beta=0.04, entropy_coeff=0.01)
+    shared = batch.group_size if batch.shared_prompts else None
 
-    def loss(params, remat):
+    def loss(params, options):
         log_probs, entropy = causal_lm_log_probs(
             nnx.merge(graphdef, params),
             batch.prompt_ids,
             batch.completion_ids,
             prompt_mask=batch.prompt_mask,
-            shared_prompt_group=batch.group_size if shared else None,
-            remat=remat,
+            shared_prompt_group=shared,
+            **dict(options),
         )
         value, _ = grpo_objective(log_probs, entropy, batch, config)
         return value, (log_probs, entropy)
 
     run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
-    (loss0, (logp0, ent0)), grads0 = run(params, False)
-    (loss1, (logp1, ent1)), grads1 = run(params, True)
+    (loss0, (logp0, ent0)), grads0 = run(params, tuple(sorted(baseline.items())))
+    (loss1, (logp1, ent1)), grads1 = run(params, tuple(sorted(variant.items())))
     np.testing.assert_allclose(np.asarray(logp1), np.asarray(logp0), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(ent1), np.asarray(ent0), rtol=1e-6, atol=1e-6)
     assert float(loss1) == pytest.approx(float(loss0), rel=1e-6)
     g0, g1 = flat(grads0), flat(grads1)
-    assert g0.keys() == g1.keys() and len(g0) > 15  # every parameter of the 2 layers
+    leaves = len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert g0.keys() == g1.keys() and len(g0) == leaves > 15  # every parameter
     for name, expected in g0.items():
         assert np.abs(expected).max() > 0, name
         np.testing.assert_allclose(g1[name], expected, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prompt_cache", "plain"])
+def test_remat_gives_the_same_log_probs_and_grpo_gradients(shared):
+    batch = lm_batch().replace(shared_prompts=shared)
+    assert_same_log_probs_and_gradients(tiny_lm(), batch, {"remat": False}, {"remat": True})
 
 
 def test_remat_shrinks_the_temporaries_of_the_compiled_gradient():

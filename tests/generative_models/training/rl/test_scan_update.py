@@ -7,7 +7,6 @@ depth, and leave ``model.scan_layers`` (which the sampler follows) alone.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -24,7 +23,6 @@ from artifex.generative_models.training.rl import (
     GRPOBatch,
     causal_lm_log_probs,
     default_log_prob_fn,
-    grpo_objective,
 )
 from tests.generative_models.training.rl import test_remat as remat_tests
 from tests.generative_models.training.rl.test_remat import VOCAB, flat
@@ -45,33 +43,9 @@ def test_scanned_layers_give_the_unrolled_log_probs_and_gradients(shared, remat)
     model = tiny_lm()
     assert model.scan_layers is False
     batch = lm_batch().replace(shared_prompts=shared)
-    graphdef, params = nnx.split(model, nnx.Param)
-    config = GRPOConfig(num_generations=3, beta=0.04, entropy_coeff=0.01)
-
-    def loss(params, scan):
-        log_probs, entropy = causal_lm_log_probs(
-            nnx.merge(graphdef, params),
-            batch.prompt_ids,
-            batch.completion_ids,
-            prompt_mask=batch.prompt_mask,
-            shared_prompt_group=batch.group_size if shared else None,
-            remat=remat,
-            scan_layers=scan,
-        )
-        value, _ = grpo_objective(log_probs, entropy, batch, config)
-        return value, (log_probs, entropy)
-
-    run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
-    (loss0, (logp0, ent0)), grads0 = run(params, False)
-    (loss1, (logp1, ent1)), grads1 = run(params, True)
-    np.testing.assert_allclose(np.asarray(logp1), np.asarray(logp0), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(ent1), np.asarray(ent0), rtol=1e-6, atol=1e-6)
-    assert float(loss1) == pytest.approx(float(loss0), rel=1e-6)
-    g0, g1 = flat(grads0), flat(grads1)
-    assert g0.keys() == g1.keys() and len(g0) > 20  # every parameter of the 3 layers
-    for name, expected in g0.items():
-        assert np.abs(expected).max() > 0, name
-        np.testing.assert_allclose(g1[name], expected, rtol=1e-5, atol=1e-7, err_msg=name)
+    remat_tests.assert_same_log_probs_and_gradients(
+        model, batch, {"remat": remat}, {"remat": remat, "scan_layers": True}
+    )
 
 
 def _dots_in_update(num_layers: int, scan: bool) -> int:
