@@ -39,6 +39,51 @@ def compiled_flops(jitted: Any, *args: Any, **kwargs: Any) -> float:
     return float(cost.get("flops", float("nan")))
 
 
+def update_cost(trainer: Any, batch: Any, *, remat: bool = False) -> dict[str, float]:
+    """FLOPs and bytes accessed of one GRPO update (``trainer.compiled_step()``), by XLA's count.
+
+    XLA's cost analysis counts a loop body once: the chunked log-probs (a scan over chunks of
+    rows) and scanned layers would be counted for one chunk or one layer. The count is taken on
+    the same update with the log-probs in one piece and the layers unrolled (compiled, never
+    run); it has no chunk recomputation either, so it counts the update's own FLOPs. The batch
+    is converted as ``train_step`` converts it (``prepare_batch`` marks prompts shared within
+    groups, each encoded once per group, which a raw sampler batch does not say).
+
+    Args:
+        trainer: The ``GRPOTrainer`` whose update is counted (model, optimizer, reference and
+            config are reused).
+        batch: A batch as passed to ``train_step``.
+        remat: Whether the counted update rematerializes the layers (as ``GRPOConfig.remat``).
+
+    Returns:
+        ``{"flops": ..., "bytes_accessed": ...}`` of one update.
+
+    Raises:
+        RuntimeError: If the converted batch does not share prompts within groups.
+    """
+    from artifex.generative_models.training import GRPOTrainer
+    from artifex.generative_models.training.rl import causal_lm_log_probs_fn
+
+    whole = GRPOTrainer(
+        trainer.model,
+        trainer.optimizer,
+        trainer.config,
+        reference_model=trainer.reference_model,
+        log_prob_fn=causal_lm_log_probs_fn(chunk_size=2**31 - 1, remat=remat),
+    )
+    prepared = whole.prepare_batch(batch)
+    if not prepared.shared_prompts:
+        msg = "the sampler's batch should have its prompts shared within groups"
+        raise RuntimeError(msg)
+    cost = whole.compiled_step().lower(whole.state, prepared).compile().cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0]
+    return {
+        "flops": float(cost.get("flops", float("nan"))),
+        "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
+    }
+
+
 def compiled_memory(jitted: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
     """XLA memory analysis of the compiled function (bytes)."""
     mem = jitted.lower(*args, **kwargs).compile().memory_analysis()

@@ -152,31 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     peak_rss = cleanwin.peak_rss_bytes()  # before the cost analysis below compiles again
     flops = None
     if args.flops:
-        # XLA's cost analysis counts a loop body once: the chunked log-probs (a scan over
-        # chunks of rows) would be counted for one chunk only. The count is taken on the same
-        # update with the log-probs in one piece (compiled, never run); it has no chunk
-        # recomputation either, so it counts the update's own FLOPs.
-        from artifex.generative_models.training.rl import causal_lm_log_probs_fn
+        from benchmarks.common import update_cost
 
-        whole = GRPOTrainer(
-            policy,
-            optimizer,
-            trainer.config,
-            reference_model=reference,
-            # unrolled layers too: a scan over the layers would be counted for one layer
-            log_prob_fn=causal_lm_log_probs_fn(chunk_size=2**31 - 1, remat=args.remat),
-        )
-        # The batch as train_step runs it: prepare_batch marks prompts shared within groups
-        # (each encoded once per group), which the raw batch does not say.
-        prepared = whole.prepare_batch(last["batch"])
-        if not prepared.shared_prompts:
-            msg = "the sampler's batch should have its prompts shared within groups"
-            raise RuntimeError(msg)
-        cost = whole.compiled_step().lower(whole.state, prepared).compile()
-        cost = cost.cost_analysis()
-        if isinstance(cost, list | tuple):
-            cost = cost[0]
-        flops = float(cost.get("flops", float("nan")))
+        flops = update_cost(trainer, last["batch"], remat=args.remat)["flops"]
 
     summary = win.summary(("generation_s", "host_s", "training_s"))
     result = {

@@ -1,6 +1,7 @@
 """Where one GRPO step spends FLOPs, bytes and memory: XLA's cost and memory analysis.
 
-    python benchmarks/profile_step.py --dir DIR [--dtype bfloat16] [--trace OUT_DIR]
+    python benchmarks/profile_step.py --dir DIR [--dtype bfloat16] [--remat] [--unshared]
+        [--trace OUT_DIR]
 
 ``DIR`` is a workload directory (``benchmarks/hfdir.py``). Builds the trainer as
 ``benchmarks/ours_worker.py`` does, runs one step, then prints, for the compiled update
@@ -8,7 +9,14 @@
 XLA's FLOPs and
 bytes accessed and the buffer sizes (arguments, outputs, temporaries, aliased = donated), next
 to the bytes of the parameters, the AdamW moments and the reference, and the process's peak
-resident memory. With
+resident memory. FLOPs and bytes are counted on the same update with the log-probs in one
+piece (``benchmarks.common.update_cost``: XLA counts a loop body once). It also compiles the
+update ahead of time and prints the compile time, the number of operations at the top level of
+the optimized program (XLA:CPU orders them with a pairwise dependency check, so the compile
+grows with their square) and the wall time of the first and second run of that freshly
+compiled update (the first run also builds the matrix-product kernels' execution plans).
+``--unshared`` compiles the update on the batch with ``shared_prompts=False`` as well (every
+row's prompt encoded: one pass over the layers instead of two), for comparison. With
 ``--trace`` a ``jax.profiler`` trace of two more steps is written for TensorBoard / Perfetto.
 """
 
@@ -25,15 +33,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import cleanwin
 
 
+def _entry_operations(compiled) -> int:
+    """Operations at the top level of the optimized program, bookkeeping ones excluded."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY ") :].split("\n}\n", 1)[0]
+    trivial = ("parameter(", "get-tuple-element(", "tuple(", "bitcast(", "constant(")
+    lines = [line for line in entry.splitlines()[1:] if " = " in line]
+    return sum(
+        1 for line in lines if not any(f" {op}" in line.split(" = ", 1)[1][:80] for op in trivial)
+    )
+
+
 def _analysis(compiled) -> dict:
-    cost = compiled.cost_analysis()
-    if isinstance(cost, list | tuple):
-        cost = cost[0]
     mem = compiled.memory_analysis()
     return {
-        "flops": float(cost.get("flops", float("nan"))),
-        "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
-        "transcendentals": float(cost.get("transcendentals", float("nan"))),
         "argument_bytes": int(mem.argument_size_in_bytes),
         "output_bytes": int(mem.output_size_in_bytes),
         "alias_bytes": int(mem.alias_size_in_bytes),
@@ -46,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--remat", action="store_true", help="GRPOConfig(remat=True)")
+    parser.add_argument(
+        "--unshared", action="store_true", help="also compile the update without shared prompts"
+    )
     parser.add_argument("--trace", default="", help="write a jax.profiler trace here")
     args = parser.parse_args(argv)
 
@@ -59,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from artifex.generative_models.models.causal_lm import CausalLM
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
     from artifex.generative_models.training.rl import GRPOBatch
+    from benchmarks.common import update_cost
 
     with open(os.path.join(args.dir, "workload.json")) as fh:
         w = json.load(fh)
@@ -71,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     rss_loaded = cleanwin.peak_rss_bytes()
     optimizer = nnx.Optimizer(policy, optax.adamw(w["learning_rate"]), wrt=nnx.Param)
     trainer = GRPOTrainer(
-        policy, optimizer, GRPOConfig(num_generations=k, beta=w["beta"]), reference_model=reference
+        policy,
+        optimizer,
+        GRPOConfig(num_generations=k, beta=w["beta"], remat=args.remat),
+        reference_model=reference,
     )
 
     def nbytes(tree) -> int:
@@ -108,24 +129,50 @@ def main(argv: list[str] | None = None) -> int:
 
     batch = step()
     rss_step = cleanwin.peak_rss_bytes()
-    t0 = time.perf_counter()
     # the batch as train_step runs it (prompts shared within groups, encoded once per group)
     prepared = trainer.prepare_batch(batch)
-    compiled = trainer.compiled_step().lower(trainer.state, prepared).compile()
-    compile_s = time.perf_counter() - t0  # ahead-of-time: compiled again, not from the jit cache
-    update = _analysis(compiled)
-    update["compile_s"] = compile_s
-    update["optimized_hlo_chars"] = len(compiled.as_text())
     if args.trace:
         with jax.profiler.trace(args.trace):
             step()
             step()
+    compiles, executables = {}, {}
+    for name, shared in (
+        (("shared", True), ("unshared", False)) if args.unshared else (("shared", True),)
+    ):
+        jax.clear_caches()  # compiled again: neither the jit cache nor an earlier compile
+        t0 = time.perf_counter()
+        compiled = (
+            trainer.compiled_step()
+            .lower(trainer.state, prepared.replace(shared_prompts=shared))
+            .compile()
+        )
+        executables[name] = compiled
+        compiles[name] = {
+            "compile_s": time.perf_counter() - t0,
+            "entry_operations": _entry_operations(compiled),
+            "optimized_hlo_chars": len(compiled.as_text()),
+        }
+    # memory analysis of the update as it runs; FLOPs and bytes of it with unchunked log-probs
+    update = _analysis(executables["shared"])
+    update.update(update_cost(trainer, batch, remat=args.remat))
+    # The first and second run of the freshly compiled (shared-prompt) update; it donates the
+    # state, which is handed back to the trainer after each run.
+    runs = []
+    for _ in range(2):
+        dynamic, fixed = type(trainer.compiled_step())._parts(trainer.state)
+        t0 = time.perf_counter()
+        (params, opt_state, count), metrics = executables["shared"](dynamic, fixed, prepared)
+        jax.block_until_ready(metrics)
+        runs.append(time.perf_counter() - t0)
+        trainer.load_state(trainer.state.replace(params=params, opt_state=opt_state, step=count))
+    update.update(compiles["shared"], first_run_s=runs[0], second_run_s=runs[1])
     result = {
         "workload": w["name"],
         "dtype": args.dtype,
         "device": jax.devices()[0].device_kind,
         **sizes,
         "update": update,
+        "compiles": compiles,
         "peak_rss_after_load_bytes": rss_loaded,
         "peak_rss_after_first_step_bytes": rss_step,
     }
@@ -138,9 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{update['flops'] / 1e9:.1f} GFLOP, {update['bytes_accessed'] / gb:.2f} GB accessed, "
         f"args {u['argument_bytes']:.2f} GB, outputs {u['output_bytes']:.2f} GB (aliased "
         f"{u['alias_bytes']:.2f} GB), temporaries {u['temp_bytes']:.2f} GB; peak RSS after load "
-        f"{rss_loaded / gb:.2f} GB, after the first step {rss_step / gb:.2f} GB; compiling the "
-        f"update {compile_s:.1f} s ({update['optimized_hlo_chars'] / 1e6:.1f} M characters of "
-        "optimized HLO)",
+        f"{rss_loaded / gb:.2f} GB, after the first step {rss_step / gb:.2f} GB; "
+        + "; ".join(
+            f"compiling the update ({name} prompts) {c['compile_s']:.1f} s, "
+            f"{c['entry_operations']} top-level operations, "
+            f"{c['optimized_hlo_chars'] / 1e6:.1f} M characters of optimized HLO"
+            for name, c in compiles.items()
+        )
+        + f"; first run of the compiled update {runs[0]:.2f} s, second {runs[1]:.2f} s",
         flush=True,
     )
     cleanwin.emit("PROFILE", result)
