@@ -115,17 +115,25 @@ def test_remat_shrinks_the_temporaries_of_the_compiled_gradient():
     assert flops[True] > flops[False], flops  # the layers' forward pass runs twice
 
 
-def test_remat_must_be_a_bool():
-    assert GRPOConfig().remat is False
+def assert_bool_config_option(field: str) -> None:
+    """``GRPOConfig.<field>`` is False by default, refuses non-bools by name, and the CLI's
+    ``--<field>`` flag (generated from the config) sets it, ``--<field> false`` clears it."""
+    assert getattr(GRPOConfig(), field) is False
     for value in ("yes", 1, None):
-        with pytest.raises(TypeError, match=r"GRPOConfig\.remat must be a bool"):
-            GRPOConfig(remat=value)
+        with pytest.raises(TypeError, match=rf"GRPOConfig\.{field} must be a bool"):
+            GRPOConfig(**{field: value})
     from artifex.cli import build_parser
 
     base = ["train", "--model", "m", "--data", "d.jsonl", "--reward", "math"]
+    flag, key = "--" + field.replace("_", "-"), f"GRPOConfig.{field}"
     parser = build_parser()
-    assert vars(parser.parse_args([*base, "--remat"]))["GRPOConfig.remat"] is True
-    assert vars(parser.parse_args([*base, "--remat", "false"]))["GRPOConfig.remat"] is False
+    assert vars(parser.parse_args([*base, flag]))[key] is True
+    assert vars(parser.parse_args([*base, flag, "false"]))[key] is False
+    assert key not in vars(parser.parse_args(base))
+
+
+def test_remat_must_be_a_bool():
+    assert_bool_config_option("remat")
 
 
 def test_trainer_step_with_remat_matches_the_step_without(monkeypatch):

@@ -25,7 +25,7 @@ from artifex.generative_models.training.rl import (
     default_log_prob_fn,
 )
 from tests.generative_models.training.rl import test_remat as remat_tests
-from tests.generative_models.training.rl.test_remat import VOCAB, flat
+from tests.generative_models.training.rl.test_remat import VOCAB, assert_bool_config_option, flat
 
 
 def tiny_lm(num_layers: int = 3, seed: int = 0) -> CausalLM:
@@ -116,16 +116,7 @@ def test_layers_that_differ_run_unrolled_with_the_same_values():
 
 
 def test_scan_layers_option_is_checked_and_reaches_the_cli():
-    assert GRPOConfig().scan_layers is False
-    for value in ("yes", 1, None):
-        with pytest.raises(TypeError, match=r"GRPOConfig\.scan_layers must be a bool"):
-            GRPOConfig(scan_layers=value)
-    from artifex.cli import build_parser
-
-    base = ["train", "--model", "m", "--data", "d.jsonl", "--reward", "math"]
-    parser = build_parser()
-    assert vars(parser.parse_args([*base, "--scan-layers"]))["GRPOConfig.scan_layers"] is True
-    assert "GRPOConfig.scan_layers" not in vars(parser.parse_args(base))
+    assert_bool_config_option("scan_layers")
 
 
 def test_a_model_without_layer_stack_is_refused_by_name():
