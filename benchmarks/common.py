@@ -84,6 +84,29 @@ def update_cost(trainer: Any, batch: Any, *, remat: bool = False) -> dict[str, f
     }
 
 
+def entry_operations(compiled: Any) -> int:
+    """Operations at the top level of a compiled program's optimized HLO, bookkeeping excluded.
+
+    XLA:CPU orders these operations with a pairwise dependency check when it compiles, so its
+    compile time grows with their square (nested loop bodies and branches are ordered apart).
+
+    Args:
+        compiled: A ``jax.stages.Compiled``.
+
+    Returns:
+        The number of instructions of the entry computation other than parameters, constants,
+        tuples, tuple elements and bitcasts.
+    """
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY ") :].split("\n}\n", 1)[0]
+    trivial = ("parameter(", "get-tuple-element(", "tuple(", "bitcast(", "constant(")
+    count = 0
+    for line in entry.splitlines()[1:]:
+        if " = " in line and not any(f" {op}" in line.split(" = ", 1)[1][:80] for op in trivial):
+            count += 1
+    return count
+
+
 def compiled_memory(jitted: Any, *args: Any, **kwargs: Any) -> dict[str, float]:
     """XLA memory analysis of the compiled function (bytes)."""
     mem = jitted.lower(*args, **kwargs).compile().memory_analysis()

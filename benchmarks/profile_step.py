@@ -33,17 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import cleanwin
 
 
-def _entry_operations(compiled) -> int:
-    """Operations at the top level of the optimized program, bookkeeping ones excluded."""
-    text = compiled.as_text()
-    entry = text[text.index("\nENTRY ") :].split("\n}\n", 1)[0]
-    trivial = ("parameter(", "get-tuple-element(", "tuple(", "bitcast(", "constant(")
-    lines = [line for line in entry.splitlines()[1:] if " = " in line]
-    return sum(
-        1 for line in lines if not any(f" {op}" in line.split(" = ", 1)[1][:80] for op in trivial)
-    )
-
-
 def _analysis(compiled) -> dict:
     mem = compiled.memory_analysis()
     return {
@@ -76,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from artifex.generative_models.models.causal_lm import CausalLM
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
     from artifex.generative_models.training.rl import GRPOBatch
-    from benchmarks.common import update_cost
+    from benchmarks.common import entry_operations, update_cost
 
     with open(os.path.join(args.dir, "workload.json")) as fh:
         w = json.load(fh)
@@ -149,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         executables[name] = compiled
         compiles[name] = {
             "compile_s": time.perf_counter() - t0,
-            "entry_operations": _entry_operations(compiled),
+            "entry_operations": entry_operations(compiled),
             "optimized_hlo_chars": len(compiled.as_text()),
         }
     # memory analysis of the update as it runs; FLOPs and bytes of it with unchunked log-probs

@@ -58,6 +58,7 @@ from artifex.generative_models.models.causal_lm.modules import (
     Embed,
     Linear,
     RMSNorm,
+    SharedPrefixMask,
 )
 from artifex.generative_models.models.causal_lm.rope import (
     apply_rope,
@@ -83,6 +84,7 @@ __all__ = [  # noqa: RUF022 - grouped by topic, sorted within each group
     "LayerStack",
     "Linear",
     "RMSNorm",
+    "SharedPrefixMask",
     "apply_rope",
     "positions_from_mask",
     "resolve_dtype",

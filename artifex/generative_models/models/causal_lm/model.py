@@ -46,7 +46,13 @@ from artifex.generative_models.models.causal_lm.hf_io import (
     read_hf_config,
 )
 from artifex.generative_models.models.causal_lm.hf_io import save_pretrained as _save_pretrained
-from artifex.generative_models.models.causal_lm.modules import DecoderLayer, Embed, Linear, RMSNorm
+from artifex.generative_models.models.causal_lm.modules import (
+    DecoderLayer,
+    Embed,
+    Linear,
+    RMSNorm,
+    SharedPrefixMask,
+)
 from artifex.generative_models.models.causal_lm.rope import rope_cos_sin, rope_inv_frequencies
 from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
 
@@ -283,22 +289,7 @@ class CausalLM(nnx.Module):
         inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)
         h = self.embed(input_ids).astype(self.dtype)
-        if layer_stack is None and getattr(self, "scan_layers", False):
-            layer_stack = self.layer_stack()
-        if layer_stack is not None:
-            h, kv = _scan_layers(layer_stack, h, cos, sin, mask, kv, index, remat=remat)
-        elif remat:
-            h, kv = _remat_layers(self.layers, h, cos, sin, mask, kv, index)
-        else:
-            new_kv = []
-            for i, layer in enumerate(self.layers):
-                layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-                graphdef, state = nnx.split(layer)
-                h, layer_kv = _traced_once_layer_step(
-                    graphdef, state, h, cos, sin, mask, layer_kv, index
-                )
-                new_kv.append(layer_kv)
-            kv = None if kv is None else _unzip(new_kv)
+        h, kv = self._run_layers(h, cos, sin, mask, kv, index, remat, layer_stack)
         hidden = self.final_norm(h)
         if cache is None:
             return hidden, None
@@ -309,6 +300,122 @@ class CausalLM(nnx.Module):
             keys, values = tuple(keys), tuple(values)
         new_cache = cache.replace(keys=keys, values=values, valid=valid, index=index + t)
         return hidden, new_cache
+
+    def _run_layers(
+        self,
+        h: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: Any,
+        kv: KVPairs | None,
+        index: jax.Array | None,
+        remat: bool,
+        layer_stack: LayerStack | None,
+    ) -> tuple[jax.Array, KVPairs | None]:
+        """Runs the decoder layers: scanned, rematerialized or unrolled (see `hidden_states`)."""
+        if layer_stack is None and getattr(self, "scan_layers", False):
+            layer_stack = self.layer_stack()
+        if layer_stack is not None:
+            return _scan_layers(layer_stack, h, cos, sin, mask, kv, index, remat=remat)
+        if remat:
+            return _remat_layers(self.layers, h, cos, sin, mask, kv, index)
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            layer_kv = None if kv is None else (kv[0][i], kv[1][i])
+            graphdef, state = nnx.split(layer)
+            h, layer_kv = _traced_once_layer_step(
+                graphdef, state, h, cos, sin, mask, layer_kv, index
+            )
+            new_kv.append(layer_kv)
+        return h, None if kv is None else _unzip(new_kv)
+
+    def shared_prefix_hidden_states(
+        self,
+        prompt_ids: jax.Array,
+        completion_ids: jax.Array,
+        *,
+        prompt_mask: jax.Array | None = None,
+        remat: bool = False,
+        layer_stack: LayerStack | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """Hidden states of prompts and of several completions of each, in one pass.
+
+        Row `i` of `completion_ids` continues prompt `i // G` (`G = len(completion_ids) //
+        len(prompt_ids)`), as in a GRPO batch with the prompt stored once per group. Each
+        group runs through the layers as one row `[prompt ; completion 1 ; ... ; completion
+        G]` under a `SharedPrefixMask`: the prompt is encoded once, every completion attends to
+        it and to its own earlier tokens only, at positions continuing from the prompt's valid
+        tokens. The values are those of `hidden_states` over each `[prompt ; completion]`
+        (or of encoding the prompt into a KV cache and the completions after it), with one pass
+        over the layers instead of two and no per-completion copy of the prompt's keys and
+        values. Completion tokens are all real (no completion mask).
+
+        Args:
+            prompt_ids: Left-padded prompts (B, P), `P >= 1`.
+            completion_ids: (B * G, T).
+            prompt_mask: (B, P), 1 on real prompt tokens; None means all 1.
+            remat: Rematerialize each layer in the backward pass (see `hidden_states`).
+            layer_stack: Optional `layer_stack()` to scan the layers with (see
+                `hidden_states`).
+
+        Returns:
+            `(prompt_hidden (B, P, D), completion_hidden (B * G, T, D))`, final-norm hidden
+            states in the compute dtype.
+
+        Raises:
+            ValueError: If the shapes disagree (ranks, `P < 1`, a completion count that is not
+                a multiple of the prompts, a mask of another shape).
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from flax import nnx
+            >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
+            >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+            >>> prompt, completions = jnp.array([[5, 6, 7]]), jnp.array([[1, 2], [3, 4]])
+            >>> hp, hc = model.shared_prefix_hidden_states(prompt, completions)
+            >>> full, _ = model.hidden_states(jnp.array([[5, 6, 7, 3, 4]]))
+            >>> hc.shape, bool(jnp.allclose(hc[1], full[0, 3:], atol=1e-5))
+            ((2, 2, 128), True)
+        """
+        if prompt_ids.ndim != 2 or completion_ids.ndim != 2:
+            msg = (
+                "prompt_ids and completion_ids must be (B, P) and (B * G, T), got shapes "
+                f"{prompt_ids.shape} and {completion_ids.shape}"
+            )
+            raise ValueError(msg)
+        b, p = prompt_ids.shape
+        rows, t = completion_ids.shape
+        if p < 1 or b < 1 or rows % b:
+            msg = (
+                "shared_prefix_hidden_states needs P >= 1 prompt columns and a number of "
+                f"completions that is a multiple of the prompts; got prompt_ids {prompt_ids.shape}"
+                f" and completion_ids {completion_ids.shape}"
+            )
+            raise ValueError(msg)
+        g = rows // b
+        if prompt_mask is None:
+            prompt_mask = jnp.ones((b, p), jnp.int32)
+        elif prompt_mask.shape != (b, p):
+            msg = f"prompt_mask must have shape {(b, p)}, got {prompt_mask.shape}"
+            raise ValueError(msg)
+        valid = prompt_mask.astype(jnp.bool_)
+        causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
+        mask = SharedPrefixMask(causal[None] & valid[:, None, :], valid, g, p)
+        prompt_positions = positions_from_mask(prompt_mask)
+        start = jnp.sum(prompt_mask, axis=-1, dtype=jnp.int32)  # first completion position
+        completion_positions = start[:, None, None] + jnp.arange(t, dtype=jnp.int32)
+        positions = jnp.concatenate(
+            [prompt_positions, jnp.broadcast_to(completion_positions, (b, g, t)).reshape(b, -1)],
+            axis=1,
+        )
+        ids = jnp.concatenate([prompt_ids, completion_ids.reshape(b, g * t)], axis=1)
+        cfg = self.config
+        inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
+        cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)
+        h = self.embed(ids.astype(jnp.int32)).astype(self.dtype)
+        h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack)
+        hidden = self.final_norm(h)
+        return hidden[:, :p], hidden[:, p:].reshape(rows, t, hidden.shape[-1])
 
     def layer_stack(self) -> LayerStack | None:
         """The decoder layers as one layer's graph and their states stacked on a new axis 0.

@@ -7,6 +7,7 @@ D model width, F MLP width, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -16,11 +17,46 @@ from flax import nnx
 from artifex.generative_models.models.causal_lm.config import CausalLMConfig
 from artifex.generative_models.models.causal_lm.rope import apply_rope
 
-__all__ = ["MLP", "Attention", "DecoderLayer", "Embed", "Linear", "RMSNorm"]
+__all__ = ["MLP", "Attention", "DecoderLayer", "Embed", "Linear", "RMSNorm", "SharedPrefixMask"]
 
 #: Score given to masked (query, key) pairs: finite, so fully masked rows give a uniform softmax
 #: instead of NaN.
 MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SharedPrefixMask:
+    """Attention mask of groups laid out as one prompt followed by its completions.
+
+    Each row of the batch is one group: ``prompt_length`` prompt tokens, then
+    ``group_size`` completions of equal length one after the other. A prompt token attends to
+    the earlier valid prompt tokens (``prompt``); a completion token attends to its group's
+    valid prompt tokens (``prefix``) and to the earlier tokens of its own completion, never to
+    another completion. Passed as the ``mask`` of a layer (see
+    ``CausalLM.shared_prefix_hidden_states``), it runs prompt and completions through each
+    layer together: the prompt's keys and values are computed once per group and read by all
+    its completions, without a KV cache or a copy per completion.
+
+    Args:
+        prompt: Bool ``(B, P, P)``: prompt query ``t`` may attend to prompt key ``s``.
+        prefix: Bool ``(B, P)``: prompt key ``s`` is a real token.
+        group_size: Completions per group (static).
+        prompt_length: ``P`` (static).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> valid = jnp.array([[False, True, True]])  # one left-padded prompt of 2 tokens
+        >>> m = SharedPrefixMask(jnp.tril(jnp.ones((3, 3), bool))[None] & valid[:, None],
+        ...                      valid, group_size=2, prompt_length=3)
+        >>> m.prompt.shape, m.group_size
+        ((1, 3, 3), 2)
+    """
+
+    prompt: jax.Array
+    prefix: jax.Array
+    group_size: int = dataclasses.field(metadata=dict(static=True))
+    prompt_length: int = dataclasses.field(metadata=dict(static=True))
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype: jnp.dtype) -> jax.Array:
@@ -237,7 +273,9 @@ class Attention(nnx.Module):
             x: Normalised hidden states (B, T, D).
             cos: RoPE cosines (B, T, H/2).
             sin: RoPE sines (B, T, H/2).
-            mask: Bool (B, T, S): query t may attend to key s. S = T without a cache.
+            mask: Bool (B, T, S): query t may attend to key s. S = T without a cache. Or a
+                `SharedPrefixMask` (no cache): each row is a prompt followed by its
+                completions.
             kv: None, or this layer's cache `(keys, values)`, each (B, K, S, H); the new keys
                 and values are written at slots `[index, index + T)` and attention runs over
                 all S slots.
@@ -266,7 +304,13 @@ class Attention(nnx.Module):
             values = jax.lax.dynamic_update_slice(values, value.astype(values.dtype), start)
             kv = (keys, values)
             key, value = keys.astype(q.dtype), values.astype(q.dtype)
-        out = _grouped_attention(q, key, value, mask)
+        if isinstance(mask, SharedPrefixMask):
+            if kv is not None:
+                msg = "a SharedPrefixMask runs without a KV cache"
+                raise ValueError(msg)
+            out = _shared_prefix_attention(q, key, value, mask)
+        else:
+            out = _grouped_attention(q, key, value, mask)
         return self.o_proj(out.reshape(b, t, n * h)), kv
 
 
@@ -299,6 +343,56 @@ def _grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKQS,BKSH->BKQH", probs, v)
     return out.reshape(b, kv_heads, groups, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _shared_prefix_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: SharedPrefixMask
+) -> jax.Array:
+    """GQA over rows laid out as ``[prompt ; completion 1 ; ... ; completion C]``.
+
+    The prompt part is plain causal attention (:func:`_grouped_attention`). The completions'
+    queries are scored against the group's prompt keys, shared (one matmul per group for all
+    its completions), and against their own completion's keys (causal); one softmax runs over
+    both, so the values equal those of encoding each completion after its own copy of the
+    prompt.
+
+    Args:
+        q: Queries (B, L, N, H), ``L = P + C * T``.
+        k: Keys (B, K, L, H).
+        v: Values (B, K, L, H).
+        mask: The layout and the prompt masks.
+
+    Returns:
+        Attention output (B, L, N, H).
+    """
+    b, length, n, h = q.shape
+    kv_heads = k.shape[1]
+    groups = n // kv_heads
+    p, c = mask.prompt_length, mask.group_size
+    t = (length - p) // c
+    out_prompt = _grouped_attention(q[:, :p], k[:, :, :p], v[:, :, :p], mask.prompt)
+    # Completion queries as (B, K, C, Q, H), Q = G * T with row g * T + t as in _grouped_attention
+    queries = q[:, p:].reshape(b, c, t, kv_heads, groups, h).transpose(0, 3, 1, 4, 2, 5)
+    queries = queries.reshape(b, kv_heads, c, groups * t, h)
+    own_k = k[:, :, p:].reshape(b, kv_heads, c, t, h)
+    own_v = v[:, :, p:].reshape(b, kv_heads, c, t, h)
+    f32 = jnp.float32
+    to_prefix = jnp.einsum("BKCQH,BKSH->BKCQS", queries, k[:, :, :p], preferred_element_type=f32)
+    to_own = jnp.einsum("BKCQH,BKCSH->BKCQS", queries, own_k, preferred_element_type=f32)
+    causal = jnp.tile(jnp.tril(jnp.ones((t, t), jnp.bool_)), (groups, 1))  # (Q, T)
+    scale = h**-0.5
+    scores = jnp.concatenate(
+        [
+            jnp.where(mask.prefix[:, None, None, None, :], to_prefix * scale, MASK_VALUE),
+            jnp.where(causal, to_own * scale, MASK_VALUE),
+        ],
+        axis=-1,
+    )
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKCQS,BKSH->BKCQH", probs[..., :p], v[:, :, :p])
+    out = out + jnp.einsum("BKCQS,BKCSH->BKCQH", probs[..., p:], own_v)
+    out = out.reshape(b, kv_heads, c, groups, t, h).transpose(0, 2, 4, 1, 3, 5)
+    return jnp.concatenate([out_prompt, out.reshape(b, c * t, n, h)], axis=1)
 
 
 class MLP(nnx.Module):

@@ -129,6 +129,35 @@ def test_shared_prompt_encoding_equals_per_row_encoding(lm):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
+class CacheOnlyLM:
+    """A causal LM with a KV cache but no one-pass shared-prefix forward (a custom model)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def hidden_states(self, *args, **kwargs):
+        return self.model.hidden_states(*args, **kwargs)
+
+    def init_cache(self, *args, **kwargs):
+        return self.model.init_cache(*args, **kwargs)
+
+    def output_embedding(self):
+        return self.model.output_embedding()
+
+
+def test_models_without_the_one_pass_forward_share_prompts_through_a_kv_cache(lm):
+    ids, mask, comp = (jnp.asarray(x) for x in grouped_batch(g=3, n=3))
+    assert not hasattr(CacheOnlyLM(lm), "shared_prefix_hidden_states")
+    cached = causal_lm_log_probs(
+        CacheOnlyLM(lm), ids, comp, prompt_mask=mask, shared_prompt_group=3
+    )
+    one_pass = causal_lm_log_probs(lm, ids, comp, prompt_mask=mask, shared_prompt_group=3)
+    per_row = causal_lm_log_probs(lm, ids, comp, prompt_mask=mask)
+    for got in (cached, one_pass):
+        np.testing.assert_allclose(got[0], per_row[0], atol=1e-5)
+        np.testing.assert_allclose(got[1], per_row[1], atol=1e-5)
+
+
 def test_trainer_detects_shared_prompts_and_updates_identically(lm):
     ids, mask, comp = grouped_batch(g=4, n=2)
     kw = dict(

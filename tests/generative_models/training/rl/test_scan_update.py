@@ -69,13 +69,13 @@ def test_the_scanned_update_holds_one_layer_whatever_the_depth():
 
 def test_trainer_step_with_scan_layers_matches_the_unrolled_step(monkeypatch):
     seen = []
-    hidden_states = CausalLM.hidden_states
+    run_layers = CausalLM._run_layers  # under hidden_states and shared_prefix_hidden_states
 
-    def spy(self, *args, **kwargs):
-        seen.append(kwargs.get("layer_stack") is not None)
-        return hidden_states(self, *args, **kwargs)
+    def spy(self, h, cos, sin, mask, kv, index, remat, layer_stack):
+        seen.append(layer_stack is not None)
+        return run_layers(self, h, cos, sin, mask, kv, index, remat, layer_stack)
 
-    monkeypatch.setattr(CausalLM, "hidden_states", spy)
+    monkeypatch.setattr(CausalLM, "_run_layers", spy)
     batch = lm_batch(seed=1).replace(ref_log_probs=None)
     updated, metrics = [], []
     for scan in (False, True):
