@@ -369,6 +369,12 @@ def _shared_prefix_attention(
     kv_heads = k.shape[1]
     groups = n // kv_heads
     p, c = mask.prompt_length, mask.group_size
+    if p < 1 or c < 1 or length <= p or (length - p) % c:
+        msg = (
+            f"SharedPrefixMask(prompt_length={p}, group_size={c}) needs rows of the prompt "
+            f"followed by {c} completions of equal length; got rows of {length} tokens"
+        )
+        raise ValueError(msg)
     t = (length - p) // c
     out_prompt = _grouped_attention(q[:, :p], k[:, :, :p], v[:, :, :p], mask.prompt)
     # Completion queries as (B, K, C, Q, H), Q = G * T with row g * T + t as in _grouped_attention

@@ -184,8 +184,9 @@ def causal_lm_log_probs(
     (gradients flow back through the shared prefix and add up), with the prompt part of the
     forward and backward pass done ``G`` times less. A model with
     ``shared_prefix_hidden_states`` (``CausalLM``) runs each prompt and its completions through
-    the layers as one row (one pass; the compiled update has about half the operations of two
-    passes, and XLA:CPU's compile time grows with their square); other models with
+    the layers as one row (one pass: SmolLM2-135M's compiled update has 7,629 top-level
+    operations instead of 9,833 with two passes, and XLA:CPU's compile time grows with their
+    square); other models with
     ``init_cache`` encode the prompt into a KV cache that the completions then attend to.
 
     With ``remat=True`` the model's decoder layers are rematerialized in the backward pass

@@ -95,3 +95,7 @@ def test_a_shared_prefix_mask_refuses_a_kv_cache():
     mask = SharedPrefixMask(valid[:, None], valid, group_size=2, prompt_length=1)
     with pytest.raises(ValueError, match="without a KV cache"):
         attn(x, cos, sin, mask, (cache.keys[0], cache.values[0]), cache.index)
+    # rows of 4 tokens cannot hold a 1-token prompt and 2 completions of equal length
+    x4, cos4 = jnp.ones((1, 4, model.config.hidden_size)), jnp.ones((1, 4, cos.shape[-1]))
+    with pytest.raises(ValueError, match=r"group_size=2\) needs rows .* got rows of 4 tokens"):
+        attn(x4, cos4, cos4, mask)
