@@ -345,10 +345,13 @@ class CausalLM(nnx.Module):
         group runs through the layers as one row `[prompt ; completion 1 ; ... ; completion
         G]` under a `SharedPrefixMask`: the prompt is encoded once, every completion attends to
         it and to its own earlier tokens only, at positions continuing from the prompt's valid
-        tokens. The values are those of `hidden_states` over each `[prompt ; completion]`
-        (or of encoding the prompt into a KV cache and the completions after it), with one pass
-        over the layers instead of two and no per-completion copy of the prompt's keys and
-        values. Completion tokens are all real (no completion mask).
+        tokens. The completions' values, and those of the prompts' real tokens, are those of
+        `hidden_states` over each `[prompt ; completion]` (or of encoding the prompt into a KV
+        cache and the completions after it), with one pass over the layers instead of two and
+        no per-completion copy of the prompt's keys and values. Completion tokens are all real
+        (no completion mask). A padding position attends to no real token; its value (at the
+        last prompt position only for a prompt with no real token) is a uniform mix over the
+        prompt's keys here, where per-row encoding mixes in the completion's keys too.
 
         Args:
             prompt_ids: Left-padded prompts (B, P), `P >= 1`.
@@ -363,8 +366,9 @@ class CausalLM(nnx.Module):
             states in the compute dtype.
 
         Raises:
-            ValueError: If the shapes disagree (ranks, `P < 1`, a completion count that is not
-                a multiple of the prompts, a mask of another shape).
+            ValueError: If the shapes disagree (ranks, `P < 1`, `T < 1`, a completion count that
+                is not a positive multiple of the prompts, a mask of another shape) or the ids
+                are not integers.
 
         Example:
             >>> import jax.numpy as jnp
@@ -385,19 +389,24 @@ class CausalLM(nnx.Module):
             raise ValueError(msg)
         b, p = prompt_ids.shape
         rows, t = completion_ids.shape
-        if p < 1 or b < 1 or rows % b:
+        if p < 1 or b < 1 or t < 1 or rows < b or rows % b:
             msg = (
-                "shared_prefix_hidden_states needs P >= 1 prompt columns and a number of "
-                f"completions that is a multiple of the prompts; got prompt_ids {prompt_ids.shape}"
-                f" and completion_ids {completion_ids.shape}"
+                "shared_prefix_hidden_states needs P >= 1 prompt columns, T >= 1 completion "
+                "columns and a number of completions that is a positive multiple of the prompts; "
+                f"got prompt_ids {prompt_ids.shape} and completion_ids {completion_ids.shape}"
             )
             raise ValueError(msg)
+        for name, ids_ in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
+            if not jnp.issubdtype(ids_.dtype, jnp.integer):
+                msg = f"{name} must hold integer token ids, got dtype {ids_.dtype}"
+                raise ValueError(msg)
         g = rows // b
         if prompt_mask is None:
             prompt_mask = jnp.ones((b, p), jnp.int32)
-        elif prompt_mask.shape != (b, p):
-            msg = f"prompt_mask must have shape {(b, p)}, got {prompt_mask.shape}"
+        elif jnp.shape(prompt_mask) != (b, p):
+            msg = f"prompt_mask must have shape {(b, p)}, got {jnp.shape(prompt_mask)}"
             raise ValueError(msg)
+        prompt_mask = jnp.asarray(prompt_mask)
         valid = prompt_mask.astype(jnp.bool_)
         causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
         mask = SharedPrefixMask(causal[None] & valid[:, None, :], valid, g, p)

@@ -181,7 +181,9 @@ def causal_lm_log_probs(
 
     With ``shared_prompt_group=G`` (every ``G`` consecutive rows share one prompt, as in a GRPO
     batch) each prompt is encoded once and its ``G`` completions attend to it: the same values
-    (gradients flow back through the shared prefix and add up), with the prompt part of the
+    (gradients flow back through the shared prefix and add up; for a prompt with no real token
+    the first completion token's log-prob comes from a position that attends to nothing real,
+    which per-row encoding mixes with the completion's own keys), with the prompt part of the
     forward and backward pass done ``G`` times less. A model with
     ``shared_prefix_hidden_states`` (``CausalLM``) runs each prompt and its completions through
     the layers as one row (one pass: SmolLM2-135M's compiled update has 7,629 top-level
@@ -220,7 +222,8 @@ def causal_lm_log_probs(
         ``(log_probs, entropy)``, each ``(B, T)`` float32.
 
     Raises:
-        ValueError: If ``prompt_ids`` has no column.
+        ValueError: If ``prompt_ids`` has no column, or ``completion_ids`` or ``prompt_mask``
+            does not match its rows (and columns).
         TypeError: If ``scan_layers`` is set and the model has no ``layer_stack`` method.
 
     Example:
@@ -242,12 +245,20 @@ def causal_lm_log_probs(
         True
     """
     b, p = prompt_ids.shape
-    t = completion_ids.shape[1]
     if p < 1:
         msg = "prompt_ids must have at least one column: the first completion token is predicted from the last prompt position"  # noqa: E501
         raise ValueError(msg)
+    if completion_ids.ndim != 2 or completion_ids.shape[0] != b:
+        msg = f"completion_ids must be ({b}, T) for prompt_ids {prompt_ids.shape}, got {completion_ids.shape}"  # noqa: E501
+        raise ValueError(msg)
+    t = completion_ids.shape[1]
     if prompt_mask is None:
         prompt_mask = jnp.ones((b, p), jnp.int32)
+    elif jnp.shape(prompt_mask) != (b, p):
+        msg = (
+            f"prompt_mask must have the shape of prompt_ids {(b, p)}, got {jnp.shape(prompt_mask)}"
+        )
+        raise ValueError(msg)
     prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
     # Only passed when set, so models whose hidden_states has no `remat` keep working.
     options: dict[str, Any] = {"remat": True} if remat else {}

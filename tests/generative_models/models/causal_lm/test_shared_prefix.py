@@ -83,6 +83,33 @@ def test_bad_shapes_are_refused_by_name():
         model.shared_prefix_hidden_states(prompts[:, :0], completions)
     with pytest.raises(ValueError, match=r"prompt_mask must have shape \(3, 6\)"):
         model.shared_prefix_hidden_states(prompts, completions, prompt_mask=mask[:, 1:])
+    with pytest.raises(ValueError, match="T >= 1 completion columns"):
+        model.shared_prefix_hidden_states(prompts, completions[:, :0])
+    with pytest.raises(ValueError, match="positive multiple"):
+        model.shared_prefix_hidden_states(prompts, completions[:0])
+    with pytest.raises(ValueError, match="completion_ids must hold integer token ids"):
+        model.shared_prefix_hidden_states(prompts, completions + 0.5)
+    with pytest.raises(ValueError, match="prompt_ids must hold integer token ids"):
+        model.shared_prefix_hidden_states(prompts.astype(jnp.float32), completions)
+
+
+def test_a_prompt_without_real_tokens_does_not_read_its_completions():
+    # The last position of an all-padding prompt attends to nothing real: here it mixes the
+    # prompt's (padding) keys only, so the first completion token's log-prob cannot depend on
+    # the completion's later tokens (per-row encoding mixes those in).
+    from artifex.generative_models.training.rl import causal_lm_log_probs
+
+    model = CausalLM(CausalLMConfig.tiny(vocab_size=64), rngs=nnx.Rngs(0))
+    prompts = jnp.array([[5, 6, 7], [0, 0, 0]]).repeat(2, 0)
+    mask = jnp.array([[1, 1, 1], [0, 0, 0]]).repeat(2, 0)
+    completions = jnp.array([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]])
+    first = causal_lm_log_probs(
+        model, prompts, completions, prompt_mask=mask, shared_prompt_group=2
+    )
+    changed = completions.at[2, 2].set(30)
+    second = causal_lm_log_probs(model, prompts, changed, prompt_mask=mask, shared_prompt_group=2)
+    assert first[0][2, 0] == second[0][2, 0]
+    assert np.all(np.isfinite(np.asarray(first[0])))
 
 
 def test_a_shared_prefix_mask_refuses_a_kv_cache():

@@ -158,6 +158,16 @@ def test_models_without_the_one_pass_forward_share_prompts_through_a_kv_cache(lm
         np.testing.assert_allclose(got[1], per_row[1], atol=1e-5)
 
 
+def test_mismatched_completions_and_masks_are_refused_by_name(lm):
+    ids, mask, comp = (jnp.asarray(x) for x in grouped_batch(g=2, n=2))
+    with pytest.raises(ValueError, match=r"prompt_mask must have the shape of prompt_ids \(4, 6\)"):
+        causal_lm_log_probs(lm, ids, comp, prompt_mask=mask[::2], shared_prompt_group=2)
+    with pytest.raises(ValueError, match=r"completion_ids must be \(4, T\)"):
+        causal_lm_log_probs(lm, ids, comp[:3], prompt_mask=mask)
+    with pytest.raises(ValueError, match=r"completion_ids must be \(4, T\)"):
+        causal_lm_log_probs(lm, ids, comp[0], prompt_mask=mask)
+
+
 def test_trainer_detects_shared_prompts_and_updates_identically(lm):
     ids, mask, comp = grouped_batch(g=4, n=2)
     kw = dict(
