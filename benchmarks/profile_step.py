@@ -16,7 +16,7 @@ the optimized program (XLA:CPU orders them with a pairwise dependency check, so 
 grows with their square) and the wall time of the first and second run of that freshly
 compiled update (the first run also builds the matrix-product kernels' execution plans).
 ``--unshared`` compiles the update on the batch with ``shared_prompts=False`` as well (every
-row's prompt encoded: one pass over the layers instead of two), for comparison. With
+row's prompt encoded, G times the prompt tokens), for comparison. With
 ``--trace`` a ``jax.profiler`` trace of two more steps is written for TensorBoard / Perfetto.
 """
 
