@@ -387,16 +387,21 @@ def _shared_prefix_attention(
     to_own = jnp.einsum("BKCQH,BKCSH->BKCQS", queries, own_k, preferred_element_type=f32)
     causal = jnp.tile(jnp.tril(jnp.ones((t, t), jnp.bool_)), (groups, 1))  # (Q, T)
     scale = h**-0.5
-    scores = jnp.concatenate(
-        [
-            jnp.where(mask.prefix[:, None, None, None, :], to_prefix * scale, MASK_VALUE),
-            jnp.where(causal, to_own * scale, MASK_VALUE),
-        ],
-        axis=-1,
-    )
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKCQS,BKSH->BKCQH", probs[..., :p], v[:, :, :p])
-    out = out + jnp.einsum("BKCQS,BKCSH->BKCQH", probs[..., p:], own_v)
+    to_prefix = jnp.where(mask.prefix[:, None, None, None, :], to_prefix * scale, MASK_VALUE)
+    to_own = jnp.where(causal, to_own * scale, MASK_VALUE)
+    # One softmax over both parts without joining them: the shift is the larger of the two
+    # maxima (a constant for the gradient: the softmax does not depend on it), the exponentials
+    # weight the values unnormalized and the sum divides the (Q, H) output, not the scores.
+    # No concatenation of the score blocks and no slicing back, forward or backward.
+    shift = jax.lax.stop_gradient(
+        jnp.maximum(jnp.max(to_prefix, axis=-1), jnp.max(to_own, axis=-1))
+    )[..., None]
+    w_prefix = jnp.exp(to_prefix - shift)
+    w_own = jnp.exp(to_own - shift)  # the diagonal is always allowed: the sum is >= 1
+    total = jnp.sum(w_prefix, axis=-1, keepdims=True) + jnp.sum(w_own, axis=-1, keepdims=True)
+    out = jnp.einsum("BKCQS,BKSH->BKCQH", w_prefix.astype(v.dtype), v[:, :, :p])
+    out = out + jnp.einsum("BKCQS,BKCSH->BKCQH", w_own.astype(v.dtype), own_v)
+    out = (out / total).astype(v.dtype)
     out = out.reshape(b, kv_heads, c, groups, t, h).transpose(0, 2, 4, 1, 3, 5)
     return jnp.concatenate([out_prompt, out.reshape(b, c * t, n, h)], axis=1)
 
