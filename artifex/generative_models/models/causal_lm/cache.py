@@ -13,22 +13,26 @@ __all__ = ["KVCache"]
 class KVCache:
     """Per-layer keys and values of the tokens seen so far, in fixed-size slots.
 
-    Each layer has its own key and value arrays, laid out `(B, K, S, H)`: a decoding step writes
-    its token into them in place and attention reads them as they are, with the kv heads as a
-    batch axis of its matmuls (one stacked `(L, ...)` array would make every layer copy its slice
-    out at every token). A model whose layers run as one `lax.scan` (`CausalLM.scan_layers`)
-    keeps them stacked instead, as one `(L, B, K, S, H)` array each, which the scan reads and
-    writes layer by layer (`stacked=True`). Slot `s` of row `b` holds a real token iff
-    `valid[b, s]`; a query written at slot `q` attends to slot `s` iff `valid[b, s] and s <= q`.
+    Each layer has its own key and value arrays, keys laid out `(B, K, H, S)` and values
+    `(B, K, S, H)`: a decoding step writes its token into them in place and attention reads them
+    as they are, with the kv heads as a batch axis of its matmuls, as `(G, H) x (H, S)` for the
+    scores and `(G, S) x (S, H)` for the output (one stacked `(L, ...)` array would make every
+    layer copy its slice out at every token; keys stored `(B, K, S, H)` made the score matmul
+    contract over the minor axis of both operands, which took twice as long per decoding step on
+    XLA:CPU for W1's and W2's shapes). A model whose layers run as one `lax.scan`
+    (`CausalLM.scan_layers`) keeps them stacked instead, as one `(L, B, K, H, S)` and one
+    `(L, B, K, S, H)` array, which the scan reads and writes layer by layer (`stacked=True`).
+    Slot `s` of row `b` holds a real token iff `valid[b, s]`; a query written at slot `q`
+    attends to slot `s` iff `valid[b, s] and s <= q`.
     `index` is the next slot to write; a forward pass over `T` tokens writes slots
     `[index, index + T)` and advances `index` by `T`. Shapes never change, so the cache can be
     carried through `jax.lax.while_loop`. The caller keeps `index + T <= max_length` (a write
     past the end is clamped by `lax.dynamic_update_slice`, overwriting the last slots).
 
     Attributes:
-        keys: Tuple of L arrays (B, K, S, H): each layer's rotated keys, in the compute dtype;
-            or one (L, B, K, S, H) array when stacked.
-        values: The values, in the same form as `keys`.
+        keys: Tuple of L arrays (B, K, H, S): each layer's rotated keys, slot axis last, in the
+            compute dtype; or one (L, B, K, H, S) array when stacked.
+        values: Tuple of L arrays (B, K, S, H), or one (L, B, K, S, H) array when stacked.
         valid: (B, S) bool, True on slots that hold real (non-padding) tokens.
         index: int32 scalar, the next slot to write.
 
@@ -38,8 +42,8 @@ class KVCache:
         ...                        head_dim=4)
         >>> cache.num_layers, cache.batch_size, cache.max_length, int(cache.index)
         (2, 1, 16, 0)
-        >>> cache.keys[0].shape  # layer 0: (B, K, S, H)
-        (1, 2, 16, 4)
+        >>> cache.keys[0].shape, cache.values[0].shape  # layer 0: (B, K, H, S), (B, K, S, H)
+        ((1, 2, 4, 16), (1, 2, 16, 4))
         >>> cache.repeat(3).batch_size  # one prompt's cache shared by 3 generations
         3
     """
@@ -70,8 +74,8 @@ class KVCache:
             num_kv_heads: Key/value heads K.
             head_dim: Head width H.
             dtype: Dtype of keys and values.
-            stacked: One (L, B, K, S, H) array for the keys and one for the values instead of
-                L per-layer arrays (for layers run as a `lax.scan`).
+            stacked: One (L, B, K, H, S) array for the keys and one (L, B, K, S, H) for the
+                values instead of L per-layer arrays (for layers run as a `lax.scan`).
 
         Returns:
             The zero-filled cache.
@@ -91,11 +95,12 @@ class KVCache:
                 msg = f"KVCache.create: {name} must be a positive int, got {value!r}"
                 raise ValueError(msg)
         shape = (batch_size, num_kv_heads, max_length, head_dim)
+        key_shape = (batch_size, num_kv_heads, head_dim, max_length)
         if stacked:
-            keys = jnp.zeros((num_layers, *shape), dtype)
+            keys = jnp.zeros((num_layers, *key_shape), dtype)
             values = jnp.zeros((num_layers, *shape), dtype)
         else:
-            keys = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+            keys = tuple(jnp.zeros(key_shape, dtype) for _ in range(num_layers))
             values = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
         return cls(
             keys=keys,
@@ -106,7 +111,7 @@ class KVCache:
 
     @property
     def stacked(self) -> bool:
-        """Whether keys and values are one (L, B, K, S, H) array each (else L arrays)."""
+        """Whether keys and values are one (L, ...) array each (else L arrays)."""
         return not isinstance(self.keys, tuple)
 
     @property

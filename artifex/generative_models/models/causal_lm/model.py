@@ -496,9 +496,10 @@ class CausalLM(nnx.Module):
             batch_size: Rows B.
             max_length: Slots S per row (prompt plus generated tokens).
             dtype: Dtype of keys/values; None means the compute dtype.
-            stacked: Keys and values as one (L, B, K, S, H) array each, which scanned layers
-                read and write layer by layer, instead of L per-layer arrays (B, K, S, H),
-                which unrolled layers update in place; None follows `model.scan_layers`.
+            stacked: Keys and values as one (L, B, K, H, S) and one (L, B, K, S, H) array,
+                which scanned layers read and write layer by layer, instead of L per-layer
+                arrays (keys (B, K, H, S), values (B, K, S, H)), which unrolled layers update in
+                place; None follows `model.scan_layers`.
                 Either form works with either kind of layers (converted inside the call).
 
         Returns:
@@ -659,10 +660,12 @@ KVPairs = tuple[tuple[jax.Array, ...] | jax.Array, tuple[jax.Array, ...] | jax.A
 
 def _check_cache(cache: KVCache, cfg: CausalLMConfig, batch: int) -> None:
     """Raises ValueError unless ``cache`` fits this model and a batch of ``batch`` rows."""
-    per_layer = (batch, cfg.num_kv_heads, cache.max_length, cfg.head_dim)
+    values_shape = (batch, cfg.num_kv_heads, cache.max_length, cfg.head_dim)
+    keys_shape = (batch, cfg.num_kv_heads, cfg.head_dim, cache.max_length)  # slots last
+    shapes = {"keys": keys_shape, "values": values_shape}
     if cache.stacked:
-        expected = (cfg.num_layers, *per_layer)
         for name, x in (("keys", cache.keys), ("values", cache.values)):
+            expected = (cfg.num_layers, *shapes[name])
             if not isinstance(x, jax.Array | np.ndarray) or x.shape != expected:
                 got = getattr(x, "shape", type(x).__name__)
                 msg = f"cache.{name} (stacked) must have shape {expected}, got {got}"
@@ -677,10 +680,12 @@ def _check_cache(cache: KVCache, cfg: CausalLMConfig, batch: int) -> None:
             f"({cfg.num_layers}), got {len(cache.keys)} and {len(cache.values)}"
         )
         raise ValueError(msg)
-    for x in (*cache.keys, *cache.values):
-        if getattr(x, "shape", None) != per_layer:
-            msg = f"cache.keys and cache.values must be {per_layer} per layer, got {x.shape}"
-            raise ValueError(msg)
+    for name in ("keys", "values"):
+        for x in getattr(cache, name):
+            if getattr(x, "shape", None) != shapes[name]:
+                got = getattr(x, "shape", type(x).__name__)
+                msg = f"cache.{name} must be {shapes[name]} per layer, got {got}"
+                raise ValueError(msg)
 
 
 def _unzip(pairs: list[tuple[jax.Array, jax.Array]]) -> KVPairs:

@@ -276,9 +276,9 @@ class Attention(nnx.Module):
             mask: Bool (B, T, S): query t may attend to key s. S = T without a cache. Or a
                 `SharedPrefixMask` (no cache): each row is a prompt followed by its
                 completions.
-            kv: None, or this layer's cache `(keys, values)`, each (B, K, S, H); the new keys
-                and values are written at slots `[index, index + T)` and attention runs over
-                all S slots.
+            kv: None, or this layer's cache `(keys, values)`, keys (B, K, H, S) and values
+                (B, K, S, H) (see `KVCache`); the new keys and values are written at slots
+                `[index, index + T)` and attention runs over all S slots.
             index: int32 scalar, first slot to write (with `kv`).
 
         Returns:
@@ -299,9 +299,12 @@ class Attention(nnx.Module):
         if kv is not None:
             keys, values = kv
             zero = jnp.zeros((), jnp.asarray(index).dtype)  # one index dtype, also under x64
-            start = (zero, zero, index, zero)
-            keys = jax.lax.dynamic_update_slice(keys, key.astype(keys.dtype), start)
-            values = jax.lax.dynamic_update_slice(values, value.astype(values.dtype), start)
+            keys = jax.lax.dynamic_update_slice(
+                keys, key.swapaxes(2, 3).astype(keys.dtype), (zero, zero, zero, index)
+            )
+            values = jax.lax.dynamic_update_slice(
+                values, value.astype(values.dtype), (zero, zero, index, zero)
+            )
             kv = (keys, values)
             key, value = keys.astype(q.dtype), values.astype(q.dtype)
         if isinstance(mask, SharedPrefixMask):
@@ -310,24 +313,30 @@ class Attention(nnx.Module):
                 raise ValueError(msg)
             out = _shared_prefix_attention(q, key, value, mask)
         else:
-            out = _grouped_attention(q, key, value, mask)
+            out = _grouped_attention(q, key, value, mask, keys_transposed=kv is not None)
         return self.o_proj(out.reshape(b, t, n * h)), kv
 
 
-def _grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def _grouped_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, keys_transposed: bool = False
+) -> jax.Array:
     """GQA with the G query heads of a kv head folded into the query axis.
 
     Queries are laid out (B, K, Q, H) with Q = G * T (row `g * T + t`), keys and values
     (B, K, S, H), so both matmuls are batched over (B, K) with the contracted axis minor: the
     layout XLA's dot kernels want, with no relayout of the score matrices in the forward or the
     backward pass (2-3x faster than contracting over (B, T, K, G, H) views on CPU). The KV cache
-    holds keys and values in this layout, so a decoding step (T = 1) reads it in place.
+    holds the values in this layout and the keys as (B, K, H, S) (`keys_transposed=True`), so a
+    decoding step (T = 1) reads both in place and scores its few query rows as a plain
+    `(Q, H) x (H, S)` product (half the time of contracting two minor axes at W1's and W2's
+    decode shapes on XLA:CPU).
 
     Args:
         q: Queries (B, T, N, H), query head `n = kv_head * G + g`.
-        k: Keys (B, K, S, H).
+        k: Keys (B, K, S, H), or (B, K, H, S) with `keys_transposed`.
         v: Values (B, K, S, H).
         mask: Bool (B, T, S).
+        keys_transposed: `k` is laid out (B, K, H, S), as the KV cache holds it.
 
     Returns:
         Attention output (B, T, N, H).
@@ -337,7 +346,8 @@ def _grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
     groups = n // kv_heads
     queries = q.reshape(b, t, kv_heads, groups, h).transpose(0, 2, 3, 1, 4)
     queries = queries.reshape(b, kv_heads, groups * t, h)
-    scores = jnp.einsum("BKQH,BKSH->BKQS", queries, k, preferred_element_type=jnp.float32)
+    spec = "BKQH,BKHS->BKQS" if keys_transposed else "BKQH,BKSH->BKQS"
+    scores = jnp.einsum(spec, queries, k, preferred_element_type=jnp.float32)
     allowed = jnp.tile(mask, (1, groups, 1))[:, None]  # (B, 1, G*T, S)
     scores = jnp.where(allowed, scores * (h**-0.5), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)

@@ -17,7 +17,8 @@ def _cache(b=2, s=5):
 def test_create_shapes_and_dtypes():
     c = _cache()
     assert len(c.keys) == len(c.values) == 3
-    assert all(x.shape == (2, 2, 5, 4) for x in (*c.keys, *c.values))
+    assert all(x.shape == (2, 2, 4, 5) for x in c.keys)  # (B, K, H, S): slots last
+    assert all(x.shape == (2, 2, 5, 4) for x in c.values)  # (B, K, S, H)
     assert c.valid.shape == (2, 5) and c.valid.dtype == jnp.bool_ and not bool(c.valid.any())
     assert c.index.shape == () and c.index.dtype == jnp.int32 and int(c.index) == 0
     assert (c.num_layers, c.batch_size, c.max_length) == (3, 2, 5)
@@ -48,13 +49,14 @@ def test_is_pytree_with_one_leaf_per_layer_array():
 def test_repeat_rows_consecutively():
     rng = np.random.default_rng(0)
     c = _cache(b=3).replace(
-        keys=tuple(jnp.asarray(rng.normal(size=(3, 2, 5, 4)), jnp.float32) for _ in range(3)),
+        keys=tuple(jnp.asarray(rng.normal(size=(3, 2, 4, 5)), jnp.float32) for _ in range(3)),
         values=tuple(jnp.asarray(rng.normal(size=(3, 2, 5, 4)), jnp.float32) for _ in range(3)),
         valid=jnp.asarray(rng.random((3, 5)) > 0.5),
         index=jnp.int32(4),
     )
     r = c.repeat(2)
-    assert r.keys[0].shape == (6, 2, 5, 4) and r.valid.shape == (6, 5) and int(r.index) == 4
+    assert r.keys[0].shape == (6, 2, 4, 5) and r.values[0].shape == (6, 2, 5, 4)
+    assert r.valid.shape == (6, 5) and int(r.index) == 4
     for row in range(6):
         for layer in range(3):
             np.testing.assert_array_equal(
@@ -74,8 +76,8 @@ def test_carried_through_while_loop():
 
     def body(carry):
         cache = carry
-        keys = tuple(
-            jax.lax.dynamic_update_slice(k, jnp.ones((2, 2, 1, 4)), (0, 0, cache.index, 0))
+        keys = tuple(  # slots are the last axis of the keys
+            jax.lax.dynamic_update_slice(k, jnp.ones((2, 2, 4, 1)), (0, 0, 0, cache.index))
             for k in cache.keys
         )
         return cache.replace(keys=keys, index=cache.index + 1)
@@ -83,7 +85,7 @@ def test_carried_through_while_loop():
     out = jax.jit(lambda c: jax.lax.while_loop(lambda x: x.index < 3, body, c))(c)
     assert int(out.index) == 3
     for k in out.keys:
-        np.testing.assert_array_equal(np.asarray(k[0, 0, :, 0]), [1, 1, 1, 0, 0])
+        np.testing.assert_array_equal(np.asarray(k[0, 0, 0, :]), [1, 1, 1, 0, 0])
 
 
 def test_stacked_form_create_and_repeat():
@@ -91,11 +93,11 @@ def test_stacked_form_create_and_repeat():
         num_layers=3, batch_size=2, max_length=5, num_kv_heads=2, head_dim=4, stacked=True
     )
     assert c.stacked and not _cache().stacked
-    assert c.keys.shape == c.values.shape == (3, 2, 2, 5, 4)
+    assert c.keys.shape == (3, 2, 2, 4, 5) and c.values.shape == (3, 2, 2, 5, 4)
     assert (c.num_layers, c.batch_size, c.max_length) == (3, 2, 5)
     rng = np.random.default_rng(1)
     c = c.replace(keys=jnp.asarray(rng.normal(size=c.keys.shape), jnp.float32))
     r = c.repeat(2)
-    assert r.keys.shape == (3, 4, 2, 5, 4) and r.stacked
+    assert r.keys.shape == (3, 4, 2, 4, 5) and r.stacked
     for row in range(4):
         np.testing.assert_array_equal(np.asarray(r.keys[:, row]), np.asarray(c.keys[:, row // 2]))

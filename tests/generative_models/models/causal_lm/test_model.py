@@ -219,7 +219,8 @@ def test_cache_decode_with_padding_tokens(model):
 def test_init_cache_dtype(model):
     c = model.init_cache(2, 4)
     assert isinstance(c, KVCache) and len(c.keys) == len(c.values) == 2
-    assert all(x.shape == (2, 2, 4, 32) and x.dtype == jnp.float32 for x in (*c.keys, *c.values))
+    assert all(x.shape == (2, 2, 32, 4) and x.dtype == jnp.float32 for x in c.keys)  # slots last
+    assert all(x.shape == (2, 2, 4, 32) and x.dtype == jnp.float32 for x in c.values)
     assert model.init_cache(1, 4, dtype=jnp.bfloat16).values[1].dtype == jnp.bfloat16
 
 

@@ -146,8 +146,10 @@ def test_attention_matches_naive_gqa(overrides, seed):
 
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize(("n", "k"), [(4, 2), (4, 1), (6, 3), (2, 2)])
-def test_grouped_attention_on_cache_layout_matches_numpy(n, k, t):
-    """Keys and values in the cache's (B, K, S, H) layout, decoding (T=1) and prefill shapes."""
+@pytest.mark.parametrize("keys_transposed", [False, True])
+def test_grouped_attention_on_cache_layout_matches_numpy(n, k, t, keys_transposed):
+    """Values (B, K, S, H), keys (B, K, S, H) or as the cache holds them (B, K, H, S);
+    decoding (T=1) and prefill shapes."""
     from artifex.generative_models.models.causal_lm.modules import _grouped_attention
 
     rng = np.random.default_rng(n * 10 + k + t)
@@ -160,9 +162,10 @@ def test_grouped_attention_on_cache_layout_matches_numpy(n, k, t):
     mask[0, :, 0] = mask[1, :, 0] = True
     got = _grouped_attention(
         jnp.asarray(q, jnp.float32),
-        jnp.asarray(keys, jnp.float32),
+        jnp.asarray(keys.swapaxes(2, 3) if keys_transposed else keys, jnp.float32),
         jnp.asarray(values, jnp.float32),
         jnp.asarray(mask),
+        keys_transposed=keys_transposed,
     )
     assert got.shape == (b, t, n, h)
     kk = np.repeat(keys, n // k, axis=1)  # query head n reads kv head n // G
