@@ -407,7 +407,7 @@ def _shared_prefix_attention(
         jnp.maximum(jnp.max(to_prefix, axis=-1), jnp.max(to_own, axis=-1))
     )[..., None]
     w_prefix = jnp.exp(to_prefix - shift)
-    w_own = jnp.exp(to_own - shift)  # the diagonal is always allowed: the sum is >= 1
+    w_own = jnp.exp(to_own - shift)  # the largest entry gives exp(0) = 1: the sum is >= 1
     total = jnp.sum(w_prefix, axis=-1, keepdims=True) + jnp.sum(w_own, axis=-1, keepdims=True)
     out = jnp.einsum("BKCQS,BKSH->BKCQH", w_prefix.astype(v.dtype), v[:, :, :p])
     out = out + jnp.einsum("BKCQS,BKCSH->BKCQH", w_own.astype(v.dtype), own_v)
