@@ -121,6 +121,12 @@ def test_shape_errors(model):
     stacked = model.init_cache(3, 8, stacked=True)
     with pytest.raises(ValueError, match=r"cache\.keys \(stacked\) must have shape \(2, 2,"):
         model.hidden_states(jnp.ones((2, 5), jnp.int32), cache=stacked)
+    # keys in the values' (B, K, S, H) layout (the layout before keys moved slots-last)
+    cache = model.init_cache(2, 8)
+    old_layout = cache.replace(keys=tuple(jnp.swapaxes(k, 2, 3) for k in cache.keys))
+    want = r"cache\.keys must be \(2, 2, 32, 8\) per layer, got \(2, 2, 8, 32\)"
+    with pytest.raises(ValueError, match=want):
+        model.hidden_states(jnp.ones((2, 5), jnp.int32), cache=old_layout)
 
 
 def test_bf16_params_give_fp32_logits(model):
