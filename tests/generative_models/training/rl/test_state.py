@@ -232,3 +232,24 @@ def test_finite_flags_with_a_single_array_and_an_optimizer_without_moments():
     bad = optax.adam(1.0).init(w)
     bad = (bad[0]._replace(nu=bad[0].nu.at[1, 2].set(jnp.nan)), *bad[1:])
     assert tuple(map(bool, _finite_flags(w, bad))) == (True, False)
+
+
+def test_guarded_update_keeps_no_second_copy_of_the_parameters_and_moments():
+    # Parameters dominate (a 4,096 x 128 embedding and output layer, 2 layers), activations
+    # are tiny (1 prompt x 2 completions of 2 tokens). The step checks that the new state is
+    # finite before applying it in place of the donated one: its temporaries hold the
+    # gradients (one parameter-sized copy) but not the new parameters and AdamW moments next
+    # to the old ones (3 parameter-sized copies). Measured: 1.36 x the parameters with the
+    # check fused into a pass of its own, 3.0 x when the new state was computed once, outside
+    # the branch that applies it.
+    model = CausalLM(
+        CausalLMConfig.tiny(vocab_size=4096, num_layers=2, tie_word_embeddings=False),
+        rngs=nnx.Rngs(0),
+    )
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2, beta=0.0))
+    batch = GRPOBatch.zeros(1, 2, 2, 2).replace(shared_prompts=True)
+    compiled = trainer.compiled_step().lower(trainer.state, batch).compile()
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.state.params))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < 2 * param_bytes, (temp, param_bytes)
