@@ -39,7 +39,7 @@ def compiled_flops(jitted: Any, *args: Any, **kwargs: Any) -> float:
     return float(cost.get("flops", float("nan")))
 
 
-def update_cost(trainer: Any, batch: Any, *, remat: bool = False) -> dict[str, float]:
+def update_cost(trainer: Any, batch: Any, *, remat: bool | int = False) -> dict[str, float]:
     """FLOPs and bytes accessed of one GRPO update (``trainer.compiled_step()``), by XLA's count.
 
     XLA's cost analysis counts a loop body once: the chunked log-probs (a scan over chunks of
@@ -53,7 +53,8 @@ def update_cost(trainer: Any, batch: Any, *, remat: bool = False) -> dict[str, f
         trainer: The ``GRPOTrainer`` whose update is counted (model, optimizer, reference and
             config are reused).
         batch: A batch as passed to ``train_step``.
-        remat: Whether the counted update rematerializes the layers (as ``GRPOConfig.remat``).
+        remat: Whether the counted update rematerializes the layers (True), or every n-th one
+            (an int n), as ``GRPOConfig.remat_option``.
 
     Returns:
         ``{"flops": ..., "bytes_accessed": ...}`` of one update.

@@ -10,10 +10,12 @@ model.safetensors, tokenizer, prompts.json, workload.json) that every system loa
 ``CausalLM.from_pretrained``, TRL with transformers' ``AutoModelForCausalLM`` (through
 ``GRPOTrainer(model=DIR)``), Tunix with its own safetensors loader. Each system runs in its own
 process, in the order ours, TRL, Tunix, ours (W2: ours, TRL, ours, then ours with bfloat16
-parameters, ours without remat and ours with the update's layers scanned,
-``GRPOConfig(scan_layers=True)``), one after the other. On W2 ours recomputes each layer's
-activations in the backward pass (``GRPOConfig(remat=True)``), as TRL does by default (its
-``gradient_checkpointing=True``); on W1 it does not, as Tunix (``RematConfig.NONE``). Every process
+parameters, ours recomputing every layer, ours without remat and ours with the update's layers
+scanned, ``GRPOConfig(scan_layers=True)``), one after the other. On W2 ours recomputes the
+activations of every second layer in the backward pass (``GRPOConfig(remat=True,
+remat_every=2)``), as TRL recomputes its layers by default (its
+``gradient_checkpointing=True``), with a peak memory that stays below TRL's; on W1 it does
+not, as Tunix (``RematConfig.NONE``). Every process
 times its steps as windows and measures the CPU that other processes used in each window
 (``benchmarks/cleanwin.py``); windows above the threshold (5%) are re-run, up to ``--max-retries``
 more, and a row whose windows never got clean says so. The fp32 matmul peak is measured in the same
@@ -245,13 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         order: list[tuple[str, list[str], dict, str]] = []
         ours_cmd = [sys.executable, os.path.join(HERE, "ours_worker.py"), "--dir", wdir, *wins]
         # TRL recomputes activations in the backward pass by default (gradient checkpointing):
-        # where TRL is the peer (W2), ours does the same (GRPOConfig.remat). Tunix, W1's faster
-        # peer, keeps them (RematConfig.NONE), and so does ours on W1.
+        # where TRL is the peer (W2), ours recomputes those of every second layer
+        # (GRPOConfig.remat, remat_every=2: less compute than every layer, a peak memory still
+        # below TRL's; the row "ours, remat every layer" recomputes all of them). Tunix, W1's
+        # faster peer, keeps them (RematConfig.NONE), and so does ours on W1.
         no_remat_cmd = ours_cmd
+        full_remat_cmd = [*ours_cmd, "--remat"]
         if wname == "w2":
-            ours_cmd = [*ours_cmd, "--remat"]
+            ours_cmd = [*ours_cmd, "--remat", "--remat-every", "2"]
         peer_names = [p for p in PEERS if p in systems and wname in PEERS[p][3]]
-        tag = ", remat" if wname == "w2" else ""
+        tag = ", remat every 2nd layer" if wname == "w2" else ""
         if "ours" in systems:
             order.append(("ours", [*ours_cmd, "--flops"], ours_env, f"ours (1st{tag})"))
         for p in peer_names:
@@ -264,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         if "ours" in systems and wname == "w2" and not args.no_bf16:
             order.append(("ours", [*ours_cmd, "--dtype", "bfloat16"], ours_env, f"ours, bf16{tag}"))
         if "ours" in systems and wname == "w2":
+            order.append(("ours", full_remat_cmd, ours_env, "ours, remat every layer"))
             order.append(("ours", no_remat_cmd, ours_env, "ours, no remat"))
             # GRPOConfig.scan_layers: the update scans the layers (compiles faster), the
-            # sampler stays unrolled
-            label = "ours, remat, scanned update"
-            order.append(("ours", [*ours_cmd, "--scan-update"], ours_env, label))
+            # sampler stays unrolled; a scan recomputes all its layers or none
+            label = "ours, remat every layer, scanned update"
+            order.append(("ours", [*full_remat_cmd, "--scan-update"], ours_env, label))
         runs = []
         for system, cmd, env, label in order:
             if not os.path.exists(cmd[0]):

@@ -1,7 +1,7 @@
 """Our GRPO step on a workload directory (``benchmarks/hfdir.py``), in its own process.
 
     python benchmarks/ours_worker.py --dir DIR [--windows 5] [--max-retries 10] [--dtype bfloat16]
-        [--remat] [--scan-update] [--layers scan] [--no-compile-ahead]
+        [--remat [--remat-every N]] [--scan-update] [--layers scan] [--no-compile-ahead]
 
 Loads the policy and the reference with ``CausalLM.from_pretrained(DIR)``, reads the prompt ids
 from ``DIR/prompts.json`` and the settings from ``DIR/workload.json``. One step = generate
@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="GRPOConfig(remat=True): recompute each layer in the backward pass (as TRL's "
         "default gradient checkpointing)",
+    )
+    parser.add_argument(
+        "--remat-every",
+        type=int,
+        default=1,
+        help="with --remat, GRPOConfig(remat_every=N): recompute every N-th layer only",
     )
     parser.add_argument(
         "--scan-update",
@@ -90,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         policy,
         optimizer,
         GRPOConfig(
-            num_generations=k, beta=w["beta"], remat=args.remat, scan_layers=args.scan_update
+            num_generations=k,
+            beta=w["beta"],
+            remat=args.remat,
+            remat_every=args.remat_every,
+            scan_layers=args.scan_update,
         ),
         reference_model=reference,
     )
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.flops:
         from benchmarks.common import update_cost
 
-        flops = update_cost(trainer, last["batch"], remat=args.remat)["flops"]
+        flops = update_cost(trainer, last["batch"], remat=trainer.config.remat_option)["flops"]
 
     summary = win.summary(("generation_s", "host_s", "training_s"))
     result = {
@@ -164,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "layers": args.layers,
         "remat": args.remat,
+        "remat_every": args.remat_every,
         "scan_update": args.scan_update,
         "compile_ahead": args.compile_ahead,
         "params": int(n_params),

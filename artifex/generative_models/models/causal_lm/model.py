@@ -207,7 +207,7 @@ class CausalLM(nnx.Module):
         positions: jax.Array | None = None,
         cache: KVCache | None = None,
         *,
-        remat: bool = False,
+        remat: bool | int = False,
         layer_stack: LayerStack | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder and returns the final-norm hidden states.
@@ -223,7 +223,9 @@ class CausalLM(nnx.Module):
         states and, with a cache, that layer's own keys and values) instead of all the layer's
         activations, and recomputes the layer when its cotangent arrives, for about one more
         forward pass of compute. Values and gradients are the same; forward-mode
-        differentiation (`jax.jvp`) is not supported in that mode.
+        differentiation (`jax.jvp`) is not supported in that mode. An int `remat=n` recomputes
+        every n-th layer only (layers 0, n, 2n, ...; `1` is every layer): the others keep their
+        activations, between the two in memory and compute.
 
         With `model.scan_layers` the layers run as one `jax.lax.scan` over their
         weights stacked along a new leading axis (`layer_stack()`; the stacking is a copy of the
@@ -240,7 +242,8 @@ class CausalLM(nnx.Module):
                 the valid slots of the cache).
             cache: Optional `KVCache` from `init_cache` (or a previous call).
             remat: Rematerialize each decoder layer in the backward pass (less activation memory
-                for training, more compute).
+                for training, more compute); an int n >= 1: every n-th layer. Not with scanned
+                layers unless True or 1.
             layer_stack: Optional result of `layer_stack()` for this model's current weights; the
                 layers are then scanned with it whatever `scan_layers` says.
 
@@ -249,7 +252,9 @@ class CausalLM(nnx.Module):
             (`index` advanced by T), or None when no cache was passed.
 
         Raises:
-            ValueError: If `input_ids` is not 2-D or a mask / positions / cache shape disagrees.
+            ValueError: If `input_ids` is not 2-D, a mask / positions / cache shape disagrees, or
+                `remat` is an int < 1 (or > 1 with scanned layers).
+            TypeError: If `remat` is neither a bool nor an int.
         """
         if input_ids.ndim != 2:
             msg = f"input_ids must be (B, T), got shape {input_ids.shape}"
@@ -264,6 +269,7 @@ class CausalLM(nnx.Module):
             msg = f"positions must have shape {(b, t)}, got {positions.shape}"
             raise ValueError(msg)
         token_valid = attention_mask.astype(jnp.bool_)
+        _check_remat(remat)
 
         if cache is None:
             if positions is None:
@@ -309,16 +315,23 @@ class CausalLM(nnx.Module):
         mask: Any,
         kv: KVPairs | None,
         index: jax.Array | None,
-        remat: bool,
+        remat: bool | int,
         layer_stack: LayerStack | None,
     ) -> tuple[jax.Array, KVPairs | None]:
         """Runs the decoder layers: scanned, rematerialized or unrolled (see `hidden_states`)."""
         if layer_stack is None and getattr(self, "scan_layers", False):
             layer_stack = self.layer_stack()
         if layer_stack is not None:
-            return _scan_layers(layer_stack, h, cos, sin, mask, kv, index, remat=remat)
+            if remat is not True and remat > 1:
+                msg = (
+                    f"remat={remat} (one layer in {remat}) needs unrolled layers; scanned "
+                    "layers rematerialize all of them or none (remat=True or False)"
+                )
+                raise ValueError(msg)
+            return _scan_layers(layer_stack, h, cos, sin, mask, kv, index, remat=bool(remat))
         if remat:
-            return _remat_layers(self.layers, h, cos, sin, mask, kv, index)
+            every = 1 if remat is True else int(remat)
+            return _remat_layers(self.layers, h, cos, sin, mask, kv, index, every)
         new_kv = []
         for i, layer in enumerate(self.layers):
             layer_kv = None if kv is None else (kv[0][i], kv[1][i])
@@ -335,7 +348,7 @@ class CausalLM(nnx.Module):
         completion_ids: jax.Array,
         *,
         prompt_mask: jax.Array | None = None,
-        remat: bool = False,
+        remat: bool | int = False,
         layer_stack: LayerStack | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """Hidden states of prompts and of several completions of each, in one pass.
@@ -357,7 +370,8 @@ class CausalLM(nnx.Module):
             prompt_ids: Left-padded prompts (B, P), `P >= 1`.
             completion_ids: (B * G, T).
             prompt_mask: (B, P), 1 on real prompt tokens; None means all 1.
-            remat: Rematerialize each layer in the backward pass (see `hidden_states`).
+            remat: Rematerialize each layer (True) or every n-th layer (an int n >= 1) in the
+                backward pass (see `hidden_states`).
             layer_stack: Optional `layer_stack()` to scan the layers with (see
                 `hidden_states`).
 
@@ -407,6 +421,7 @@ class CausalLM(nnx.Module):
             msg = f"prompt_mask must have shape {(b, p)}, got {jnp.shape(prompt_mask)}"
             raise ValueError(msg)
         prompt_mask = jnp.asarray(prompt_mask)
+        _check_remat(remat)
         valid = prompt_mask.astype(jnp.bool_)
         causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
         mask = SharedPrefixMask(causal[None] & valid[:, None, :], valid, g, p)
@@ -688,6 +703,18 @@ def _check_cache(cache: KVCache, cfg: CausalLMConfig, batch: int) -> None:
                 raise ValueError(msg)
 
 
+def _check_remat(remat: Any) -> None:
+    """`remat` is a bool or an int >= 1 (every n-th layer), else a named error."""
+    if isinstance(remat, bool):
+        return
+    if not isinstance(remat, int | np.integer):
+        msg = f"remat must be a bool or an int >= 1 (every n-th layer), got {type(remat).__name__}"
+        raise TypeError(msg)
+    if remat < 1:
+        msg = f"remat as an int is the interval of rematerialized layers, >= 1; got {remat}"
+        raise ValueError(msg)
+
+
 def _unzip(pairs: list[tuple[jax.Array, jax.Array]]) -> KVPairs:
     """Per-layer `(keys, values)` pairs as the cache's `(keys per layer, values per layer)`."""
     return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
@@ -788,19 +815,19 @@ def _remat_layers(
     mask: jax.Array,
     kv: KVPairs | None,
     index: jax.Array | None,
+    every: int = 1,
 ) -> tuple[jax.Array, KVPairs | None]:
-    """Runs the decoder layers rematerialized: each keeps its inputs, not its activations.
+    """Runs the decoder layers, every `every`-th one (0, every, ...) rematerialized.
 
     A rematerialized layer keeps its inputs for the backward pass: its hidden states and, with
-    a cache, its own keys and values.
+    a cache, its own keys and values. The other layers keep their activations.
     """
     new_kv = []
     for i, layer in enumerate(layers):
         graphdef, state = nnx.split(layer)
         layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-        h, layer_kv = _traced_once_remat_layer_step(
-            graphdef, state, h, cos, sin, mask, layer_kv, index
-        )
+        step = _traced_once_remat_layer_step if i % every == 0 else _traced_once_layer_step
+        h, layer_kv = step(graphdef, state, h, cos, sin, mask, layer_kv, index)
         new_kv.append(layer_kv)
     return h, None if kv is None else _unzip(new_kv)
 

@@ -203,6 +203,13 @@ class GRPOConfig:
             rows, long sequences, deep models). It applies to the default log-prob function; a
             custom ``log_prob_fn`` opts in with ``causal_lm_log_probs_fn(remat=True)``.
             Categorical policies ignore it.
+        remat_every: With ``remat``, rematerialize every n-th decoder layer only (layers 0,
+            n, 2n, ...); the others keep their activations. 1 (the default) is every layer.
+            Memory and compute fall between remat and none: on SmolLM2-135M's shape
+            (``docs/benchmarks.md``) the update took 8.8 s and peaked at 3.7 GB with every layer,
+            8.4 s and 4.7 GB with every second, 8.2 s and 5.1 GB with every third, 8.0 s and
+            5.8 GB without remat. Needs ``remat=True``; not with ``scan_layers`` (a scan
+            rematerializes all its layers or none).
         scan_layers: Run a causal-LM policy's (and the reference's) decoder layers in the
             update as one ``jax.lax.scan`` over their stacked weights, whatever
             ``model.scan_layers`` says (the sampler keeps following ``model.scan_layers``:
@@ -210,9 +217,10 @@ class GRPOConfig:
             holds one layer instead of all of them, so it compiles faster for deep models, but
             on the CPU each update is slower (it stacks the layer weights and slices them per
             iteration) and holds one stacked copy of the layer weights and of their gradient.
-            On SmolLM2-135M with ``remat`` (``docs/benchmarks.md``): the update compiled in
-            12-14 s instead of 20 s, the first step took 31.8 s instead of 35-37 s, later
-            updates about 20% longer, peak memory 0.8 GB higher. It applies to
+            On SmolLM2-135M with ``remat`` (``docs/benchmarks.md``, 2026-11-25): the update,
+            compiled alone, compiled in 11.9-12.3 s instead of 13.4-13.7 s and its first run
+            took 8.9 s instead of 12.0 s (the first step 26.5 s instead of 30.1 s); later
+            updates 1-2% longer, peak memory 1.1 GB higher. It applies to
             the default log-prob function (a custom one opts in with
             ``causal_lm_log_probs_fn(scan_layers=True)``); models without ``layer_stack()``
             ignore it.
@@ -267,6 +275,7 @@ class GRPOConfig:
     advantage_estimator: AdvantageEstimator = "grpo"
     pass_at_k: int = 1
     remat: bool = False
+    remat_every: int = 1
     scan_layers: bool = False
 
     def __post_init__(self) -> None:
@@ -288,7 +297,17 @@ class GRPOConfig:
         check_float(f + "temperature", self.temperature, greater_than=0.0)
         check_float(f + "max_grad_norm", self.max_grad_norm, greater_than=0.0, allow_none=True)
         check_bool(f + "remat", self.remat)
+        check_int(f + "remat_every", self.remat_every, minimum=1)
         check_bool(f + "scan_layers", self.scan_layers)
+        if self.remat_every > 1 and not self.remat:
+            msg = f"GRPOConfig.remat_every={self.remat_every} needs remat=True"
+            raise ValueError(msg)
+        if self.remat_every > 1 and self.scan_layers:
+            msg = (
+                f"GRPOConfig.remat_every={self.remat_every} needs unrolled layers, not "
+                "scan_layers=True (a scan rematerializes all its layers or none)"
+            )
+            raise ValueError(msg)
         self._check_variants()
 
     def _check_variants(self) -> None:
@@ -335,6 +354,13 @@ class GRPOConfig:
                 f"advantage_estimator='pass_at_k', got {self.advantage_estimator!r}"
             )
             raise ValueError(msg)
+
+    @property
+    def remat_option(self) -> bool | int:
+        """``remat=`` for the log-prob functions: False, True (every layer) or every n-th."""
+        if not self.remat:
+            return False
+        return True if self.remat_every == 1 else self.remat_every
 
     @property
     def epsilon_low(self) -> float:

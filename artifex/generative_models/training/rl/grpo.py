@@ -366,7 +366,7 @@ class GRPOTrainer:
             default_log_prob_fn(
                 model,
                 temperature=config.temperature,
-                remat=config.remat,
+                remat=config.remat_option,
                 scan_layers=config.scan_layers,
             )
             if log_prob_fn is None

@@ -170,7 +170,7 @@ def causal_lm_log_probs(
     chunk_size: int | None = None,
     temperature: float = 1.0,
     shared_prompt_group: int | None = None,
-    remat: bool = False,
+    remat: bool | int = False,
     scan_layers: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies of completions under a causal LM.
@@ -193,7 +193,8 @@ def causal_lm_log_probs(
 
     With ``remat=True`` the model's decoder layers are rematerialized in the backward pass
     (``hidden_states(..., remat=True)``): a gradient keeps each layer's input instead of all its
-    activations and recomputes them, for about one more forward pass of compute.
+    activations and recomputes them, for about one more forward pass of compute. An int
+    ``remat=n`` rematerializes every n-th layer only (the others keep their activations).
 
     With ``scan_layers=True`` the decoder layers run as one ``jax.lax.scan`` over their stacked
     weights (``model.layer_stack()``, computed once per call and shared by the prompt and
@@ -213,8 +214,9 @@ def causal_lm_log_probs(
         temperature: Logits are divided by it (to score under the sampling distribution).
         shared_prompt_group: ``G`` when rows ``i`` and ``i // G * G`` always have the same
             prompt; ``None`` or 1 encodes every row's prompt.
-        remat: Rematerialize the decoder layers in the backward pass (gradient checkpointing);
-            the model's ``hidden_states`` must accept ``remat=``. The values are unchanged.
+        remat: Rematerialize the decoder layers in the backward pass (gradient checkpointing),
+            or every n-th layer (an int n >= 1); the model's ``hidden_states`` must accept
+            ``remat=``. The values are unchanged.
         scan_layers: Scan the decoder layers (see above); the model must have
             ``layer_stack()`` and ``hidden_states(..., layer_stack=...)``.
 
@@ -261,7 +263,7 @@ def causal_lm_log_probs(
         raise ValueError(msg)
     prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
     # Only passed when set, so models whose hidden_states has no `remat` keep working.
-    options: dict[str, Any] = {"remat": True} if remat else {}
+    options: dict[str, Any] = {"remat": remat} if remat else {}
     if scan_layers:
         if not callable(getattr(model, "layer_stack", None)):
             msg = (
@@ -315,7 +317,7 @@ def causal_lm_log_probs_fn(
     *,
     chunk_size: int | None = None,
     temperature: float = 1.0,
-    remat: bool = False,
+    remat: bool | int = False,
     scan_layers: bool = False,
 ) -> LogProbFn:
     """A log-prob function for causal LMs reading a :class:`GRPOBatch`.
@@ -323,8 +325,8 @@ def causal_lm_log_probs_fn(
     Args:
         chunk_size: Rows per logits chunk; ``None`` picks one from the vocabulary size.
         temperature: Sampling temperature the completions were drawn at (logits are divided).
-        remat: Rematerialize the decoder layers in the backward pass (see
-            :func:`causal_lm_log_probs`).
+        remat: Rematerialize the decoder layers (True) or every n-th layer (an int n >= 1) in
+            the backward pass (see :func:`causal_lm_log_probs`).
         scan_layers: Run the decoder layers as one ``lax.scan`` (see
             :func:`causal_lm_log_probs`).
 
@@ -409,7 +411,7 @@ def categorical_log_probs(
 
 
 def default_log_prob_fn(
-    model: Any, *, temperature: float = 1.0, remat: bool = False, scan_layers: bool = False
+    model: Any, *, temperature: float = 1.0, remat: bool | int = False, scan_layers: bool = False
 ) -> LogProbFn:
     """Chooses the log-prob function for ``model``.
 
@@ -420,9 +422,9 @@ def default_log_prob_fn(
     Args:
         model: The policy.
         temperature: Logits are divided by it (the sampling temperature).
-        remat: For causal LMs, rematerialize the decoder layers in the backward pass
-            (``GRPOConfig.remat``); categorical policies have no layers to rematerialize and
-            ignore it.
+        remat: For causal LMs, rematerialize the decoder layers in the backward pass (True,
+            ``GRPOConfig.remat``) or every n-th layer (an int n, ``GRPOConfig.remat_every``);
+            categorical policies have no layers to rematerialize and ignore it.
         scan_layers: For causal LMs with ``layer_stack()``, run the decoder layers as one
             ``lax.scan`` (``GRPOConfig.scan_layers``); other models ignore it.
 

@@ -525,7 +525,7 @@ def make_grpo_loss(
         log_prob_fn = default_log_prob_fn(
             model,
             temperature=config.temperature,
-            remat=config.remat,
+            remat=config.remat_option,
             scan_layers=config.scan_layers,
         )
 

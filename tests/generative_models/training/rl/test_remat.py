@@ -164,3 +164,76 @@ def test_trainer_step_with_remat_matches_the_step_without(monkeypatch):
     assert metrics[1]["grad_norm"] == pytest.approx(metrics[0]["grad_norm"], rel=1e-5)
     for name, expected in updated[0].items():
         np.testing.assert_allclose(updated[1][name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prompt_cache", "plain"])
+def test_remat_every_second_layer_gives_the_same_log_probs_and_grpo_gradients(shared):
+    batch = lm_batch().replace(shared_prompts=shared)
+    assert_same_log_probs_and_gradients(
+        tiny_lm(num_layers=3), batch, {"remat": False}, {"remat": 2}
+    )
+
+
+def test_remat_every_n_layers_sits_between_remat_and_none_in_memory_and_flops():
+    model = tiny_lm(num_layers=4)
+    batch = lm_batch(prompts=2, g=4, p=8, t=56).replace(shared_prompts=False)
+    params = nnx.state(model, nnx.Param)
+    temp, flops = {}, {}
+    for every in (1, 2, None):
+        config = GRPOConfig(
+            num_generations=4, beta=0.0, remat=every is not None, remat_every=every or 1
+        )
+        loss_fn = make_grpo_loss(model, config)
+        compiled = jax.jit(jax.value_and_grad(loss_fn, has_aux=True)).lower(params, batch).compile()
+        temp[every] = compiled.memory_analysis().temp_size_in_bytes
+        cost = compiled.cost_analysis()
+        flops[every] = (cost[0] if isinstance(cost, list | tuple) else cost)["flops"]
+    # Every second layer of four is recomputed: about half of the activations are kept, and
+    # half of the layers run their forward pass twice.
+    assert temp[1] < temp[2] < temp[None], temp
+    assert flops[None] < flops[2] < flops[1], flops
+
+
+def test_remat_every_is_checked_and_reaches_the_model(monkeypatch):
+    with pytest.raises(ValueError, match=r"GRPOConfig\.remat_every=2 needs remat=True"):
+        GRPOConfig(remat_every=2)
+    with pytest.raises(ValueError, match=r"GRPOConfig\.remat_every must be an int >= 1, got 0"):
+        GRPOConfig(remat=True, remat_every=0)
+    with pytest.raises(TypeError, match=r"GRPOConfig\.remat_every must be an int"):
+        GRPOConfig(remat=True, remat_every=2.0)
+    with pytest.raises(ValueError, match=r"remat_every=3 needs unrolled layers"):
+        GRPOConfig(remat=True, remat_every=3, scan_layers=True)
+    assert GRPOConfig(remat=True, remat_every=3).remat_option == 3
+    assert GRPOConfig(remat=True).remat_option is True
+    assert GRPOConfig(remat_every=1).remat_option is False
+    from artifex.cli import build_parser
+
+    base = ["train", "--model", "m", "--data", "d.jsonl", "--reward", "math"]
+    args = vars(build_parser().parse_args([*base, "--remat", "--remat-every", "2"]))
+    assert args["GRPOConfig.remat_every"] == 2 and args["GRPOConfig.remat"] is True
+    # The model refuses a bad interval by name, and a partial one with scanned layers.
+    model = tiny_lm(num_layers=2)
+    ids = jnp.ones((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match=r"remat as an int is the interval .* got 0"):
+        model.hidden_states(ids, remat=0)
+    with pytest.raises(TypeError, match="remat must be a bool or an int >= 1"):
+        model.hidden_states(ids, remat="2")
+    with pytest.raises(ValueError, match=r"remat=2 \(one layer in 2\) needs unrolled layers"):
+        model.hidden_states(ids, remat=2, layer_stack=model.layer_stack())
+    # The trainer hands the interval to the default log-prob function.
+    seen = []
+    hidden_states = CausalLM.hidden_states
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("remat", False))
+        return hidden_states(self, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "hidden_states", spy)
+    policy = tiny_lm(seed=0)
+    optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
+    config = GRPOConfig(num_generations=4, beta=0.0, remat=True, remat_every=2)
+    batch = lm_batch(seed=1)  # every row with its own prompt: the path through hidden_states
+    rng = np.random.default_rng(1)
+    batch = batch.replace(prompt_ids=jnp.asarray(rng.integers(1, VOCAB, batch.prompt_ids.shape)))
+    GRPOTrainer(policy, optimizer, config).train_step(batch)
+    assert set(seen) == {2}, seen
