@@ -145,7 +145,9 @@ def training_fingerprint(config: Any, params: Any, **extra: Any) -> dict[str, An
         **extra: More JSON-able settings that must match (e.g. the loop's batch shape).
 
     Returns:
-        A JSON-able dict: the config, the trainable parameter shapes and ``extra``.
+        A JSON-able dict: the config, the trainable parameter shapes and ``extra``. A restore
+        compares all of it except the config's ``EXECUTION_ONLY_FIELDS`` (``remat``,
+        ``remat_every``, ``scan_layers``), which change memory and speed, not the values.
 
     Example:
         >>> from flax import nnx
@@ -157,10 +159,21 @@ def training_fingerprint(config: Any, params: Any, **extra: Any) -> dict[str, An
         (['grpo_config', 'trainable_shapes', 'prompts_per_step'], 4)
     """
     return {
-        "grpo_config": dataclasses.asdict(config),
+        "grpo_config": _plain(dataclasses.asdict(config)),
         "trainable_shapes": _shapes(params),
         **extra,
     }
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with NumPy scalars as Python ones (a config may hold ``np.int64(4)``)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 def _saveable(tree: Any) -> dict[str, Any]:
@@ -183,6 +196,21 @@ def _from_saveable(flat: Mapping[str, Any], target: Any) -> Any:
             value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(like))
         leaves.append(value)
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+#: GRPOConfig fields that change how an update runs (memory, compile time), not what it
+#: computes: a run may resume from a checkpoint written with other values (or before the field
+#: existed), for example with more layers rematerialized after running out of memory.
+EXECUTION_ONLY_FIELDS = ("remat", "remat_every", "scan_layers")
+
+
+def _comparable(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """``fingerprint`` without the execution-only fields of its ``grpo_config``."""
+    out = dict(fingerprint)
+    config = out.get("grpo_config")
+    if isinstance(config, Mapping):
+        out["grpo_config"] = {k: v for k, v in config.items() if k not in EXECUTION_ONLY_FIELDS}
+    return out
 
 
 def _diff(saved: Any, current: Any, prefix: str = "") -> list[str]:
@@ -458,7 +486,7 @@ class CheckpointManager:
         if fingerprint is not None:
             saved = {k: v for k, v in metadata.get("fingerprint", {}).items() if k not in ignore}
             current = {k: v for k, v in dict(fingerprint).items() if k not in ignore}
-            diffs = _diff(saved, current)
+            diffs = _diff(_comparable(saved), _comparable(current))
             if diffs:
                 msg = f"{where} is incompatible with this run:\n  " + "\n  ".join(diffs)
                 raise IncompatibleCheckpointError(msg)

@@ -29,6 +29,7 @@ __all__ = [
     "check_choice",
     "check_float",
     "check_int",
+    "check_remat",
     "check_str",
 ]
 
@@ -191,6 +192,37 @@ def check_bool(name: str, value: Any) -> bool:
         msg = f"{name} must be a bool, got {_got(value)}"
         raise TypeError(msg)
     return bool(value)
+
+
+def check_remat(name: str, value: Any) -> bool | int:
+    """Checks a rematerialization option: a bool (every layer or none) or an int n >= 1.
+
+    An int ``n`` rematerializes one decoder layer in ``n``; ``1`` is every layer.
+
+    Example:
+        >>> check_remat("remat", 2), check_remat("remat", True)
+        (2, True)
+
+    Args:
+        name: The field or argument, as the message should name it.
+        value: The value to check (a Python or NumPy bool or int).
+
+    Returns:
+        ``value`` as a Python ``bool`` or ``int``.
+
+    Raises:
+        TypeError: If ``value`` is neither a bool nor an int.
+        ValueError: If ``value`` is an int below 1.
+    """
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if not isinstance(value, int | np.integer):
+        msg = f"{name} must be a bool or an int >= 1 (one layer in n), got {_got(value)}"
+        raise TypeError(msg)
+    if value < 1:
+        msg = f"{name} as an int is the interval of rematerialized layers, >= 1; got {_got(value)}"
+        raise ValueError(msg)
+    return int(value)
 
 
 def check_str(name: str, value: Any, *, allow_empty: bool = False) -> str:

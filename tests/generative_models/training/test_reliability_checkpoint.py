@@ -320,3 +320,37 @@ def test_the_trainer_form_of_earlier_versions_still_saves_and_restores(tmp_path)
     assert meta["step"] == 1
     assert_state(fresh, expected)
     manager.close()
+
+
+def test_a_run_may_resume_with_other_memory_settings_but_not_other_math(tmp_path):
+    # remat, remat_every and scan_layers change memory and speed, not the values: a run that
+    # ran out of memory may resume with more layers rematerialized. A checkpoint written before
+    # remat_every existed (its fingerprint lacks the field) resumes too. Any other field of
+    # the config still has to match.
+    from artifex.generative_models.training.checkpointing import (
+        IncompatibleCheckpointError,
+        training_fingerprint,
+    )
+
+    trainer = make_trainer()
+    params = trainer.state.params
+    old = training_fingerprint(GRPOConfig(num_generations=4), params)
+    del old["grpo_config"]["remat_every"]
+    manager = CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, trainer.state, {"fingerprint": old})
+    resumed = training_fingerprint(GRPOConfig(num_generations=4, remat=True, remat_every=2), params)
+    restored, _ = manager.restore(trainer.state, fingerprint=resumed)
+    assert int(restored.step) == int(trainer.state.step)
+    other = training_fingerprint(GRPOConfig(num_generations=4, clip_param=0.1), params)
+    with pytest.raises(IncompatibleCheckpointError, match=r"grpo_config\.clip_param"):
+        manager.restore(trainer.state, fingerprint=other)
+    manager.close()
+
+
+def test_a_fingerprint_of_a_config_with_numpy_numbers_is_json():
+    from artifex.generative_models.training.checkpointing import training_fingerprint
+
+    trainer = make_trainer()
+    config = GRPOConfig(num_generations=np.int64(4), beta=np.float32(0.5))
+    fp = training_fingerprint(config, trainer.state.params)
+    assert json.loads(json.dumps(fp))["grpo_config"]["num_generations"] == 4

@@ -55,6 +55,7 @@ from artifex.generative_models.models.causal_lm.modules import (
 )
 from artifex.generative_models.models.causal_lm.rope import rope_cos_sin, rope_inv_frequencies
 from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
+from artifex.generative_models.utils.validation import check_remat
 
 __all__ = [
     "CausalLM",
@@ -269,7 +270,7 @@ class CausalLM(nnx.Module):
             msg = f"positions must have shape {(b, t)}, got {positions.shape}"
             raise ValueError(msg)
         token_valid = attention_mask.astype(jnp.bool_)
-        _check_remat(remat)
+        remat = check_remat("remat", remat)
 
         if cache is None:
             if positions is None:
@@ -421,7 +422,7 @@ class CausalLM(nnx.Module):
             msg = f"prompt_mask must have shape {(b, p)}, got {jnp.shape(prompt_mask)}"
             raise ValueError(msg)
         prompt_mask = jnp.asarray(prompt_mask)
-        _check_remat(remat)
+        remat = check_remat("remat", remat)
         valid = prompt_mask.astype(jnp.bool_)
         causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
         mask = SharedPrefixMask(causal[None] & valid[:, None, :], valid, g, p)
@@ -701,18 +702,6 @@ def _check_cache(cache: KVCache, cfg: CausalLMConfig, batch: int) -> None:
                 got = getattr(x, "shape", type(x).__name__)
                 msg = f"cache.{name} must be {shapes[name]} per layer, got {got}"
                 raise ValueError(msg)
-
-
-def _check_remat(remat: Any) -> None:
-    """`remat` is a bool or an int >= 1 (every n-th layer), else a named error."""
-    if isinstance(remat, bool):
-        return
-    if not isinstance(remat, int | np.integer):
-        msg = f"remat must be a bool or an int >= 1 (every n-th layer), got {type(remat).__name__}"
-        raise TypeError(msg)
-    if remat < 1:
-        msg = f"remat as an int is the interval of rematerialized layers, >= 1; got {remat}"
-        raise ValueError(msg)
 
 
 def _unzip(pairs: list[tuple[jax.Array, jax.Array]]) -> KVPairs:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
+from artifex.generative_models.utils.validation import check_remat
+
 if TYPE_CHECKING:
     from artifex.generative_models.training.rl.batch import GRPOBatch
 
@@ -225,8 +227,9 @@ def causal_lm_log_probs(
 
     Raises:
         ValueError: If ``prompt_ids`` has no column, or ``completion_ids`` or ``prompt_mask``
-            does not match its rows (and columns).
-        TypeError: If ``scan_layers`` is set and the model has no ``layer_stack`` method.
+            does not match its rows (and columns), or ``remat`` is an int below 1.
+        TypeError: If ``scan_layers`` is set and the model has no ``layer_stack`` method, or
+            ``remat`` is neither a bool nor an int.
 
     Example:
         >>> import jax.numpy as jnp
@@ -246,6 +249,7 @@ def causal_lm_log_probs(
         >>> bool(jnp.allclose(remat, logp))  # same values; only the backward pass changes
         True
     """
+    remat = check_remat("remat", remat)
     b, p = prompt_ids.shape
     if p < 1:
         msg = "prompt_ids must have at least one column: the first completion token is predicted from the last prompt position"  # noqa: E501
@@ -348,6 +352,7 @@ def causal_lm_log_probs_fn(
         >>> logp.shape, entropy.shape
         ((2, 2), (2, 2))
     """
+    remat = check_remat("remat", remat)
 
     def fn(model: Any, batch: GRPOBatch) -> tuple[jax.Array, jax.Array]:
         return causal_lm_log_probs(
@@ -431,12 +436,26 @@ def default_log_prob_fn(
     Returns:
         A log-prob function.
 
+    Raises:
+        TypeError: If ``remat`` is neither a bool nor an int.
+        ValueError: If ``remat`` is an int below 1, or above 1 for a model with
+            ``scan_layers`` set.
+
     Example:
         >>> from flax import nnx
         >>> default_log_prob_fn(nnx.Linear(4, 3, rngs=nnx.Rngs(0))).__name__
         'categorical_log_probs'
     """
+    remat = check_remat("remat", remat)
     if hasattr(model, "hidden_states") and hasattr(model, "output_embedding"):
+        if remat is not True and remat > 1 and getattr(model, "scan_layers", False):
+            msg = (
+                f"remat={remat} (GRPOConfig.remat_every) rematerializes one layer in {remat}, "
+                "which needs unrolled layers, but the model has scan_layers=True (a scan "
+                "rematerializes all its layers or none): set model.scan_layers = False or "
+                "remat_every=1"
+            )
+            raise ValueError(msg)
         scan = scan_layers and callable(getattr(model, "layer_stack", None))
         return causal_lm_log_probs_fn(temperature=temperature, remat=remat, scan_layers=scan)
     if temperature == 1.0:

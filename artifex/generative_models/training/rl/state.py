@@ -407,7 +407,9 @@ def make_grpo_train_step(
         # SmolLM2-135M and 0.1 s more per update (docs/benchmarks.md). One branch, not a
         # `where` per leaf: XLA fuses the and-reduction over every leaf's check into each
         # leaf's select, a program quadratic in the number of leaves (minutes to compile for
-        # a 30-layer model).
+        # a 30-layer model). The two computations are fused differently and may round apart in
+        # the last bit; only a value at the very edge of overflow could be finite in one and
+        # not the other.
         params_ok, opt_ok = _finite_flags(*updated())
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
         # A batch without any reward signal (all rewards NaN) moves nothing: its only gradients

@@ -237,3 +237,45 @@ def test_remat_every_is_checked_and_reaches_the_model(monkeypatch):
     batch = batch.replace(prompt_ids=jnp.asarray(rng.integers(1, VOCAB, batch.prompt_ids.shape)))
     GRPOTrainer(policy, optimizer, config).train_step(batch)
     assert set(seen) == {2}, seen
+
+
+def test_remat_option_is_checked_before_tracing_everywhere_it_enters():
+    from artifex.generative_models.training.rl import causal_lm_log_probs_fn, default_log_prob_fn
+
+    model = tiny_lm(num_layers=2)
+    batch = lm_batch()
+    # NumPy bools and ints are bools and ints.
+    out, _ = causal_lm_log_probs(
+        model,
+        batch.prompt_ids,
+        batch.completion_ids,
+        prompt_mask=batch.prompt_mask,
+        remat=np.True_,
+    )
+    base, _ = causal_lm_log_probs(
+        model, batch.prompt_ids, batch.completion_ids, prompt_mask=batch.prompt_mask
+    )
+    np.testing.assert_allclose(np.asarray(out), np.asarray(base), rtol=1e-6, atol=1e-6)
+    model.hidden_states(jnp.ones((1, 3), jnp.int32), remat=np.int64(2))
+    # A bad value is refused by name, not read as "off".
+    for bad, err in ((0, ValueError), (-2, ValueError), (None, TypeError), (2.0, TypeError)):
+        with pytest.raises(err, match=r"remat (must be a bool or an int|as an int is the)"):
+            causal_lm_log_probs(
+                model,
+                batch.prompt_ids,
+                batch.completion_ids,
+                prompt_mask=batch.prompt_mask,
+                remat=bad,
+            )
+        with pytest.raises(err, match="remat"):
+            causal_lm_log_probs_fn(remat=bad)
+        with pytest.raises(err, match="remat"):
+            default_log_prob_fn(model, remat=bad)
+    # A model that scans its layers cannot recompute one layer in n: refused when the trainer
+    # is built, naming both settings.
+    scanned = tiny_lm(num_layers=2)
+    scanned.scan_layers = True
+    config = GRPOConfig(num_generations=4, beta=0.0, remat=True, remat_every=2)
+    optimizer = nnx.Optimizer(scanned, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"remat_every.*scan_layers=True"):
+        GRPOTrainer(scanned, optimizer, config)
