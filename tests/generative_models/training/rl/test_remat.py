@@ -136,7 +136,8 @@ def test_remat_must_be_a_bool():
     assert_bool_config_option("remat")
 
 
-def test_trainer_step_with_remat_matches_the_step_without(monkeypatch):
+def spy_remat(monkeypatch) -> list:
+    """Records the ``remat`` option of every ``CausalLM.hidden_states`` call (still run)."""
     seen = []
     hidden_states = CausalLM.hidden_states
 
@@ -145,11 +146,21 @@ def test_trainer_step_with_remat_matches_the_step_without(monkeypatch):
         return hidden_states(self, *args, **kwargs)
 
     monkeypatch.setattr(CausalLM, "hidden_states", spy)
+    return seen
+
+
+def unshared_batch(seed: int = 1) -> GRPOBatch:
+    """``lm_batch`` with every row's own prompt: the log-probs go through ``hidden_states``."""
+    batch = lm_batch(seed=seed)
+    rng = np.random.default_rng(seed)
+    return batch.replace(prompt_ids=jnp.asarray(rng.integers(1, VOCAB, batch.prompt_ids.shape)))
+
+
+def test_trainer_step_with_remat_matches_the_step_without(monkeypatch):
+    seen = spy_remat(monkeypatch)
     # ref_log_probs given: the step runs the policy alone. Every row has its own prompt (the
     # shared-prompt path is compared above), which keeps the two compilations short.
-    batch = lm_batch(seed=1)
-    rng = np.random.default_rng(1)
-    batch = batch.replace(prompt_ids=jnp.asarray(rng.integers(1, VOCAB, batch.prompt_ids.shape)))
+    batch = unshared_batch()
     updated, metrics = [], []
     for flag in (False, True):
         policy = tiny_lm(seed=0)
@@ -221,21 +232,11 @@ def test_remat_every_is_checked_and_reaches_the_model(monkeypatch):
     with pytest.raises(ValueError, match=r"remat=2 \(one layer in 2\) needs unrolled layers"):
         model.hidden_states(ids, remat=2, layer_stack=model.layer_stack())
     # The trainer hands the interval to the default log-prob function.
-    seen = []
-    hidden_states = CausalLM.hidden_states
-
-    def spy(self, *args, **kwargs):
-        seen.append(kwargs.get("remat", False))
-        return hidden_states(self, *args, **kwargs)
-
-    monkeypatch.setattr(CausalLM, "hidden_states", spy)
+    seen = spy_remat(monkeypatch)
     policy = tiny_lm(seed=0)
     optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
     config = GRPOConfig(num_generations=4, beta=0.0, remat=True, remat_every=2)
-    batch = lm_batch(seed=1)  # every row with its own prompt: the path through hidden_states
-    rng = np.random.default_rng(1)
-    batch = batch.replace(prompt_ids=jnp.asarray(rng.integers(1, VOCAB, batch.prompt_ids.shape)))
-    GRPOTrainer(policy, optimizer, config).train_step(batch)
+    GRPOTrainer(policy, optimizer, config).train_step(unshared_batch())
     assert set(seen) == {2}, seen
 
 
