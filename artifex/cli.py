@@ -359,7 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the built-in end-to-end GRPO demo")
     demo.add_argument("--steps", type=int, default=None, help="GRPO steps (default 1000)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--out", default="runs/demo", help="output directory")
+    demo.add_argument(
+        "--out",
+        default="runs/demo",
+        help="output directory (an earlier demo run's checkpoints and logs there are replaced)",
+    )
     demo.add_argument(
         "--task",
         choices=("addition", "tools", "flow"),

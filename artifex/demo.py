@@ -62,6 +62,8 @@ class DemoConfig:
         partial_credit: Weight of :func:`digit_reward` added to the exact-answer reward
             (denser signal early on; 0 disables it).
         out_dir: Where metrics, checkpoints and the plot go (``None``: a temporary directory).
+            Each run starts afresh there: the checkpoints and logs of an earlier demo run in
+            the same directory are replaced (its warm-up made another model).
 
     Example:
         >>> config = DemoConfig(grpo_steps=200, out_dir=None)
@@ -414,6 +416,10 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
             log_dir=os.path.join(out_dir, "logs"),
             checkpoint_dir=os.path.join(out_dir, "checkpoints"),
             checkpoint_every=max(cfg.grpo_steps // 3, 1),
+            # A demo run warms up a new model: continuing an earlier run's GRPO checkpoints
+            # would train that run's model instead, and a finished one would leave no step to
+            # run. The directory is the demo's own.
+            overwrite=True,
             progress=verbose,
         ),
         rollout_config,

@@ -218,3 +218,25 @@ def test_normalized_reward_mode_standardizes_within_each_prompts_group():
     assert total[0] > 0 > total[1]
     np.testing.assert_allclose(total[0], -total[1], rtol=1e-5)
     np.testing.assert_allclose(total[2:], 0.0, atol=1e-6)
+
+
+def test_a_second_demo_run_in_the_same_directory_trains_afresh(tmp_path):
+    # The first run leaves finished checkpoints behind: the second warms up a new model and
+    # must train it, not resume the first run's (which left no step to run: an IndexError).
+    cfg = DemoConfig(
+        grpo_steps=2,
+        prompts_per_step=4,
+        num_eval=8,
+        warmup_examples=64,
+        warmup_max_steps=4,
+        out_dir=str(tmp_path),
+    )
+    first = run_demo(cfg, verbose=False)
+    second = run_demo(cfg, verbose=False)
+    for summary in (first, second):
+        assert 0.0 <= summary["held_out_pass@1_after"] <= 1.0
+    # The log holds the second run's records only (one run writes 5: evaluations at steps 0,
+    # 1 and 2, training steps 1 and 2), not both runs' appended.
+    with open(os.path.join(tmp_path, "logs", "metrics.jsonl")) as fh:
+        steps = [json.loads(line).get("step") for line in fh if line.strip()]
+    assert sorted(steps) == [0, 1, 1, 2, 2], steps
