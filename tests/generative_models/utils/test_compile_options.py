@@ -84,3 +84,43 @@ def test_a_library_function_runs_inside_a_callers_transformations():
 def test_compiler_options_cannot_be_passed():
     with pytest.raises(TypeError, match="chosen per backend"):
         jit(lambda x: x, compiler_options={})
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU options")
+def test_low_precision_loops_compile_bfloat16_calls_without_the_preset(monkeypatch):
+    """The fast-compile preset skips XLA's loop-invariant code motion: the W2 sampler with
+    bfloat16 weights converted them in every decode step (8.7 s instead of 6.4 s). With
+    ``low_precision_loops`` a call with a bfloat16 argument compiles without it, a float32 call
+    with it, and both compute the same values as float64 NumPy."""
+    assert "xla_cpu_opt_preset" not in compiler_options(low_precision_loop=True)
+    assert compiler_options(low_precision_loop=True)["xla_backend_optimization_level"] == 1
+    seen = []
+    real_jit = jax.jit
+
+    def spy(fun, compiler_options=None, **kwargs):
+        seen.append(compiler_options)
+        return real_jit(fun, compiler_options=compiler_options, **kwargs)
+
+    monkeypatch.setattr(compile_options.jax, "jit", spy)
+
+    @jit(low_precision_loops=True)
+    def loop(w, x, steps):
+        body = lambda c: (c[0] + 1, jnp.tanh(c[1] @ w.astype(jnp.float32)))  # noqa: E731
+        return jax.lax.while_loop(lambda c: c[0] < steps, body, (0, x))[1]
+
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((48, 48)) / 7).astype(np.float32)
+    x = rng.standard_normal((4, 48)).astype(np.float32)
+
+    def reference(weights):
+        h = x.astype(np.float64)
+        for _ in range(5):
+            h = np.tanh(h @ weights)
+        return h
+
+    w16 = jnp.asarray(w, jnp.bfloat16)
+    np.testing.assert_allclose(loop(w, x, 5), reference(w.astype(np.float64)), atol=1e-5)
+    np.testing.assert_allclose(loop(w16, x, 5), reference(np.asarray(w16, np.float64)), atol=1e-5)
+    np.testing.assert_allclose(loop(w, x, 5), reference(w.astype(np.float64)), atol=1e-5)
+    assert seen == [compiler_options(), compiler_options(low_precision_loop=True)]
+    assert loop._cache_size() == 2  # one program per variant, each compiled once
