@@ -165,7 +165,6 @@ def append_tokens(
 
 
 @jit(
-    low_precision_loops=True,
     static_argnames=(
         "graphdef",
         "max_new_tokens",

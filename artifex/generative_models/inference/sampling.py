@@ -233,7 +233,6 @@ def _inverse_cdf(probs: jax.Array, uniform: jax.Array, block: int = 64) -> jax.A
 
 
 @jit(
-    low_precision_loops=True,
     static_argnames=(
         "graphdef",
         "num_generations",

@@ -10,11 +10,7 @@ code generation is most of the time of a first training step. Two options shorte
   fuses less (W1's update: 1,031 top-level operations against 936), yet every program ran
   faster with it, side by side on 2026-11-26: W2's first step 1.1-1.6 s shorter, its sampler
   4% and its update 1-3% faster, W1's sampler 4-8% faster, for 3-5% more peak memory
-  (`docs/benchmarks.md`). The preset also skips XLA's loop-invariant code motion: a program
-  that loops over bfloat16 weights (a sampler's decode loop) would convert them to float32 in
-  every iteration instead of once (W2's bf16 sampler took 8.7 s instead of 6.4 s), so such
-  programs compile without it (``jit(..., low_precision_loops=True)``). A jaxlib whose XLA
-  lacks an option compiles without it.
+  (`docs/benchmarks.md`). A jaxlib whose XLA lacks the option compiles without it.
 
 Other backends keep XLA's defaults. Set ``ARTIFEX_CPU_FAST_COMPILE=0`` to compile with XLA's
 defaults everywhere.
@@ -35,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["CPU_COMPILER_OPTIONS", "ENV_VAR", "compiler_options", "jit"]
@@ -45,8 +40,6 @@ CPU_COMPILER_OPTIONS: dict[str, Any] = {
     "xla_backend_optimization_level": 1,
     "xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE",
 }
-# Options that skip XLA's loop-invariant code motion (left out for low-precision loops).
-_NO_LOOP_HOISTING = ("xla_cpu_opt_preset",)
 
 
 def _accepted(options: dict[str, Any]) -> bool:
@@ -68,14 +61,8 @@ def _known_cpu_options() -> tuple[tuple[str, Any], ...]:
     return tuple((k, v) for k, v in CPU_COMPILER_OPTIONS.items() if _accepted({k: v}))
 
 
-def compiler_options(*, low_precision_loop: bool = False) -> dict[str, Any] | None:
+def compiler_options() -> dict[str, Any] | None:
     """Compiler options for ``jax.jit`` on the default backend (None: XLA's defaults).
-
-    Args:
-        low_precision_loop: The program loops over bfloat16 or float16 arrays that do not
-            change inside the loop (a decode loop over the weights): leave out the fast-compile
-            preset, which skips XLA's loop-invariant code motion. XLA:CPU computes such dots in
-            float32, and without the motion it converts the weights in every iteration.
 
     Returns:
         :data:`CPU_COMPILER_OPTIONS` (those this jaxlib knows) when the default backend is the
@@ -93,47 +80,27 @@ def compiler_options(*, low_precision_loop: bool = False) -> dict[str, Any] | No
         return None
     if jax.default_backend() != "cpu":
         return None
-    options = dict(_known_cpu_options())
-    if low_precision_loop:
-        for name in _NO_LOOP_HOISTING:
-            options.pop(name, None)
-    return options
-
-
-def _low_precision(tree: Any) -> bool:
-    """Whether a leaf of ``tree`` is a floating array narrower than float32."""
-    for x in jax.tree.leaves(tree):
-        dtype = getattr(x, "dtype", None)
-        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-            return True
-    return False
+    return dict(_known_cpu_options())
 
 
 class _LazyJit:
     """``jax.jit(fun, **kwargs)`` built on first use, with :func:`compiler_options` added.
 
     The backend is known only once JAX is initialized, which a module-level decorator must not
-    force; the wrapped function is jitted at its first call (or ``lower``). With
-    ``low_precision_loops``, calls with a low-precision floating argument go to a second
-    ``jax.jit`` compiled with ``compiler_options(low_precision_loop=True)``.
+    force; the wrapped function is jitted at its first call (or ``lower``).
     """
 
-    def __init__(
-        self, fun: Callable[..., Any], kwargs: dict[str, Any], low_precision_loops: bool
-    ) -> None:
+    def __init__(self, fun: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         self._fun = fun
         self._kwargs = kwargs
-        self._low_precision_loops = low_precision_loops
-        self._jitted: dict[bool, Any] = {}
+        self._jitted: Any = None
         self._nested: Any = None
         functools.update_wrapper(self, fun)
 
-    def _get(self, args: Any) -> Any:
-        loop = self._low_precision_loops and _low_precision(args)
-        if loop not in self._jitted:
-            options = compiler_options(low_precision_loop=loop)
-            self._jitted[loop] = jax.jit(self._fun, compiler_options=options, **self._kwargs)
-        return self._jitted[loop]
+    def _get(self) -> Any:
+        if self._jitted is None:
+            self._jitted = jax.jit(self._fun, compiler_options=compiler_options(), **self._kwargs)
+        return self._jitted
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
@@ -143,26 +110,21 @@ class _LazyJit:
             if self._nested is None:
                 self._nested = jax.jit(self._fun, **self._kwargs)
             return self._nested(*args, **kwargs)
-        return self._get((args, kwargs))(*args, **kwargs)
+        return self._get()(*args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """``jax.jit(...).lower``: the lowering for these arguments."""
-        return self._get((args, kwargs)).lower(*args, **kwargs)
+        return self._get().lower(*args, **kwargs)
 
     def _cache_size(self) -> int:
-        return sum(j._cache_size() for j in self._jitted.values())
+        return 0 if self._jitted is None else self._jitted._cache_size()
 
 
-def jit(
-    fun: Callable[..., Any] | None = None, *, low_precision_loops: bool = False, **kwargs: Any
-) -> Any:
+def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     """``jax.jit`` with the backend's :func:`compiler_options`; usable as a decorator.
 
     Args:
         fun: The function to compile; omit it to get a decorator (``@jit(static_argnames=...)``).
-        low_precision_loops: The function loops over its arguments (a sampler's decode loop
-            over the weights): a call with a bfloat16 or float16 argument compiles with
-            ``compiler_options(low_precision_loop=True)``.
         **kwargs: Passed to ``jax.jit`` (``static_argnames``, ``donate_argnums``, shardings...).
 
     Returns:
@@ -183,5 +145,5 @@ def jit(
         msg = "jit: compiler_options is chosen per backend; call jax.jit directly to set it"
         raise TypeError(msg)
     if fun is None:
-        return lambda f: _LazyJit(f, kwargs, low_precision_loops)
-    return _LazyJit(fun, kwargs, low_precision_loops)
+        return lambda f: _LazyJit(f, kwargs)
+    return _LazyJit(fun, kwargs)
