@@ -7,10 +7,11 @@ code generation is most of the time of a first training step. Two options shorte
   faster and ran no slower (the kernels that matter are matmuls, which XLA:CPU calls from its
   libraries rather than generating). Level 0 is much slower at run time, so it is not used.
 - ``xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE``, XLA:CPU's preset for compile time: it
-  fuses less (W1's update: 1,031 top-level operations against 936), yet every program ran
-  faster with it, side by side on 2026-11-26: W2's first step 1.1-1.6 s shorter, its sampler
-  4% and its update 1-3% faster, W1's sampler 4-8% faster, for 3-5% more peak memory
-  (`docs/benchmarks.md`). A jaxlib whose XLA lacks the option compiles without it.
+  fuses less (W1's update: 1,031 top-level operations against 936, temporaries 0.48 against
+  0.42 GB), yet every program ran faster with it, side by side on 2026-11-26: W2's update
+  compiled in 12.2 against 13.5 s and ran 2% faster, W1's and W2's sampler 3-7% faster, for
+  2-3% more peak memory (`docs/benchmarks.md`). A jaxlib whose XLA lacks the option compiles
+  without it.
 
 Other backends keep XLA's defaults. Set ``ARTIFEX_CPU_FAST_COMPILE=0`` to compile with XLA's
 defaults everywhere.
