@@ -1,27 +1,20 @@
 """XLA compiler options for the library's own compiled programs, chosen per backend.
 
 On the CPU, XLA hands each fused kernel to LLVM at its highest optimization level, and that
-code generation is most of the time of a first training step. Two options shorten it:
+code generation is most of the time of a first training step. Level 1
+(``xla_backend_optimization_level``) compiles the W1 update about 15-25% faster and ran no slower
+in the benchmarks (`docs/benchmarks.md`): the kernels that matter are matmuls and convolutions,
+which XLA:CPU calls from its libraries rather than generating. Level 0 is much slower at run time,
+so it is not used. Other backends keep XLA's defaults.
 
-- ``xla_backend_optimization_level=1``: LLVM at level 1 compiles the W1 update about 15-25%
-  faster and ran no slower (the kernels that matter are matmuls, which XLA:CPU calls from its
-  libraries rather than generating). Level 0 is much slower at run time, so it is not used.
-- ``xla_cpu_opt_preset=CPU_OPT_PRESET_FAST_COMPILE``, XLA:CPU's preset for compile time: it
-  fuses less (W1's update: 1,031 top-level operations against 936, temporaries 0.48 against
-  0.42 GB), yet every program ran faster with it, side by side on 2026-11-26: W2's update
-  compiled in 12.2 against 13.5 s and ran 2% faster, W1's and W2's sampler 3-7% faster, for
-  2-3% more peak memory (`docs/benchmarks.md`). A jaxlib whose XLA lacks the option compiles
-  without it.
-
-Other backends keep XLA's defaults. Set ``ARTIFEX_CPU_FAST_COMPILE=0`` to compile with XLA's
-defaults everywhere.
+Set ``ARTIFEX_CPU_FAST_COMPILE=0`` to compile at XLA's default level everywhere.
 
 Example:
     >>> import jax, jax.numpy as jnp
     >>> double = jit(lambda x: 2 * x)
     >>> int(double(jnp.int32(3)))
     6
-    >>> options = compiler_options()  # CPU_COMPILER_OPTIONS on the CPU, else None
+    >>> options = compiler_options()  # {'xla_backend_optimization_level': 1} on the CPU
 """
 
 from __future__ import annotations
@@ -32,48 +25,24 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 __all__ = ["CPU_COMPILER_OPTIONS", "ENV_VAR", "compiler_options", "jit"]
 
 ENV_VAR = "ARTIFEX_CPU_FAST_COMPILE"
-CPU_COMPILER_OPTIONS: dict[str, Any] = {
-    "xla_backend_optimization_level": 1,
-    "xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE",
-}
-
-
-def _accepted(options: dict[str, Any]) -> bool:
-    """Whether this jaxlib's XLA accepts ``options`` (compiles a tiny program)."""
-    try:
-        jax.jit(lambda x: x + 1, compiler_options=options).lower(np.float32(0)).compile()
-    except jax.errors.JaxRuntimeError as exc:
-        if "No such compile option" in str(exc) or "not a valid enum value" in str(exc):
-            return False
-        raise
-    return True
-
-
-@functools.cache
-def _known_cpu_options() -> tuple[tuple[str, Any], ...]:
-    """The items of :data:`CPU_COMPILER_OPTIONS` this jaxlib knows (probed once per process)."""
-    if _accepted(CPU_COMPILER_OPTIONS):
-        return tuple(CPU_COMPILER_OPTIONS.items())
-    return tuple((k, v) for k, v in CPU_COMPILER_OPTIONS.items() if _accepted({k: v}))
+CPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 1}
 
 
 def compiler_options() -> dict[str, Any] | None:
     """Compiler options for ``jax.jit`` on the default backend (None: XLA's defaults).
 
     Returns:
-        :data:`CPU_COMPILER_OPTIONS` (those this jaxlib knows) when the default backend is the
-        CPU and ``ARTIFEX_CPU_FAST_COMPILE`` is not ``0``/``false``/``no``/``off``; otherwise
-        None.
+        A copy of :data:`CPU_COMPILER_OPTIONS` when the default backend is the CPU and
+        ``ARTIFEX_CPU_FAST_COMPILE`` is not ``0``/``false``/``no``/``off``; otherwise None.
 
     Example:
         >>> import jax
         >>> options = compiler_options()
-        >>> options is None or options.items() <= CPU_COMPILER_OPTIONS.items()
+        >>> options is None or options == {"xla_backend_optimization_level": 1}
         True
         >>> f = jax.jit(lambda x: x + 1, compiler_options=options)
     """
@@ -81,7 +50,7 @@ def compiler_options() -> dict[str, Any] | None:
         return None
     if jax.default_backend() != "cpu":
         return None
-    return dict(_known_cpu_options())
+    return dict(CPU_COMPILER_OPTIONS)
 
 
 class _LazyJit:
