@@ -158,21 +158,26 @@ def training_fingerprint(config: Any, params: Any, **extra: Any) -> dict[str, An
         >>> list(fp), fp["grpo_config"]["num_generations"]
         (['grpo_config', 'trainable_shapes', 'prompts_per_step'], 4)
     """
-    return {
-        "grpo_config": _plain(dataclasses.asdict(config)),
-        "trainable_shapes": _shapes(params),
-        **extra,
-    }
+    return _plain(
+        {
+            "grpo_config": dataclasses.asdict(config),
+            "trainable_shapes": _shapes(params),
+            **extra,
+        }
+    )
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with NumPy scalars as Python ones (a config may hold ``np.int64(4)``)."""
+    """``value`` as JSON records it, so that a fingerprint equals its saved copy.
+
+    NumPy scalars become Python ones (a config may hold ``np.int64(4)``), tuples lists.
+    """
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_plain(v) for v in value)
+        return [_plain(v) for v in value]
     return value
 
 

@@ -354,3 +354,23 @@ def test_a_fingerprint_of_a_config_with_numpy_numbers_is_json():
     config = GRPOConfig(num_generations=np.int64(4), beta=np.float32(0.5))
     fp = training_fingerprint(config, trainer.state.params)
     assert json.loads(json.dumps(fp))["grpo_config"]["num_generations"] == 4
+
+
+def test_a_fingerprint_equals_its_saved_json_copy():
+    """What the checkpoint records (JSON: lists, Python numbers) compares equal to the
+    fingerprint it was written from, whatever tuples or NumPy numbers went in.
+    """
+    from artifex.generative_models.training.checkpointing import (
+        _comparable,
+        _diff,
+        training_fingerprint,
+    )
+
+    trainer = make_trainer()
+    config = GRPOConfig(num_generations=np.int64(4))
+    fp = training_fingerprint(
+        config, trainer.state.params, batch_shape=(np.int64(8), 16), nested={"k": (1, (2, 3))}
+    )
+    saved = json.loads(json.dumps(fp))
+    assert _diff(_comparable(saved), _comparable(fp)) == []
+    assert fp["batch_shape"] == [8, 16] and type(fp["batch_shape"][0]) is int
