@@ -17,6 +17,10 @@ W1: Qwen2-shaped (vocab 4096, width 256, 4 layers, 4 q / 2 kv heads of 64, MLP 7
 biases, RoPE 1e6), 8 prompts x 4 generations, 32 + 96 tokens, beta 0.04, AdamW 1e-5.
 W2: SmolLM2-135M-Instruct's shape (Llama, vocab 49152, width 576, 30 layers, 9 q / 3 kv heads of
 64, MLP 1536, tied, RoPE 1e5), 4 prompts x 4 generations, 48 + 64 tokens, beta 0.04, AdamW 1e-6.
+Q05: Qwen2.5-0.5B's shape (vocab 151936, width 896, 24 layers, 14 q / 2 kv heads of 64, MLP 4864,
+tied, q/k/v biases, RoPE 1e6), 8 prompts x 8 generations, 256 + 512 tokens, beta 0.04, AdamW
+1e-6: the accelerator workload of ``docs/benchmarks.md`` (about 194 TFLOP per update; far too
+much for a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -77,6 +81,31 @@ WORKLOADS: dict[str, dict] = {
             "max_position_embeddings": 8192,
         },
     },
+    "q05": {
+        "name": "Q05",
+        "num_prompts": 8,
+        "num_generations": 8,
+        "prompt_length": 256,
+        "completion_length": 512,
+        "beta": 0.04,
+        "learning_rate": 1e-6,
+        "seed": 0,
+        "model": {
+            "model_type": "qwen2",
+            "vocab_size": 151936,
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_layers": 24,
+            "num_heads": 14,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "rope_theta": 1_000_000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "max_position_embeddings": 32768,
+        },
+    },
 }
 
 PAD, EOS = 0, 1
@@ -134,7 +163,7 @@ def ensure_dir(name: str, root: str, *, real_model: str | None = None) -> str:
     """Writes (once) and returns the workload directory ``root/<name>``.
 
     Args:
-        name: "w1" or "w2".
+        name: "w1", "w2" or "q05".
         root: Parent directory.
         real_model: For W2, a Hugging Face directory with real weights and tokenizer (its files
             are symlinked into the workload directory); None writes random weights.

@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         win.end(**split)
 
     peak_rss = cleanwin.peak_rss_bytes()  # before the cost analysis below compiles again
+    # On an accelerator, the device allocator's peak (None on the CPU, where RSS holds it all)
+    device_peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     flops = None
     if args.flops:
         from benchmarks.common import update_cost
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_step_split": first_split,
         "train_flops": flops,
         "peak_rss_bytes": peak_rss,
+        "device_peak_bytes": device_peak,
         "generated_tokens": int(prompt_ids.shape[0] * k * n),
         **summary,
     }
