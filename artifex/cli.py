@@ -34,7 +34,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_parser", "import_object", "load_rows", "main"]
+__all__ = ["build_parser", "float32_precision_notice", "import_object", "load_rows", "main"]
 
 _REWARDS = ("math", "format", "overlong")
 
@@ -749,6 +749,55 @@ def enable_compilation_cache(path: str | None) -> str | None:
     return directory
 
 
+def float32_precision_notice(
+    model: Any, backend: str | None = None, precision: str | None = None
+) -> str | None:
+    """A one-line notice when a float32 model's matrix products will run in TF32.
+
+    On NVIDIA GPUs JAX's default precision computes float32 matrix products on TF32 tensor
+    cores (about 1e-3 relative error), unlike PyTorch's default (`docs/installation.md`). The
+    command leaves JAX's setting alone and says so.
+
+    Args:
+        model: The loaded model (its `nnx.Param` dtypes are read).
+        backend: JAX's backend name; None reads `jax.default_backend()`.
+        precision: JAX's default matmul precision; None reads
+            `jax.config.jax_default_matmul_precision`.
+
+    Returns:
+        The notice, or None on a CPU or TPU, with full float32 asked for, or without float32
+        parameters.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        >>> float32_precision_notice(model, "cpu") is None
+        True
+        >>> float32_precision_notice(model, "gpu", "highest") is None
+        True
+        >>> float32_precision_notice(model, "gpu").startswith("note: float32")
+        True
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    backend = jax.default_backend() if backend is None else backend
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
+    if backend not in ("gpu", "cuda") or str(precision).lower() in ("highest", "float32"):
+        return None
+    dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
+    if jnp.dtype(jnp.float32) not in dtypes:
+        return None
+    return (
+        "note: float32 parameters on a GPU: JAX computes their matrix products in TF32 by "
+        "default (about 1e-3 relative error); set JAX_DEFAULT_MATMUL_PRECISION=highest for "
+        "full float32, as PyTorch computes by default"
+    )
+
+
 def _demo(args: argparse.Namespace) -> int:
     if getattr(args, "task", "addition") == "flow":
         return _flow_demo(args)
@@ -896,6 +945,9 @@ def _train(args: argparse.Namespace) -> int:
     _check_chat_template(tokenizer, eval_rows or [], column, args.model, "--eval-data")
     model = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
     check_tokenizer_fits(tokenizer, model)
+    notice = float32_precision_notice(model)
+    if notice is not None:
+        print(notice, file=sys.stderr)
 
     rewards = _build_rewards(args, grpo.num_generations, rollout_config.max_new_tokens)
 

@@ -240,3 +240,43 @@ def test_a_second_demo_run_in_the_same_directory_trains_afresh(tmp_path):
     with open(os.path.join(tmp_path, "logs", "metrics.jsonl")) as fh:
         steps = [json.loads(line).get("step") for line in fh if line.strip()]
     assert sorted(steps) == [0, 1, 1, 2, 2], steps
+
+
+@pytest.mark.parametrize(
+    ("backend", "precision", "dtype", "noted"),
+    [
+        ("cpu", None, "float32", False),
+        ("tpu", None, "float32", False),
+        ("gpu", None, "float32", True),
+        ("cuda", "default", "float32", True),
+        ("gpu", "tensorfloat32", "float32", True),
+        ("gpu", "highest", "float32", False),
+        ("gpu", "float32", "float32", False),
+        ("gpu", None, "bfloat16", False),
+    ],
+)
+def test_float32_precision_notice(model_dir, backend, precision, dtype, noted):
+    from artifex.cli import float32_precision_notice
+
+    model = CausalLM.from_pretrained(model_dir, dtype=dtype)
+    notice = float32_precision_notice(model, backend, precision)
+    assert (notice is not None) == noted
+    if noted:
+        assert "JAX_DEFAULT_MATMUL_PRECISION=highest" in notice
+
+
+def test_train_prints_the_precision_notice(tmp_path, model_dir, data_file, capsys, monkeypatch):
+    # The command asks for the notice once the model is loaded and prints it on stderr.
+    import artifex.cli as cli
+
+    seen = []
+
+    def notice(model):
+        seen.append(model)
+        return "note: float32 parameters on a GPU (test)"
+
+    monkeypatch.setattr(cli, "float32_precision_notice", notice)
+    out = str(tmp_path / "out" / "model")
+    assert main(["train", "--model", model_dir, "--data", data_file, "--output", out, *ARGS]) == 0
+    assert len(seen) == 1
+    assert "note: float32 parameters on a GPU (test)" in capsys.readouterr().err
