@@ -749,10 +749,19 @@ def enable_compilation_cache(path: str | None) -> str | None:
     return directory
 
 
+#: Values of ``jax_default_matmul_precision`` that keep float32 matrix products at (or within
+#: rounding of) full float32 on a GPU; the others (None, "default", "high", "tensorfloat32",
+#: "bfloat16", the lower algorithm presets) use TF32 or less there.
+FULL_FLOAT32_PRECISIONS = frozenset(
+    ("highest", "float32", "f32_f32_f32", "f64_f64_f64", "tf32_tf32_f32_x3", "bf16_bf16_f32_x6",
+     "bf16_bf16_f32_x9")
+)  # fmt: skip
+
+
 def float32_precision_notice(
     model: Any, backend: str | None = None, precision: str | None = None
 ) -> str | None:
-    """A one-line notice when a float32 model's matrix products will run in TF32.
+    """A one-line notice when a float32 model's matrix products will run below float32.
 
     On NVIDIA GPUs JAX's default precision computes float32 matrix products on TF32 tensor
     cores (about 1e-3 relative error), unlike PyTorch's default (`docs/installation.md`). The
@@ -760,23 +769,24 @@ def float32_precision_notice(
 
     Args:
         model: The loaded model (its `nnx.Param` dtypes are read).
-        backend: JAX's backend name; None reads `jax.default_backend()`.
+        backend: JAX's backend name; None reads `jax.default_backend()` ("gpu" on NVIDIA and
+            AMD GPUs).
         precision: JAX's default matmul precision; None reads
-            `jax.config.jax_default_matmul_precision`.
+            `jax.config.jax_default_matmul_precision` (which `JAX_DEFAULT_MATMUL_PRECISION`
+            sets).
 
     Returns:
-        The notice, or None on a CPU or TPU, with full float32 asked for, or without float32
-        parameters.
+        The notice, or None on a CPU or TPU, at a full-float32 precision
+        (`FULL_FLOAT32_PRECISIONS`), or without float32 parameters.
 
     Example:
-        >>> import jax.numpy as jnp
         >>> from flax import nnx
-        >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-        >>> float32_precision_notice(model, "cpu") is None
+        >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))  # float32 parameters
+        >>> float32_precision_notice(model, "cpu", "default") is None
         True
         >>> float32_precision_notice(model, "gpu", "highest") is None
         True
-        >>> float32_precision_notice(model, "gpu").startswith("note: float32")
+        >>> float32_precision_notice(model, "gpu", "default").startswith("note: float32")
         True
     """
     import jax
@@ -786,15 +796,17 @@ def float32_precision_notice(
     backend = jax.default_backend() if backend is None else backend
     if precision is None:
         precision = jax.config.jax_default_matmul_precision
-    if backend not in ("gpu", "cuda") or str(precision).lower() in ("highest", "float32"):
+    setting = "default" if precision is None else str(precision)
+    if backend not in ("gpu", "cuda", "rocm") or setting.lower() in FULL_FLOAT32_PRECISIONS:
         return None
     dtypes = {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))}
     if jnp.dtype(jnp.float32) not in dtypes:
         return None
     return (
-        "note: float32 parameters on a GPU: JAX computes their matrix products in TF32 by "
-        "default (about 1e-3 relative error); set JAX_DEFAULT_MATMUL_PRECISION=highest for "
-        "full float32, as PyTorch computes by default"
+        f"note: float32 parameters on a GPU at matmul precision {setting!r}: JAX computes their "
+        "matrix products below float32 there (TF32 by default on NVIDIA GPUs, about 1e-3 "
+        "relative error); set JAX_DEFAULT_MATMUL_PRECISION=highest for full float32, as "
+        "PyTorch computes by default"
     )
 
 

@@ -19,8 +19,8 @@ W2: SmolLM2-135M-Instruct's shape (Llama, vocab 49152, width 576, 30 layers, 9 q
 64, MLP 1536, tied, RoPE 1e5), 4 prompts x 4 generations, 48 + 64 tokens, beta 0.04, AdamW 1e-6.
 Q05: Qwen2.5-0.5B's shape (vocab 151936, width 896, 24 layers, 14 q / 2 kv heads of 64, MLP 4864,
 tied, q/k/v biases, RoPE 1e6), 8 prompts x 8 generations, 256 + 512 tokens, beta 0.04, AdamW
-1e-6: the accelerator workload of ``docs/benchmarks.md`` (about 194 TFLOP per update; far too
-much for a 2-core CPU).
+1e-6: the accelerator workload of ``docs/benchmarks.md`` (about 140 TFLOP per update, 8 N T with
+each prompt encoded once per group, T = 34,816 tokens; far too much for a 2-core CPU).
 """
 
 from __future__ import annotations

@@ -245,14 +245,18 @@ def test_a_second_demo_run_in_the_same_directory_trains_afresh(tmp_path):
 @pytest.mark.parametrize(
     ("backend", "precision", "dtype", "noted"),
     [
-        ("cpu", None, "float32", False),
-        ("tpu", None, "float32", False),
-        ("gpu", None, "float32", True),
+        ("cpu", "default", "float32", False),
+        ("tpu", "default", "float32", False),
+        ("gpu", "default", "float32", True),
         ("cuda", "default", "float32", True),
+        ("gpu", "high", "float32", True),
         ("gpu", "tensorfloat32", "float32", True),
+        ("gpu", "BF16_BF16_F32", "float32", True),
         ("gpu", "highest", "float32", False),
         ("gpu", "float32", "float32", False),
-        ("gpu", None, "bfloat16", False),
+        ("gpu", "F32_F32_F32", "float32", False),
+        ("gpu", "BF16_BF16_F32_X9", "float32", False),
+        ("gpu", "default", "bfloat16", False),
     ],
 )
 def test_float32_precision_notice(model_dir, backend, precision, dtype, noted):
@@ -263,6 +267,19 @@ def test_float32_precision_notice(model_dir, backend, precision, dtype, noted):
     assert (notice is not None) == noted
     if noted:
         assert "JAX_DEFAULT_MATMUL_PRECISION=highest" in notice
+        assert repr(precision) in notice
+
+
+def test_float32_precision_notice_reads_jax_setting(model_dir):
+    import jax
+
+    from artifex.cli import float32_precision_notice
+
+    model = CausalLM.from_pretrained(model_dir)
+    with jax.default_matmul_precision("highest"):
+        assert float32_precision_notice(model, "gpu") is None
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert float32_precision_notice(model, "gpu") is not None
 
 
 def test_train_prints_the_precision_notice(tmp_path, model_dir, data_file, capsys, monkeypatch):
@@ -278,5 +295,5 @@ def test_train_prints_the_precision_notice(tmp_path, model_dir, data_file, capsy
     monkeypatch.setattr(cli, "float32_precision_notice", notice)
     out = str(tmp_path / "out" / "model")
     assert main(["train", "--model", model_dir, "--data", data_file, "--output", out, *ARGS]) == 0
-    assert len(seen) == 1
+    assert len(seen) == 1 and isinstance(seen[0], CausalLM)
     assert "note: float32 parameters on a GPU (test)" in capsys.readouterr().err
