@@ -959,7 +959,10 @@ def _train(args: argparse.Namespace) -> int:
     check_tokenizer_fits(tokenizer, model)
     notice = float32_precision_notice(model)
     if notice is not None:
-        print(notice, file=sys.stderr)
+        from artifex.generative_models.training.logging import is_primary_process
+
+        if is_primary_process():  # once per run, not once per host
+            print(notice, file=sys.stderr)
 
     rewards = _build_rewards(args, grpo.num_generations, rollout_config.max_new_tokens)
 
