@@ -102,6 +102,45 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.nd
     return rope_inv_frequencies(head_dim, theta, scaling)
 
 
+_ROPE_TABLE_MAX_ENTRIES = 1 << 18  # positions x H/2; above it the angles are computed in place
+
+
+def _rope_tables(
+    positions: jax.Array, inv_freq: np.ndarray, dtype: jnp.dtype, bound: int | None
+) -> tuple[jax.Array, jax.Array]:
+    """``rope_cos_sin(positions, ...)``, looked up in a table of positions ``[0, bound)``.
+
+    Computed in place, XLA fuses the cosines and sines into every layer's query and key
+    rotation (forward and backward) and evaluates them there again, per head and per use. The
+    table is computed once, when the program is traced, by the same XLA operations, so the
+    values are the same. ``bound`` is None when the positions come from the caller (any
+    value): then they are computed in place.
+    """
+    if bound is None or bound * inv_freq.shape[0] > _ROPE_TABLE_MAX_ENTRIES:
+        return rope_cos_sin(positions, inv_freq, dtype)
+    table_cos, table_sin = _rope_table(bound, inv_freq.tobytes(), jnp.dtype(dtype).name)
+    # An out-of-range position would read NaN ("fill"), never another position's angles.
+    cos = jnp.take(table_cos, positions, axis=0, mode="fill")
+    sin = jnp.take(table_sin, positions, axis=0, mode="fill")
+    return cos, sin
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_table(bound: int, inv_freq: bytes, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """The cosines and sines of positions ``[0, bound)``: (bound, H/2) host arrays."""
+    freqs = np.frombuffer(inv_freq, np.float32)
+    # Evaluated now, by XLA, even inside a trace; its own small transfer to the host.
+    with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):
+        cos, sin = _rope_table_program(bound, freqs, dtype)
+        return np.asarray(cos), np.asarray(sin)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _rope_table_program(bound: int, inv_freq: jax.Array, dtype: str) -> tuple[jax.Array, jax.Array]:
+    cos, sin = rope_cos_sin(jnp.arange(bound, dtype=jnp.int32)[None], inv_freq, jnp.dtype(dtype))
+    return cos[0], sin[0]
+
+
 class CausalLM(nnx.Module):
     """Decoder-only transformer language model (Llama 3, Qwen2/2.5, Qwen3).
 
@@ -272,9 +311,10 @@ class CausalLM(nnx.Module):
         token_valid = attention_mask.astype(jnp.bool_)
         remat = check_remat("remat", remat)
 
+        bound = None  # positions are below it when derived here (see _rope_tables)
         if cache is None:
             if positions is None:
-                positions = positions_from_mask(attention_mask)
+                positions, bound = positions_from_mask(attention_mask), t
             causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
             mask = causal[None, :, :] & token_valid[:, None, :]
             kv = None
@@ -285,6 +325,7 @@ class CausalLM(nnx.Module):
             if positions is None:
                 offset = jnp.sum(cache.valid, axis=-1, dtype=jnp.int32)
                 positions = positions_from_mask(attention_mask, offset)
+                bound = cache.max_length
             zero = jnp.zeros((), jnp.asarray(index).dtype)  # one index dtype, also under x64
             valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (zero, index))
             slots = jnp.arange(cache.max_length, dtype=jnp.int32)
@@ -294,7 +335,7 @@ class CausalLM(nnx.Module):
 
         cfg = self.config
         inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
-        cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)
+        cos, sin = _rope_tables(positions, inv_freq, self.dtype, bound)
         h = self.embed(input_ids).astype(self.dtype)
         h, kv = self._run_layers(h, cos, sin, mask, kv, index, remat, layer_stack)
         hidden = self.final_norm(h)
@@ -436,7 +477,7 @@ class CausalLM(nnx.Module):
         ids = jnp.concatenate([prompt_ids, completion_ids.reshape(b, g * t)], axis=1)
         cfg = self.config
         inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
-        cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)
+        cos, sin = _rope_tables(positions, inv_freq, self.dtype, p + t)
         h = self.embed(ids.astype(jnp.int32)).astype(self.dtype)
         h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack)
         hidden = self.final_norm(h)

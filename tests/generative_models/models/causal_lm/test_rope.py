@@ -107,3 +107,72 @@ def test_rope_preserves_norm_and_relative_positions():
     assert float(jnp.linalg.norm(apply_rope(q, cq, sq))) == pytest.approx(
         float(jnp.linalg.norm(q)), rel=1e-5
     )
+
+
+# --------------------------------------------------------------------- the model's angle table
+# CausalLM looks its cosines and sines up in a table of positions [0, bound) computed once per
+# trace (model._rope_tables), instead of evaluating them inside every layer's rotation.
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_table_is_rope_cos_sin(dtype):
+    from artifex.generative_models.models.causal_lm.model import _rope_tables
+
+    inv_freq = rope_inv_frequencies(16, 10000.0)
+    positions = jnp.array([[0, 5, 17, 3], [2, 2, 9, 0]])
+    cos, sin = _rope_tables(positions, inv_freq, dtype, 18)
+    want_cos, want_sin = rope_cos_sin(positions, inv_freq, dtype)
+    assert cos.dtype == want_cos.dtype == dtype and cos.shape == (2, 4, 8)
+    np.testing.assert_array_equal(np.asarray(cos, np.float32), np.asarray(want_cos, np.float32))
+    np.testing.assert_array_equal(np.asarray(sin, np.float32), np.asarray(want_sin, np.float32))
+    # and against float64 NumPy
+    angles = np.asarray(positions, np.float64)[..., None] * inv_freq.astype(np.float64)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(cos, np.float64), np.cos(angles), atol=tol)
+    np.testing.assert_allclose(np.asarray(sin, np.float64), np.sin(angles), atol=tol)
+
+
+def test_rope_table_out_of_range_is_nan_not_another_position():
+    from artifex.generative_models.models.causal_lm.model import _rope_tables
+
+    inv_freq = rope_inv_frequencies(8, 10000.0)
+    cos, sin = _rope_tables(jnp.array([[0, 4, 7]]), inv_freq, jnp.float32, 4)
+    assert np.isfinite(np.asarray(cos[0, 0])).all()
+    assert np.isnan(np.asarray(cos[0, 1:])).all() and np.isnan(np.asarray(sin[0, 1:])).all()
+
+
+def test_rope_table_falls_back_without_a_bound_or_when_too_large():
+    from artifex.generative_models.models.causal_lm import model as model_lib
+
+    inv_freq = rope_inv_frequencies(8, 10000.0)
+    positions = jnp.array([[0, 1_000_000]])  # caller-given positions: any value
+    too_big = model_lib._ROPE_TABLE_MAX_ENTRIES // 4 + 1
+    for bound in (None, too_big):
+        cos, sin = model_lib._rope_tables(positions, inv_freq, jnp.float32, bound)
+        want_cos, want_sin = rope_cos_sin(positions, inv_freq, jnp.float32)
+        np.testing.assert_array_equal(np.asarray(cos), np.asarray(want_cos))
+        np.testing.assert_array_equal(np.asarray(sin), np.asarray(want_sin))
+
+
+def test_model_with_derived_positions_matches_given_positions():
+    """The table path (positions derived from the mask) against rope_cos_sin in place."""
+    from flax import nnx
+
+    from artifex.generative_models.models.causal_lm import (
+        CausalLM,
+        CausalLMConfig,
+        positions_from_mask,
+    )
+
+    model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+    ids = jnp.array([[0, 0, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+    mask = jnp.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    table, _ = model.hidden_states(ids, attention_mask=mask)
+    given, _ = model.hidden_states(ids, attention_mask=mask, positions=positions_from_mask(mask))
+    np.testing.assert_allclose(np.asarray(table), np.asarray(given), rtol=1e-5, atol=1e-5)
+    # decoding with a cache (bound = the cache's slots) agrees with the full pass too
+    cache = model.init_cache(batch_size=2, max_length=8)
+    prefix, cache = model.hidden_states(ids[:, :5], attention_mask=mask[:, :5], cache=cache)
+    last, _ = model.hidden_states(ids[:, 5:], attention_mask=mask[:, 5:], cache=cache)
+    np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(given[:, 5]), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(prefix[1]), np.asarray(given[1, :5]), atol=1e-4)
