@@ -102,6 +102,14 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.nd
     return rope_inv_frequencies(head_dim, theta, scaling)
 
 
+def _cache_dtype(compute_dtype: Any) -> jnp.dtype:
+    """The default KV-cache dtype (see ``CausalLM.init_cache``)."""
+    dtype = jnp.dtype(compute_dtype)
+    if dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
 _ROPE_TABLE_MAX_ENTRIES = 1 << 18  # positions x H/2; above it the angles are computed in place
 
 
@@ -552,7 +560,11 @@ class CausalLM(nnx.Module):
         Args:
             batch_size: Rows B.
             max_length: Slots S per row (prompt plus generated tokens).
-            dtype: Dtype of keys/values; None means the compute dtype.
+            dtype: Dtype of keys/values; None means the compute dtype, except on the CPU for a
+                16-bit compute dtype: float32 there, which holds the same values (keys and
+                values are computed in the compute dtype) and which XLA:CPU reads and writes in
+                place, where it converts a whole 16-bit cache to float32 at every decoding
+                step.
             stacked: Keys and values as one (L, B, K, H, S) and one (L, B, K, S, H) array,
                 which scanned layers read and write layer by layer, instead of L per-layer
                 arrays (keys (B, K, H, S), values (B, K, S, H)), which unrolled layers update in
@@ -581,7 +593,7 @@ class CausalLM(nnx.Module):
             max_length=max_length,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            dtype=self.dtype if dtype is None else jnp.dtype(dtype),
+            dtype=_cache_dtype(self.dtype) if dtype is None else jnp.dtype(dtype),
             stacked=bool(getattr(self, "scan_layers", False)) if stacked is None else stacked,
         )
 

@@ -101,3 +101,32 @@ def test_stacked_form_create_and_repeat():
     assert r.keys.shape == (3, 4, 2, 4, 5) and r.stacked
     for row in range(4):
         np.testing.assert_array_equal(np.asarray(r.keys[:, row]), np.asarray(c.keys[:, row // 2]))
+
+
+def test_default_cache_dtype_of_a_16bit_model_on_cpu_is_float32_with_the_same_values():
+    """On the CPU a bfloat16 model's default cache is float32; it decodes as a bfloat16 one."""
+    import jax
+    from flax import nnx
+
+    from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the float32 default is for the CPU backend")
+    model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0), dtype="bfloat16")
+    assert model.init_cache(1, 4).keys[0].dtype == jnp.float32
+    ids = jnp.array([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]])
+    outs = []
+    for dtype in (None, jnp.bfloat16):
+        cache = model.init_cache(2, 8, dtype=dtype)
+        hidden, cache = model.hidden_states(ids[:, :3], cache=cache)
+        steps = [hidden]
+        for i in range(3, 5):
+            h, cache = model.hidden_states(ids[:, i : i + 1], cache=cache)
+            steps.append(h)
+        assert cache.keys[0].dtype == (jnp.float32 if dtype is None else jnp.bfloat16)
+        outs.append(np.concatenate([np.asarray(s, np.float32) for s in steps], axis=1))
+    # the cache holds bfloat16 values either way: the same hidden states up to the
+    # order of float32 sums
+    np.testing.assert_allclose(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    full, _ = model.hidden_states(ids)
+    np.testing.assert_allclose(outs[0], np.asarray(full, np.float32), rtol=5e-2, atol=5e-2)

@@ -179,3 +179,56 @@ def test_grouped_attention_on_cache_layout_matches_numpy(n, k, t, keys_transpose
     # rows that see at least one slot agree; a row that sees nothing only has to stay finite
     np.testing.assert_allclose(np.asarray(got[:2]), want[:2], rtol=1e-5, atol=1e-6)
     assert np.all(np.isfinite(np.asarray(got)))
+
+
+# ------------------------------------------------------------ 16-bit products and cache writes
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_matmul_16bit_is_the_float32_product_rounded_once(dtype):
+    import jax
+
+    from artifex.generative_models.models.causal_lm.modules import matmul
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 48)), dtype)
+    w = jnp.asarray(rng.standard_normal((48, 7)), dtype)
+    y = matmul(x, w)
+    assert y.dtype == dtype
+    want = (_np(x) @ _np(w)).astype(np.float32)  # exact products, rounded to float32
+    np.testing.assert_allclose(_np(y), _np(jnp.asarray(want).astype(dtype)), rtol=1e-2, atol=1e-2)
+
+    # the gradient: a 16-bit cotangent, products accumulated in float32, rounded once
+    ct = jnp.asarray(rng.standard_normal((5, 7)), dtype)
+    dx, dw = jax.vjp(matmul, x, w)[1](ct)
+    assert dx.dtype == dw.dtype == dtype
+    np.testing.assert_allclose(_np(dx), _np(ct) @ _np(w).T, rtol=2e-2, atol=5e-2)
+    np.testing.assert_allclose(_np(dw), _np(x).T @ _np(ct), rtol=2e-2, atol=5e-2)
+
+
+def test_matmul_float32_is_plain_matmul():
+    import jax
+
+    from artifex.generative_models.models.causal_lm.modules import matmul
+
+    x = jnp.arange(12.0).reshape(3, 4) / 7
+    w = jnp.arange(8.0).reshape(4, 2) / 3
+    np.testing.assert_array_equal(np.asarray(matmul(x, w)), np.asarray(x @ w))
+    jaxpr = str(jax.make_jaxpr(matmul)(x, w))
+    assert "custom_vjp" not in jaxpr and "dot_general" in jaxpr
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_write_slots_is_dynamic_update_slice(dtype):
+    import jax
+
+    from artifex.generative_models.models.causal_lm.modules import _write_slots
+
+    rng = np.random.default_rng(1)
+    cache = jnp.asarray(rng.standard_normal((2, 3, 6, 4)), dtype)
+    update = jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.float32)  # cast on write
+    start = (0, 0, jnp.asarray(3), 0)
+    got = jax.jit(_write_slots)(cache, update, start)
+    want = jax.lax.dynamic_update_slice(cache, update.astype(dtype), start)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
