@@ -52,6 +52,7 @@ from artifex.generative_models.models.causal_lm.modules import (
     Linear,
     RMSNorm,
     SharedPrefixMask,
+    f32_products,
 )
 from artifex.generative_models.models.causal_lm.rope import rope_cos_sin, rope_inv_frequencies
 from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
@@ -105,9 +106,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.nd
 def _cache_dtype(compute_dtype: Any) -> jnp.dtype:
     """The default KV-cache dtype (see ``CausalLM.init_cache``)."""
     dtype = jnp.dtype(compute_dtype)
-    if dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu":
-        return jnp.dtype(jnp.float32)
-    return dtype
+    return jnp.dtype(jnp.float32) if f32_products(dtype) else dtype
 
 
 _ROPE_TABLE_MAX_ENTRIES = 1 << 18  # positions x H/2; above it the angles are computed in place

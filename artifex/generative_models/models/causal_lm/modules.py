@@ -60,16 +60,25 @@ class SharedPrefixMask:
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` in their dtype, accumulated in float32 when they are 16-bit floats.
+    """``x @ w`` in their dtype; on the CPU, 16-bit operands get a float32 product.
 
-    For bfloat16 operands the product is computed with a float32 result and rounded once to
-    bfloat16: the values of a bfloat16 product that accumulates in float32, and on CPUs with
-    AMX (Intel Sapphire Rapids and later) XLA runs it on the matrix units, several times faster
-    than a product with a bfloat16 result (docs/benchmarks.md).
+    On the CPU a bfloat16 product is computed with a float32 result and rounded once to
+    bfloat16: the values of a bfloat16 product that accumulates in float32, which XLA:CPU runs
+    on the matrix units of CPUs with AMX (Intel Sapphire Rapids and later), several times
+    faster than a product with a bfloat16 result (docs/benchmarks.md). Elsewhere (GPUs
+    accumulate bfloat16 products in float32 anyway) it is ``x @ w``.
     """
-    if x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
+    if x.dtype == w.dtype and f32_products(x.dtype):
         return _matmul_f32_accumulate(x, w)
     return jnp.matmul(x, w)
+
+
+def f32_products(dtype: Any) -> bool:
+    """Whether products of ``dtype`` operands are computed with a float32 result (see `matmul`).
+
+    True for 16-bit floats on the CPU backend.
+    """
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu"
 
 
 @jax.custom_vjp
@@ -402,8 +411,8 @@ def _grouped_attention(
     allowed = jnp.tile(mask, (1, groups, 1))[:, None]  # (B, 1, G*T, S)
     scores = jnp.where(allowed, scores * (h**-0.5), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("BKQS,BKSH->BKQH", probs, v, preferred_element_type=jnp.float32)
-    out = out.astype(q.dtype)
+    f32 = jnp.float32 if f32_products(v.dtype) or v.dtype != probs.dtype else None
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, v, preferred_element_type=f32).astype(q.dtype)
     return out.reshape(b, kv_heads, groups, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
@@ -461,11 +470,12 @@ def _shared_prefix_attention(
     w_prefix = jnp.exp(to_prefix - shift)
     w_own = jnp.exp(to_own - shift)  # the largest entry gives exp(0) = 1: the sum is >= 1
     total = jnp.sum(w_prefix, axis=-1, keepdims=True) + jnp.sum(w_own, axis=-1, keepdims=True)
+    pet = f32 if f32_products(v.dtype) else None
     out = jnp.einsum(
-        "BKCQS,BKSH->BKCQH", w_prefix.astype(v.dtype), v[:, :, :p], preferred_element_type=f32
+        "BKCQS,BKSH->BKCQH", w_prefix.astype(v.dtype), v[:, :, :p], preferred_element_type=pet
     )
     out = out + jnp.einsum(
-        "BKCQS,BKCSH->BKCQH", w_own.astype(v.dtype), own_v, preferred_element_type=f32
+        "BKCQS,BKCSH->BKCQH", w_own.astype(v.dtype), own_v, preferred_element_type=pet
     )
     out = (out / total).astype(v.dtype)
     out = out.reshape(b, kv_heads, c, groups, t, h).transpose(0, 2, 4, 1, 3, 5)
