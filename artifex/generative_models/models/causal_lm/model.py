@@ -329,6 +329,12 @@ class CausalLM(nnx.Module):
         else:
             _check_cache(cache, self.config, b)
             index = cache.index
+            if not isinstance(index, jax.core.Tracer) and int(index) + t > cache.max_length:
+                msg = (
+                    f"the cache has {cache.max_length - int(index)} free slots of "
+                    f"{cache.max_length}, {t} tokens do not fit (init_cache(max_length=...))"
+                )
+                raise ValueError(msg)
             if positions is None:
                 offset = jnp.sum(cache.valid, axis=-1, dtype=jnp.int32)
                 positions = positions_from_mask(attention_mask, offset)

@@ -130,3 +130,18 @@ def test_default_cache_dtype_of_a_16bit_model_on_cpu_is_float32_with_the_same_va
     np.testing.assert_allclose(outs[0], outs[1], rtol=2e-2, atol=2e-2)
     full, _ = model.hidden_states(ids)
     np.testing.assert_allclose(outs[0], np.asarray(full, np.float32), rtol=5e-2, atol=5e-2)
+
+
+def test_hidden_states_refuses_tokens_beyond_the_cache():
+    """A concrete cache index is checked: tokens past the last slot are an error, not clamped."""
+    from flax import nnx
+
+    from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+
+    model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+    cache = model.init_cache(1, 4)
+    _, cache = model.hidden_states(jnp.array([[1, 2, 3]]), cache=cache)
+    with pytest.raises(ValueError, match="1 free slots of 4, 2 tokens do not fit"):
+        model.hidden_states(jnp.array([[4, 5]]), cache=cache)
+    _, full = model.hidden_states(jnp.array([[4]]), cache=cache)  # the last slot fits
+    assert int(full.index) == 4
