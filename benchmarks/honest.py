@@ -9,10 +9,10 @@ For each workload, ``benchmarks/hfdir.py`` writes one Hugging Face directory onc
 model.safetensors, tokenizer, prompts.json, workload.json) that every system loads: ours with
 ``CausalLM.from_pretrained``, TRL with transformers' ``AutoModelForCausalLM`` (through
 ``GRPOTrainer(model=DIR)``), Tunix with its own safetensors loader. Each system runs in its own
-process, in the order ours, TRL, Tunix, ours (W2: ours, TRL, ours, then ours with bfloat16
-parameters, ours recomputing every layer, ours without remat and ours with the update's layers
-scanned, ``GRPOConfig(scan_layers=True)``), one after the other. On W2 ours recomputes the
-activations of every second layer in the backward pass (``GRPOConfig(remat=True,
+process, in the order ours, TRL, Tunix, ours (W2: ours, TRL, ours, then ours and TRL with
+bfloat16 parameters, ours recomputing every layer, ours without remat and ours with the
+update's layers scanned, ``GRPOConfig(scan_layers=True)``), one after the other. On W2 ours
+recomputes the activations of every second layer in the backward pass (``GRPOConfig(remat=True,
 remat_every=2)``), as TRL recomputes its layers by default (its
 ``gradient_checkpointing=True``), with a peak memory that stays below TRL's; on W1 it does
 not, as Tunix (``RematConfig.NONE``). Every process
@@ -23,7 +23,7 @@ run, before and after, in clean windows too.
 
 Rows: median seconds per whole step with the spread (min-max) over the clean windows, generation
 and training parts, first step (compilation included), peak resident memory of the process
-(VmHWM), clean windows / windows run, and ours over the faster peer.
+(VmHWM), clean windows / windows run, and ours over the faster peer run in the same dtype.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -154,12 +155,12 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
             "First step, s | Peak RSS | Clean windows | Ours / faster peer |"
         )
         lines.append("|---|---|---|---|---|---|---|---|")
-        peers = [
-            r["seconds"]["median"]
-            for r in runs["runs"]
-            if r.get("system") in PEERS and "seconds" in r and not r.get("exit")
-        ]
-        fastest = min(peers) if peers else None
+        # Each row of ours is compared with the faster peer run in its own dtype.
+        fastest: dict[str, float] = {}
+        for r in runs["runs"]:
+            if r.get("system") in PEERS and "seconds" in r and not r.get("exit"):
+                dtype = r.get("dtype", "float32")
+                fastest[dtype] = min(fastest.get(dtype, math.inf), r["seconds"]["median"])
         for r in runs["runs"]:
             label = r.get("label", r.get("system", "?"))
             if "error" in r:
@@ -167,8 +168,9 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
                 continue
             step = r.get("seconds")
             ratio = ""
-            if r["system"] == "ours" and fastest and step:
-                ratio = f"{step['median'] / fastest:.2f}x"
+            peer = fastest.get(r.get("dtype", "float32"))
+            if r["system"] == "ours" and peer and step:
+                ratio = f"{step['median'] / peer:.2f}x"
             clean = f"{r['clean_windows']}/{r['windows']}"
             if not r.get("all_clean"):
                 clean += f" NOISY (other CPU up to {100 * r['other_cpu_max']:.0f}%)"
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-retries", type=int, default=10, help="extra windows per run")
     parser.add_argument("--threshold", type=float, default=0.05, help="other-process CPU limit")
     parser.add_argument("--quick", action="store_true", help="2 windows, 2 retries")
-    parser.add_argument("--no-bf16", action="store_true", help="skip W2's bf16 row")
+    parser.add_argument("--no-bf16", action="store_true", help="skip W2's bf16 rows")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--json", default="", help="also write every record here")
     parser.add_argument("--write-docs", action="store_true")
@@ -274,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
             order.append(("ours", ours_cmd, ours_env, f"ours (last{tag})"))
         if "ours" in systems and wname == "w2" and not args.no_bf16:
             order.append(("ours", [*ours_cmd, "--dtype", "bfloat16"], ours_env, f"ours, bf16{tag}"))
+            if "trl" in peer_names:  # the bf16 row's peer: TRL with bf16 parameters
+                name, script, default, _ = PEERS["trl"]
+                python = os.environ.get("ARTIFEX_TRL_PYTHON", default)
+                cmd = [python, os.path.join(HERE, "peers", script), "--model-dir", wdir, *wins]
+                order.append(("trl", [*cmd, "--dtype", "bfloat16"], peer_env, f"{name}, bf16"))
         if "ours" in systems and wname == "w2":
             order.append(("ours", full_remat_cmd, ours_env, "ours, remat every layer"))
             order.append(("ours", no_remat_cmd, ours_env, "ours, no remat"))

@@ -136,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=0.05)
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the model's parameter and compute dtype (no autocast, as ours --dtype)",
+    )
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
     with open(os.path.join(args.model_dir, "workload.json")) as fh:
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             use_cpu=True,
             bf16=False,
             fp16=False,
-            model_init_kwargs={"dtype": "float32"},
+            model_init_kwargs={"dtype": args.dtype},
             report_to="none",
             logging_strategy="no",
             save_strategy="no",
@@ -234,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
         },
         "device": "cpu",
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "params": n_params,
         "load_s": load_s,
