@@ -363,11 +363,11 @@ def _write_slots(cache: jax.Array, update: jax.Array, start: tuple[jax.Array, ..
     """``dynamic_update_slice(cache, update.astype(cache.dtype), start)``, in place.
 
     XLA:CPU has no 16-bit float ``dynamic_update_slice``: it converts the whole cache to
-    float32, writes, and converts it back, a copy of the cache per layer and token. The same
-    bits written as 16-bit integers are an in-place write.
+    float32, writes, and converts it back, a copy of the cache per layer and token. On the CPU
+    the same bits are written as 16-bit integers, in place.
     """
     update = update.astype(cache.dtype)
-    if cache.dtype not in (jnp.bfloat16, jnp.float16):
+    if not f32_products(cache.dtype):  # not a 16-bit float on the CPU
         return jax.lax.dynamic_update_slice(cache, update, start)
     bits = jax.lax.dynamic_update_slice(
         jax.lax.bitcast_convert_type(cache, jnp.uint16),
