@@ -59,7 +59,7 @@ class SharedPrefixMask:
     prompt_length: int = dataclasses.field(metadata=dict(static=True))
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w`` in their dtype; on the CPU, 16-bit operands get a float32 product.
 
     On the CPU a bfloat16 product is computed with a float32 result and rounded once to
@@ -74,7 +74,7 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def f32_products(dtype: Any) -> bool:
-    """Whether products of ``dtype`` operands are computed with a float32 result (see `matmul`).
+    """Whether products of ``dtype`` operands are computed with a float32 result (see `_matmul`).
 
     True for 16-bit floats on the CPU backend.
     """
@@ -250,7 +250,7 @@ class Linear(nnx.Module):
         # and its gradient much faster than the same product with (B, T, in) activations.
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        y = matmul(x2, self.kernel[...])
+        y = _matmul(x2, self.kernel[...])
         if self.bias is not None:
             y = y + self.bias[...]
         if self.lora is not None:

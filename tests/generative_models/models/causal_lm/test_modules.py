@@ -188,7 +188,7 @@ def test_grouped_attention_on_cache_layout_matches_numpy(n, k, t, keys_transpose
 def test_matmul_16bit_is_the_float32_product_rounded_once(dtype):
     import jax
 
-    from artifex.generative_models.models.causal_lm.modules import matmul
+    from artifex.generative_models.models.causal_lm.modules import _matmul as matmul
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 48)), dtype)
@@ -209,7 +209,7 @@ def test_matmul_16bit_is_the_float32_product_rounded_once(dtype):
 def test_matmul_float32_is_plain_matmul():
     import jax
 
-    from artifex.generative_models.models.causal_lm.modules import matmul
+    from artifex.generative_models.models.causal_lm.modules import _matmul as matmul
 
     x = jnp.arange(12.0).reshape(3, 4) / 7
     w = jnp.arange(8.0).reshape(4, 2) / 3
