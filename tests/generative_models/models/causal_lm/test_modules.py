@@ -195,6 +195,9 @@ def test_matmul_16bit_is_the_float32_product_rounded_once(dtype):
     w = jnp.asarray(rng.standard_normal((48, 7)), dtype)
     y = matmul(x, w)
     assert y.dtype == dtype
+    if jax.default_backend() == "cpu":  # the float32-result form, with its own backward rule
+        jaxpr = str(jax.make_jaxpr(matmul)(x, w))
+        assert "custom_vjp" in jaxpr and "preferred_element_type=float32" in jaxpr
     want = (_np(x) @ _np(w)).astype(np.float32)  # exact products, rounded to float32
     np.testing.assert_allclose(_np(y), _np(jnp.asarray(want).astype(dtype)), rtol=1e-2, atol=1e-2)
 
