@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Param)))
     load_s = time.perf_counter() - t_start
-    keys = iter(jax.random.split(jax.random.key(0), 1000))
+    # One key per step, as the training loop derives them (iterating over an array of split
+    # keys would compile slicing programs inside the first step).
+    root_key = jax.random.key(0)
+    steps_done = [0]
     last: dict = {}
 
     def step() -> dict[str, float]:
@@ -115,20 +118,21 @@ def main(argv: list[str] | None = None) -> int:
             trainer.model,
             prompt_ids,
             prompt_mask,
-            key=next(keys),
+            key=jax.random.fold_in(root_key, steps_done[0]),
             num_generations=k,
             max_new_tokens=n,
             eos_ids=(),  # no early stop: every completion is n tokens
         )
         comp = np.asarray(jax.device_get(out.completion_ids))
         t1 = time.perf_counter()
+        steps_done[0] += 1
         rewards = (comp % 2 == 0).mean(axis=1).astype(np.float32)
         batch = GRPOBatch(
             prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask,
             completion_ids=out.completion_ids,
             completion_mask=out.completion_mask,
-            rewards=jnp.asarray(rewards),
+            rewards=jax.device_put(rewards),  # no program to compile, as in the loop
             group_size=k,
         )
         t2 = time.perf_counter()
