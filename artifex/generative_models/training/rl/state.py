@@ -394,9 +394,15 @@ def make_grpo_train_step(
             scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
 
+        # Jitted so that the optimizer (per-leaf work, a large part of this step's tracing) is
+        # traced once for its two uses below; XLA inlines both calls.
+        @jax.jit
+        def apply_tx(grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+            updates, new_opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt_state
+
         def updated() -> tuple[Any, Any]:
-            updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
-            return optax.apply_updates(state.params, updates), new_opt_state
+            return apply_tx(grads, state.opt_state, state.params)
 
         # The update itself can overflow (a huge learning rate, a schedule that overflows): the
         # new parameters and optimizer state must be finite too. They are computed twice: here
