@@ -1,7 +1,8 @@
 """Our GRPO step on a workload directory (``benchmarks/hfdir.py``), in its own process.
 
     python benchmarks/ours_worker.py --dir DIR [--windows 5] [--max-retries 10] [--dtype bfloat16]
-        [--remat [--remat-every N]] [--scan-update] [--layers scan] [--no-compile-ahead]
+        [--remat [--remat-every N]] [--scan-update] [--layers scan] [--microbatches N]
+        [--no-compile-ahead]
 
 Loads the policy and the reference with ``CausalLM.from_pretrained(DIR)``, reads the prompt ids
 from ``DIR/prompts.json`` and the settings from ``DIR/workload.json``. One step = generate
@@ -54,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="GRPOConfig(scan_layers=True): the update scans the decoder layers (the sampler "
         "follows --layers)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="train_step(num_microbatches=N): accumulate the gradient over N row slices of the "
+        "batch (still one update)",
     )
     parser.add_argument(
         "--no-compile-ahead",
@@ -136,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             group_size=k,
         )
         t2 = time.perf_counter()
-        metrics = trainer.train_step(batch)
+        metrics = trainer.train_step(batch, num_microbatches=args.microbatches)
         jax.block_until_ready((metrics, nnx.state(trainer.model)))
         t3 = time.perf_counter()
         last["batch"] = batch
@@ -150,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         # The update compiles in the background while the sampler compiles and generates. The
         # example has the sampler's layout: each prompt repeated k times, padded to its bucket.
         width = bucket_length(prompt_ids.shape[1])
-        trainer.compile_ahead(GRPOBatch.zeros(prompt_ids.shape[0], k, width, n))
+        trainer.compile_ahead(
+            GRPOBatch.zeros(prompt_ids.shape[0], k, width, n), num_microbatches=args.microbatches
+        )
     first_split = step()
     first_step_s = time.perf_counter() - t0
     if trainer.num_compilations != 1:
@@ -183,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "remat_every": args.remat_every,
         "scan_update": args.scan_update,
         "compile_ahead": args.compile_ahead,
+        "microbatches": args.microbatches,
         "params": int(n_params),
         "load_s": load_s,
         "first_step_s": first_step_s,
