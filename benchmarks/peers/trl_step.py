@@ -3,7 +3,7 @@
 Run in the TRL venv (see ``benchmarks/peers/README.md``), not in the project's Python:
 
     /tmp/artifex-peers/trl/bin/python benchmarks/peers/trl_step.py --model-dir DIR \
-        [--windows 5] [--max-retries 10]
+        [--windows 5] [--max-retries 10] [--dtype bfloat16] [--grad-accum N]
 
 ``DIR`` is written by ``benchmarks/hfdir.py`` (W1 or W2): TRL loads the same ``config.json`` +
 ``model.safetensors`` that ours loads (``GRPOTrainer(model=DIR)``: transformers'
@@ -142,6 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         default="float32",
         help="the model's parameter and compute dtype (no autocast, as ours --dtype)",
     )
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="gradient_accumulation_steps: each optimizer step accumulates N slices of the "
+        "generation batch (still one generation and one update per step; ours: "
+        "ours_worker.py --microbatches N)",
+    )
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
     with open(os.path.join(args.model_dir, "workload.json")) as fh:
@@ -166,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="trl_step_") as tmp:
         batch = n_prompts * n_gen
+        if args.grad_accum < 1 or batch % args.grad_accum:
+            parser.error(f"--grad-accum must divide the batch of {batch} completions")
         config = GRPOConfig(
             output_dir=os.path.join(tmp, "out"),
-            per_device_train_batch_size=batch,  # completions per step
+            per_device_train_batch_size=batch // args.grad_accum,  # completions per slice
             generation_batch_size=batch,  # one generation batch per optimizer step
-            gradient_accumulation_steps=1,
+            gradient_accumulation_steps=args.grad_accum,
             num_generations=n_gen,
             max_completion_length=completion_len,
             generation_kwargs={"min_new_tokens": completion_len},  # no early stop
@@ -241,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "device": "cpu",
         "dtype": args.dtype,
+        "grad_accum": args.grad_accum,
         "threads": torch.get_num_threads(),
         "params": n_params,
         "load_s": load_s,
