@@ -17,6 +17,7 @@ last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     # One key per step, as the training loop derives them (iterating over an array of split
     # keys would compile slicing programs inside the first step).
     root_key = jax.random.key(0)
-    steps_done = [0]
+    step_index = itertools.count()
     last: dict = {}
 
     def step() -> dict[str, float]:
@@ -126,14 +127,13 @@ def main(argv: list[str] | None = None) -> int:
             trainer.model,
             prompt_ids,
             prompt_mask,
-            key=jax.random.fold_in(root_key, steps_done[0]),
+            key=jax.random.fold_in(root_key, next(step_index)),
             num_generations=k,
             max_new_tokens=n,
             eos_ids=(),  # no early stop: every completion is n tokens
         )
         comp = np.asarray(jax.device_get(out.completion_ids))
         t1 = time.perf_counter()
-        steps_done[0] += 1
         rewards = (comp % 2 == 0).mean(axis=1).astype(np.float32)
         batch = GRPOBatch(
             prompt_ids=out.prompt_ids,
