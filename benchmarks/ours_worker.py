@@ -1,8 +1,8 @@
 """Our GRPO step on a workload directory (``benchmarks/hfdir.py``), in its own process.
 
     python benchmarks/ours_worker.py --dir DIR [--windows 5] [--max-retries 10] [--dtype bfloat16]
-        [--remat [--remat-every N]] [--scan-update] [--layers scan] [--microbatches N]
-        [--no-compile-ahead]
+        [--remat [--remat-every N]] [--scan-update] [--layers scan] [--stack-layers]
+        [--microbatches N] [--no-compile-ahead]
 
 Loads the policy and the reference with ``CausalLM.from_pretrained(DIR)``, reads the prompt ids
 from ``DIR/prompts.json`` and the settings from ``DIR/workload.json``. One step = generate
@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         "follows --layers)",
     )
     parser.add_argument(
+        "--stack-layers",
+        action="store_true",
+        help="CausalLM.stack_layers() on the policy and the reference: the decoder layers "
+        "stored stacked (one array per weight kind), read by a scan without a copy",
+    )
+    parser.add_argument(
         "--microbatches",
         type=int,
         default=1,
@@ -100,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     policy = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
     reference = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
     policy.scan_layers = reference.scan_layers = args.layers == "scan"
+    if args.stack_layers:  # before the optimizer, which holds the parameters it is built on
+        policy.stack_layers()
+        reference.stack_layers()
     optimizer = nnx.Optimizer(policy, optax.adamw(w["learning_rate"]), wrt=nnx.Param)
     trainer = GRPOTrainer(
         policy,
@@ -192,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "remat": args.remat,
         "remat_every": args.remat_every,
         "scan_update": args.scan_update,
+        "stack_layers": args.stack_layers,
         "compile_ahead": args.compile_ahead,
         "microbatches": args.microbatches,
         "params": int(n_params),

@@ -196,8 +196,11 @@ def _decode(
     pad_id: int,
 ) -> TurnOutput:
     model = nnx.merge(graphdef, state)
-    # Scanned layers: stack the layer weights once, outside the decode loop.
+    # Scanned layers: stack the layer weights once, outside the decode loop (no copy when the
+    # model stores them stacked). Unrolled layers stored stacked: slice them once, likewise.
     stack = model.layer_stack() if getattr(model, "scan_layers", False) else None
+    if stack is None and getattr(model, "layers_stacked", False):
+        model.unstack_layers()
     layers = {} if stack is None else {"layer_stack": stack}
     rows, n = active.shape[0], max_new_tokens
     width = max((len(s) for s in stop_sequences), default=1)

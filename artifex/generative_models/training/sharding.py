@@ -11,7 +11,9 @@ decides where they live:
   ``PartitionSpec``: Megatron-style tensor parallelism over ``"tensor"`` from a table of regular
   expressions (:data:`CAUSAL_LM_RULES`), plus FSDP (ZeRO-3) sharding of the largest free
   dimension of every large parameter over ``"fsdp"``. Variables that carry their own
-  annotation (``nnx.with_partitioning`` / ``out_sharding`` metadata) keep it.
+  annotation (``nnx.with_partitioning`` / ``out_sharding`` metadata) keep it. Stacked layer
+  weights (``CausalLM.stack_layers``, variables with ``stacked_layers`` metadata) are sharded
+  as one layer's weight is, with the leading layer axis unsharded.
 - :func:`shard_model` and :func:`shard_optimizer` place a model (policy or reference) and its
   ``nnx.Optimizer`` state; the optimizer state follows its parameters (Adam's ``mu``/``nu`` get
   the spec of their parameter, scalars such as ``count`` are replicated).
@@ -538,7 +540,13 @@ def state_partition_specs(
 
     def spec(parts: tuple[Any, ...], var: Any, value: Any) -> PartitionSpec:
         path = ".".join(str(p) for p in parts)
-        return rules.spec(path, np.shape(value), mesh, _annotation(var))
+        shape, annotation = np.shape(value), _annotation(var)
+        if var is not None and var.get_metadata().get("stacked_layers") and len(shape) >= 1:
+            # A stack of layer weights (CausalLM.stack_layers): sharded as one layer is, with
+            # the leading layer axis unsharded.
+            inner = None if annotation is None else PartitionSpec(*tuple(annotation)[1:])
+            return PartitionSpec(None, *rules.spec(path, shape[1:], mesh, inner))
+        return rules.spec(path, shape, mesh, annotation)
 
     return _map_vars(spec, state)
 

@@ -250,6 +250,12 @@ def place_tensors(
     if rules is not None and mesh is None:
         msg = "rules were given without a mesh; pass mesh= as well"
         raise TypeError(msg)
+    if getattr(model, "layers_stacked", False):
+        msg = (
+            "place_tensors: the model stores its layers stacked; load into a model with "
+            "per-layer storage and call stack_layers() after"
+        )
+        raise ValueError(msg)
     config: CausalLMConfig = model.config
     dt = resolve_dtype(config.param_dtype)
     mapping = hf_tensor_map(config)
@@ -394,7 +400,7 @@ def to_hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     """Returns the model's parameters as host NumPy arrays under Hugging Face names and layouts.
 
     Args:
-        model: A model without LoRA adapters.
+        model: A model without LoRA adapters (per-layer or stacked layers).
 
     Returns:
         `{hf_name: array}` (linear weights (out, in); bfloat16 stays `ml_dtypes.bfloat16`).
@@ -421,9 +427,17 @@ def to_hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
         )
         raise ValueError(msg)
     variables = _variables(model)
+    stacked = getattr(model, "layers_stacked", False)
+    gathered: dict[PathParts, np.ndarray] = {}  # stacked layer weights, read once each
     out: dict[str, np.ndarray] = {}
     for name, (target_path, transpose) in hf_tensor_map(model.config).items():
-        x = _gathered(variables[target_path].get_value())
+        if stacked and target_path[0] == "layers":  # ("layers", i, ...) is ("layers", ...)[i]
+            key = (target_path[0], *target_path[2:])
+            if key not in gathered:
+                gathered[key] = _gathered(variables[key].get_value())
+            x = gathered[key][target_path[1]]
+        else:
+            x = _gathered(variables[target_path].get_value())
         out[name] = np.ascontiguousarray(x.T) if transpose else x
     return out
 

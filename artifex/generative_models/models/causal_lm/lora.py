@@ -173,6 +173,8 @@ def _targets(model: CausalLM, names: tuple[str, ...]) -> list[Linear]:
 def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
     """Adds LoRA adapters to the targeted projections of every layer, in place.
 
+    A model with stacked layers (`stack_layers()`) gets stacked adapters, of the same values.
+
     Args:
         model: The model (modified in place and returned).
         config: The adapter configuration.
@@ -202,6 +204,9 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
         msg = "apply_lora: the model already has LoRA adapters"
         raise ValueError(msg)
     dtype = model.dtype if config.param_dtype is None else resolve_dtype(config.param_dtype)
+    stacked = getattr(model, "layers_stacked", False)
+    if stacked:  # adapters per layer (the same draws as unstacked), then stacked with them
+        model.unstack_layers()
     for proj in _targets(model, config.target_modules):
         proj.lora = LoRAAdapter(
             proj.in_features,
@@ -211,6 +216,8 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
             dtype=dtype,
             rngs=rngs,
         )
+    if stacked:
+        model.stack_layers()
     return model
 
 
@@ -243,6 +250,9 @@ def merge_lora(model: CausalLM) -> CausalLM:
         True
     """
     merged = nnx.clone(model)
+    stacked = getattr(merged, "layers_stacked", False)
+    if stacked:
+        merged.unstack_layers()
     for proj in _targets(merged, LORA_TARGETS):
         adapter = proj.lora
         if adapter is None:
@@ -253,6 +263,8 @@ def merge_lora(model: CausalLM) -> CausalLM:
         delta = (a * adapter.scale) @ b
         proj.kernel.set_value((kernel.astype(jnp.float32) + delta).astype(kernel.dtype))
         proj.lora = None
+    if stacked:
+        merged.stack_layers()
     return merged
 
 

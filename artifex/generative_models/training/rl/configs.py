@@ -220,7 +220,10 @@ class GRPOConfig:
             On SmolLM2-135M with ``remat`` (``docs/benchmarks.md``, 2026-11-25): the update,
             compiled alone, compiled in 11.9-12.3 s instead of 13.4-13.7 s and its first run
             took 8.9 s instead of 12.0 s (the first step 26.5 s instead of 30.1 s); later
-            updates 1-2% longer, peak memory 1.1 GB higher. It applies to
+            updates 1-2% longer, peak memory 1.1 GB higher. A model whose layers are stored
+            stacked (``CausalLM.stack_layers()``, before building the optimizer) is scanned
+            without any copy, and its optimizer has one array per weight kind: see
+            ``docs/benchmarks.md`` for that row. It applies to
             the default log-prob function (a custom one opts in with
             ``causal_lm_log_probs_fn(scan_layers=True)``); models without ``layer_stack()``
             ignore it.
