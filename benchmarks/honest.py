@@ -11,7 +11,8 @@ model.safetensors, tokenizer, prompts.json, workload.json) that every system loa
 ``GRPOTrainer(model=DIR)``), Tunix with its own safetensors loader. Each system runs in its own
 process, in the order ours, TRL, Tunix, ours (W2: ours, TRL, ours, then ours and TRL with
 bfloat16 parameters, ours recomputing every layer, ours without remat and ours with the
-update's layers scanned, ``GRPOConfig(scan_layers=True)``), one after the other. On W2 ours
+decoder layers stored stacked and scanned in the update, ``CausalLM.stack_layers()`` with
+``GRPOConfig(scan_layers=True)``), one after the other. On W2 ours
 recomputes the activations of every second layer in the backward pass (``GRPOConfig(remat=True,
 remat_every=2)``), as TRL recomputes its layers by default (its
 ``gradient_checkpointing=True``), with a peak memory that stays below TRL's; on W1 it does
@@ -284,10 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         if "ours" in systems and wname == "w2":
             order.append(("ours", full_remat_cmd, ours_env, "ours, remat every layer"))
             order.append(("ours", no_remat_cmd, ours_env, "ours, no remat"))
-            # GRPOConfig.scan_layers: the update scans the layers (compiles faster), the
-            # sampler stays unrolled; a scan recomputes all its layers or none
-            label = "ours, remat every layer, scanned update"
-            order.append(("ours", [*full_remat_cmd, "--scan-update"], ours_env, label))
+            # CausalLM.stack_layers + GRPOConfig.scan_layers: the layers stored stacked, the
+            # update scans them without a copy (compiles several times faster, one optimizer
+            # array per weight kind); the sampler slices them once per rollout and runs them
+            # unrolled; a scan recomputes all its layers or none
+            label = "ours, stacked layers, scanned update (remat every layer)"
+            stacked_cmd = [*full_remat_cmd, "--scan-update", "--stack-layers"]
+            order.append(("ours", stacked_cmd, ours_env, label))
         runs = []
         for system, cmd, env, label in order:
             if not os.path.exists(cmd[0]):

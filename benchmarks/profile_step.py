@@ -1,7 +1,7 @@
 """Where one GRPO step spends FLOPs, bytes and memory: XLA's cost and memory analysis.
 
-    python benchmarks/profile_step.py --dir DIR [--dtype bfloat16] [--remat] [--unshared]
-        [--trace OUT_DIR]
+    python benchmarks/profile_step.py --dir DIR [--dtype bfloat16] [--remat [--remat-every N]]
+        [--scan-update] [--stack-layers] [--unshared] [--trace OUT_DIR]
 
 ``DIR`` is a workload directory (``benchmarks/hfdir.py``). Builds the trainer as
 ``benchmarks/ours_worker.py`` does, runs one step, then prints, for the compiled update
@@ -54,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--remat", action="store_true", help="GRPOConfig(remat=True)")
+    parser.add_argument("--remat-every", type=int, default=1, help="GRPOConfig.remat_every")
+    parser.add_argument("--scan-update", action="store_true", help="GRPOConfig(scan_layers=True)")
+    parser.add_argument(
+        "--stack-layers",
+        action="store_true",
+        help="CausalLM.stack_layers() on the policy and the reference",
+    )
     parser.add_argument(
         "--unshared", action="store_true", help="also compile the update without shared prompts"
     )
@@ -80,12 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     k, n = w["num_generations"], w["completion_length"]
     policy = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
     reference = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
+    if args.stack_layers:  # before the optimizer, which holds the parameters it is built on
+        policy.stack_layers()
+        reference.stack_layers()
     rss_loaded = cleanwin.peak_rss_bytes()
     optimizer = nnx.Optimizer(policy, optax.adamw(w["learning_rate"]), wrt=nnx.Param)
     trainer = GRPOTrainer(
         policy,
         optimizer,
-        GRPOConfig(num_generations=k, beta=w["beta"], remat=args.remat),
+        GRPOConfig(
+            num_generations=k,
+            beta=w["beta"],
+            remat=args.remat,
+            remat_every=args.remat_every,
+            scan_layers=args.scan_update,
+        ),
         reference_model=reference,
     )
 
@@ -149,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     # memory analysis of the update as it runs; FLOPs and bytes of it with unchunked log-probs
     update = _analysis(executables["shared"])
-    update.update(update_cost(trainer, batch, remat=args.remat))
+    update.update(update_cost(trainer, batch, remat=trainer.config.remat_option))
     # The first and second run of the freshly compiled (shared-prompt) update; it donates the
     # state, which is handed back to the trainer after each run.
     runs, run_cpu = [], []
