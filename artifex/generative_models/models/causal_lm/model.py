@@ -650,6 +650,27 @@ class CausalLM(nnx.Module):
             return self.embed.embedding[...].T
         return self.lm_head.kernel[...]
 
+    def output_embedding_rows(self) -> jax.Array | None:
+        """The (V, D) output matrix as stored (the tied embedding), or None when untied.
+
+        Products that contract its second axis read it in place; the transposed view of
+        `output_embedding()` makes XLA:CPU write a transposed copy of it inside a compiled
+        loop (the GRPO update's chunked log-probs). An untied `lm_head` is stored (D, V): use
+        `output_embedding()`.
+
+        Returns:
+            The embedding matrix (V, D) of a tied model, None otherwise.
+
+        Example:
+            >>> from flax import nnx
+            >>> model = CausalLM(CausalLMConfig.tiny(tie_word_embeddings=True), rngs=nnx.Rngs(0))
+            >>> model.output_embedding_rows().shape, model.output_embedding().shape
+            ((512, 128), (128, 512))
+        """
+        if self.lm_head is None:
+            return self.embed.embedding[...]
+        return None
+
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
         """Projects hidden states to float32 logits, `hidden @ output_embedding()`.
 

@@ -68,6 +68,50 @@ def test_chunked_equals_naive_with_matching_gradients(chunk, seed):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [7, None])
+def test_transposed_weight_gives_the_float64_values_and_its_own_gradient(chunk):
+    """`transposed=True` takes the (V, D) matrix (a tied embedding): logits `h @ w.T`."""
+    rng = np.random.default_rng(3)
+    h = rng.normal(size=(3, 13, 16)).astype(np.float32)
+    rows = (rng.normal(size=(50, 16)) * 0.3).astype(np.float32)  # (V, D)
+    y = rng.integers(0, 50, size=(3, 13))
+    lp, ent = chunked_token_log_probs(h, rows, y, chunk_size=chunk, transposed=True)
+    want_lp, want_ent = np_log_probs(h.astype(np.float64) @ rows.T.astype(np.float64), y)
+    np.testing.assert_allclose(lp, want_lp, atol=2e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=2e-5)
+
+    def loss(w, transposed):
+        lp, ent = chunked_token_log_probs(h, w, y, chunk_size=chunk, transposed=transposed)
+        return jnp.sum(lp) + 0.3 * jnp.sum(ent)
+
+    g_rows = jax.grad(loss)(jnp.asarray(rows), True)
+    g_cols = jax.grad(loss)(jnp.asarray(rows.T), False)
+    assert g_rows.shape == (50, 16)
+    np.testing.assert_allclose(g_rows, g_cols.T, atol=1e-5, rtol=1e-5)
+
+
+def test_tied_models_score_with_the_embedding_as_stored():
+    tied = CausalLM(CausalLMConfig.tiny(tie_word_embeddings=True), rngs=nnx.Rngs(0))
+    untied = CausalLM(CausalLMConfig.tiny(tie_word_embeddings=False), rngs=nnx.Rngs(0))
+    assert tied.output_embedding_rows() is tied.embed.embedding[...]
+    assert untied.output_embedding_rows() is None
+    prompts = jnp.array([[3, 4, 5], [6, 7, 8]])
+    completions = jnp.array([[1, 2], [9, 10]])
+    lp, _ = causal_lm_log_probs(tied, prompts, completions)
+    logits = tied(jnp.concatenate([prompts, completions], axis=1))[:, 2:4]
+    want, _ = token_log_probs(logits, completions)
+    np.testing.assert_allclose(lp, want, atol=1e-5)
+
+    # A gradient through chunked log-probs (a loop over chunks, as in the update) reads the
+    # embedding in place: no (D, V) array anywhere (the transposed view put 42 in this program).
+    def loss(model):
+        return jnp.sum(causal_lm_log_probs(model, prompts, completions, chunk_size=2)[0])
+
+    v, d = tied.embed.embedding.shape
+    hlo = jax.jit(nnx.grad(loss)).lower(tied).compile().as_text()
+    assert f"f32[{d},{v}]" not in hlo
+
+
 def test_auto_chunk_size_bounds_the_logits_block():
     for v in (4096, 32_000, 151_936):
         c = auto_chunk_size(v)
