@@ -283,8 +283,9 @@ class CausalLM(nnx.Module):
         activations, between the two in memory and compute.
 
         With `model.scan_layers` the layers run as one `jax.lax.scan` over their
-        weights stacked along a new leading axis (`layer_stack()`; the stacking is a copy of the
-        layer weights made inside the traced function, once per call). Pass a `layer_stack`
+        weights stacked along a new leading axis (`layer_stack()`: the model's own arrays after
+        `stack_layers()`, otherwise a copy of the layer weights made inside the traced function,
+        once per call). Pass a `layer_stack`
         computed once to reuse it across calls, as the sampler does for its decode loop. With a
         cache, the scan reads and writes a stacked cache (`init_cache` makes one when
         `scan_layers` is set) layer by layer; a per-layer cache is stacked inside the call (a
@@ -571,17 +572,22 @@ class CausalLM(nnx.Module):
         compiles several times faster and needs less memory (docs/benchmarks.md). Unrolled
         layers (the sampler's decoding, `remat_every > 1`) slice the stack once per call.
 
-        Build the optimizer after this call: one built before holds the per-layer arrays. A
-        variable's sharding annotation, if any, gets a leading `None` (the layer axis is not
-        sharded), and each stacked variable carries the metadata `stacked_layers=True` that
-        `PartitionRules` reads to shard the stack as it shards one layer. Checkpoints hold the
+        Build the optimizer after this call: one built before holds the per-layer arrays
+        (`GRPOTrainer` refuses such a pair). A variable's sharding annotation, if any, gets a
+        leading `None` (the layer axis is not sharded), and each stacked variable carries the
+        metadata `stacked_layers=True`, which `state_partition_specs` (and so `shard_model`)
+        reads from the model or its `nnx.State` to shard the stack as it shards one layer; a
+        plain dict of arrays has no metadata, and `PartitionRules.spec` alone sees a stack as
+        one array. Unrolled layers (the sampler's decoding unless `scan_layers`) slice the stack
+        inside each call: a copy of the layer weights while the call runs. Checkpoints hold the
         layout they were written from: restore into a model of the same layout.
 
         Returns:
             The model itself (stacked; a no-op when it already is).
 
         Raises:
-            ValueError: If the layers differ in structure (variables, shapes or dtypes).
+            ValueError: If the layers differ in structure (variables, shapes or dtypes), or
+                the model is abstract (`nnx.eval_shape`).
 
         Example:
             >>> import jax.numpy as jnp
@@ -597,6 +603,7 @@ class CausalLM(nnx.Module):
         """
         if self.layers_stacked:
             return self
+        _check_concrete(self.layers, "stack_layers")
         stack = self.layer_stack()
         if stack is None:
             msg = (
@@ -618,6 +625,9 @@ class CausalLM(nnx.Module):
         Returns:
             The model itself (per-layer; a no-op when it already is).
 
+        Raises:
+            ValueError: If the model is abstract (`nnx.eval_shape`).
+
         Example:
             >>> from flax import nnx
             >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
@@ -628,6 +638,7 @@ class CausalLM(nnx.Module):
         """
         if not self.layers_stacked:
             return self
+        _check_concrete(self.layers, "unstack_layers")
         graphdef, stacked = nnx.split(self.layers)
         layers = []
         for i in range(self.config.num_layers):
@@ -891,18 +902,32 @@ def _check_cache(cache: KVCache, cfg: CausalLMConfig, batch: int) -> None:
                 raise ValueError(msg)
 
 
+def _check_concrete(layers: Any, where: str) -> None:
+    """Raises ValueError for an abstract model (`nnx.eval_shape`): nothing to stack or slice."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(layers))):
+        msg = (
+            f"{where}: the model is abstract (built by nnx.eval_shape, its variables hold "
+            "shapes only); call it on a model with weights, or inside the function given to "
+            "nnx.eval_shape"
+        )
+        raise ValueError(msg)
+
+
 def _mark_stacked(var: nnx.Variable, stacked: bool) -> None:
     """Sets (or clears) a variable's `stacked_layers` metadata; a leading None on its annotation."""
     sharding = var.get_metadata().get("out_sharding")
+    if sharding:
+        entries = (None, *sharding) if stacked else tuple(sharding)[1:]
+        # the annotation keeps its type (a PartitionSpec stays one, a tuple a tuple)
+        var.set_metadata(
+            out_sharding=type(sharding)(*entries)
+            if isinstance(sharding, PartitionSpec)
+            else entries
+        )
     if stacked:
         var.set_metadata(stacked_layers=True)
-        if sharding:
-            var.set_metadata(out_sharding=(None, *sharding))
-    else:
-        if var.has_metadata("stacked_layers"):
-            var.del_metadata("stacked_layers")
-        if sharding:
-            var.set_metadata(out_sharding=tuple(sharding)[1:])
+    elif var.has_metadata("stacked_layers"):
+        var.del_metadata("stacked_layers")
 
 
 def _unzip(pairs: list[tuple[jax.Array, jax.Array]]) -> KVPairs:

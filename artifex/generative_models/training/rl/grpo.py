@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import math
 import threading
@@ -50,6 +51,7 @@ from artifex.generative_models.training.rl.state import (
 )
 from artifex.generative_models.training.sharding import (
     PartitionRules,
+    _path_parts,
     current_mesh,
     shard_batch,
     shard_model,
@@ -220,6 +222,16 @@ class _CompiledStep:
         return self._jitted._cache_size()
 
 
+def _holds_per_layer_state(optimizer: nnx.Optimizer) -> bool:
+    """Whether the optimizer state has per-layer entries (paths `... layers <int> ...`)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.state(optimizer.opt_state))
+    for keypath, _ in leaves:
+        keys = _path_parts(keypath)
+        if any(a == "layers" and isinstance(b, int) for a, b in itertools.pairwise(keys)):
+            return True
+    return False
+
+
 def _replicated_key(key: jax.Array, mesh: Mesh) -> jax.Array:
     """``key`` replicated over ``mesh`` (which may span several processes)."""
     sharding = NamedSharding(mesh, PartitionSpec())
@@ -351,6 +363,12 @@ class GRPOTrainer:
                 shard_model(reference_model, mesh, partition_rules)
         self.mesh = mesh
         self.model = model
+        if getattr(model, "layers_stacked", False) and _holds_per_layer_state(optimizer):
+            msg = (
+                "the optimizer was built before model.stack_layers(): its state holds the "
+                "per-layer parameters; build the nnx.Optimizer after stacking the layers"
+            )
+            raise ValueError(msg)
         self.optimizer = optimizer
         self.config = config
         self.reference_model = reference_model

@@ -301,3 +301,38 @@ def test_checkpoint_of_a_stacked_trainer_round_trips():
     assert len(restored) == len(saved)
     for a, b in zip(restored, saved, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_sharding_annotation_gets_the_layer_axis_and_keeps_its_type():
+    model = CausalLM(CONFIGS["llama"], rngs=nnx.Rngs(0))
+    for layer in model.layers:
+        layer.attn.q_proj.kernel.set_metadata(out_sharding=P(None, "tensor"))
+    graphdef = nnx.graphdef(model)
+    model.stack_layers()
+    annotation = model.layers.attn.q_proj.kernel.get_metadata()["out_sharding"]
+    assert isinstance(annotation, P) and annotation == P(None, None, "tensor")
+    mesh = make_mesh(data=1, fsdp=2, tensor=4)
+    spec = state_partition_specs(model, mesh)["layers"]["attn"]["q_proj"]["kernel"].get_value()
+    assert spec == P(None, None, "tensor")
+    model.unstack_layers()
+    assert model.layers[2].attn.q_proj.kernel.get_metadata()["out_sharding"] == P(None, "tensor")
+    assert nnx.graphdef(model) == graphdef  # the same program as before the round trip
+
+
+def test_an_abstract_model_is_refused_by_name():
+    abstract = nnx.eval_shape(lambda: CausalLM(CONFIGS["llama"], rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"stack_layers: the model is abstract"):
+        abstract.stack_layers()
+    stacked = nnx.eval_shape(lambda: CausalLM(CONFIGS["llama"], rngs=nnx.Rngs(0)).stack_layers())
+    assert stacked.layers.attn.q_proj.kernel.shape == (3, 128, 128)  # inside eval_shape: fine
+    with pytest.raises(ValueError, match=r"unstack_layers: the model is abstract"):
+        stacked.unstack_layers()
+
+
+def test_an_optimizer_built_before_stacking_is_refused():
+    model = CausalLM(CONFIGS["llama"], rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    model.stack_layers()
+    with pytest.raises(ValueError, match=r"optimizer was built before model.stack_layers\(\)"):
+        GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2, beta=0.0))
+    GRPOTrainer(model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param), GRPOConfig())
