@@ -85,6 +85,59 @@ def update_cost(trainer: Any, batch: Any, *, remat: bool | int = False) -> dict[
     }
 
 
+def workload_trainer(
+    directory: str,
+    workload: dict[str, Any],
+    *,
+    dtype: str = "float32",
+    remat: bool = False,
+    remat_every: int = 1,
+    scan_update: bool = False,
+    stack_layers: bool = False,
+    scan_layers: bool = False,
+) -> Any:
+    """Our ``GRPOTrainer`` on a workload directory, as the benchmark workers build it.
+
+    Policy and reference come from ``CausalLM.from_pretrained(directory)``; with
+    ``stack_layers`` both store their layers stacked (before the optimizer is built, since it
+    holds the arrays it is built on); AdamW at the workload's learning rate.
+
+    Args:
+        directory: The workload directory (``benchmarks/hfdir.py``).
+        workload: Its ``workload.json``.
+        dtype: Parameter dtype.
+        remat: ``GRPOConfig.remat``.
+        remat_every: ``GRPOConfig.remat_every``.
+        scan_update: ``GRPOConfig.scan_layers`` (the update scans the layers).
+        stack_layers: ``CausalLM.stack_layers()`` on the policy and the reference.
+        scan_layers: ``CausalLM.scan_layers`` (the sampler scans them too).
+
+    Returns:
+        The trainer.
+    """
+    import optax
+    from flax import nnx
+
+    from artifex.generative_models.models.causal_lm import CausalLM
+    from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+
+    policy = CausalLM.from_pretrained(directory, dtype=dtype)
+    reference = CausalLM.from_pretrained(directory, dtype=dtype)
+    policy.scan_layers = reference.scan_layers = scan_layers
+    if stack_layers:
+        policy.stack_layers()
+        reference.stack_layers()
+    optimizer = nnx.Optimizer(policy, optax.adamw(workload["learning_rate"]), wrt=nnx.Param)
+    config = GRPOConfig(
+        num_generations=workload["num_generations"],
+        beta=workload["beta"],
+        remat=remat,
+        remat_every=remat_every,
+        scan_layers=scan_update,
+    )
+    return GRPOTrainer(policy, optimizer, config, reference_model=reference)
+
+
 def entry_operations(compiled: Any) -> int:
     """Operations at the top level of a compiled program's optimized HLO, bookkeeping excluded.
 

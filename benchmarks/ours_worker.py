@@ -88,13 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import nnx
 
     from artifex.generative_models.inference import bucket_length, generate
-    from artifex.generative_models.models.causal_lm import CausalLM
-    from artifex.generative_models.training import GRPOConfig, GRPOTrainer
     from artifex.generative_models.training.rl import GRPOBatch
+    from benchmarks.common import workload_trainer
 
     with open(os.path.join(args.dir, "workload.json")) as fh:
         w = json.load(fh)
@@ -103,25 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     prompt_mask = jnp.ones_like(prompt_ids)
     k, n = w["num_generations"], w["completion_length"]
 
-    policy = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
-    reference = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
-    policy.scan_layers = reference.scan_layers = args.layers == "scan"
-    if args.stack_layers:  # before the optimizer, which holds the parameters it is built on
-        policy.stack_layers()
-        reference.stack_layers()
-    optimizer = nnx.Optimizer(policy, optax.adamw(w["learning_rate"]), wrt=nnx.Param)
-    trainer = GRPOTrainer(
-        policy,
-        optimizer,
-        GRPOConfig(
-            num_generations=k,
-            beta=w["beta"],
-            remat=args.remat,
-            remat_every=args.remat_every,
-            scan_layers=args.scan_update,
-        ),
-        reference_model=reference,
+    trainer = workload_trainer(
+        args.dir,
+        w,
+        dtype=args.dtype,
+        remat=args.remat,
+        remat_every=args.remat_every,
+        scan_update=args.scan_update,
+        stack_layers=args.stack_layers,
+        scan_layers=args.layers == "scan",
     )
+    policy = trainer.model
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(policy, nnx.Param)))
     load_s = time.perf_counter() - t_start
     # One key per step, as the training loop derives them (iterating over an array of split

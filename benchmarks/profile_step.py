@@ -70,14 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import nnx
 
     from artifex.generative_models.inference import generate
-    from artifex.generative_models.models.causal_lm import CausalLM
-    from artifex.generative_models.training import GRPOConfig, GRPOTrainer
     from artifex.generative_models.training.rl import GRPOBatch
-    from benchmarks.common import entry_operations, update_cost
+    from benchmarks.common import entry_operations, update_cost, workload_trainer
 
     with open(os.path.join(args.dir, "workload.json")) as fh:
         w = json.load(fh)
@@ -85,25 +82,17 @@ def main(argv: list[str] | None = None) -> int:
         ids = jnp.asarray(np.asarray(json.load(fh)["ids"], np.int32))
     mask = jnp.ones_like(ids)
     k, n = w["num_generations"], w["completion_length"]
-    policy = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
-    reference = CausalLM.from_pretrained(args.dir, dtype=args.dtype)
-    if args.stack_layers:  # before the optimizer, which holds the parameters it is built on
-        policy.stack_layers()
-        reference.stack_layers()
-    rss_loaded = cleanwin.peak_rss_bytes()
-    optimizer = nnx.Optimizer(policy, optax.adamw(w["learning_rate"]), wrt=nnx.Param)
-    trainer = GRPOTrainer(
-        policy,
-        optimizer,
-        GRPOConfig(
-            num_generations=k,
-            beta=w["beta"],
-            remat=args.remat,
-            remat_every=args.remat_every,
-            scan_layers=args.scan_update,
-        ),
-        reference_model=reference,
+    trainer = workload_trainer(
+        args.dir,
+        w,
+        dtype=args.dtype,
+        remat=args.remat,
+        remat_every=args.remat_every,
+        scan_update=args.scan_update,
+        stack_layers=args.stack_layers,
     )
+    policy, reference, optimizer = trainer.model, trainer.reference_model, trainer.optimizer
+    rss_loaded = cleanwin.peak_rss_bytes()
 
     def nbytes(tree) -> int:
         return int(sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")))

@@ -23,7 +23,6 @@ from safetensors.numpy import load_file
 from artifex.generative_models.inference import generate
 from artifex.generative_models.models.causal_lm import (
     CausalLM,
-    CausalLMConfig,
     LoRAConfig,
     apply_lora,
     merge_lora,
@@ -33,14 +32,7 @@ from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.checkpointing import CheckpointManager
 from artifex.generative_models.training.rl import GRPOBatch
 from artifex.generative_models.training.sharding import make_mesh, state_partition_specs
-
-CONFIGS = {
-    "llama": CausalLMConfig.tiny(num_layers=3),
-    "qwen2_bias_tied": CausalLMConfig.tiny(
-        model_type="qwen2", num_layers=3, attention_bias=True, tie_word_embeddings=True
-    ),
-    "qwen3_qk_norm": CausalLMConfig.tiny(model_type="qwen3", num_layers=3, qk_norm=True),
-}
+from tests.generative_models.models.causal_lm.test_scan_layers import CONFIGS, _ids
 
 
 def _pair(name: str = "llama", seed: int = 0) -> tuple[CausalLM, CausalLM]:
@@ -48,14 +40,6 @@ def _pair(name: str = "llama", seed: int = 0) -> tuple[CausalLM, CausalLM]:
     per_layer = CausalLM(CONFIGS[name], rngs=nnx.Rngs(seed))
     stacked = CausalLM(CONFIGS[name], rngs=nnx.Rngs(seed)).stack_layers()
     return per_layer, stacked
-
-
-def _ids(b: int = 2, t: int = 7, seed: int = 1) -> tuple[jax.Array, jax.Array]:
-    rng = np.random.default_rng(seed)
-    ids = jnp.asarray(rng.integers(1, 512, (b, t)), jnp.int32)
-    mask = np.ones((b, t), np.int32)
-    mask[0, :2] = 0  # left padding on one row
-    return ids, jnp.asarray(mask)
 
 
 def _per_layer_view(state: nnx.State, num_layers: int) -> dict[str, np.ndarray]:
