@@ -569,8 +569,7 @@ class CausalLM(nnx.Module):
         (`scan_layers`, `GRPOConfig.scan_layers`) then read this storage directly instead of
         stacking a copy of the weights in every traced call, and an optimizer has one array
         per weight kind instead of one per layer and kind: for a 30-layer model the GRPO update
-        compiles several times faster and needs less memory (docs/benchmarks.md). Unrolled
-        layers (the sampler's decoding, `remat_every > 1`) slice the stack once per call.
+        compiles several times faster and needs less memory (docs/benchmarks.md).
 
         Build the optimizer after this call: one built before holds the per-layer arrays
         (`GRPOTrainer` refuses such a pair). A variable's sharding annotation, if any, gets a
@@ -578,8 +577,9 @@ class CausalLM(nnx.Module):
         metadata `stacked_layers=True`, which `state_partition_specs` (and so `shard_model`)
         reads from the model or its `nnx.State` to shard the stack as it shards one layer; a
         plain dict of arrays has no metadata, and `PartitionRules.spec` alone sees a stack as
-        one array. Unrolled layers (the sampler's decoding unless `scan_layers`) slice the stack
-        inside each call: a copy of the layer weights while the call runs. Checkpoints hold the
+        one array. Unrolled layers (the sampler's decoding unless `scan_layers`,
+        `remat_every > 1`) slice the stack once per call: a copy of the layer weights while the
+        call runs. Checkpoints hold the
         layout they were written from: restore into a model of the same layout.
 
         Returns:
@@ -639,10 +639,9 @@ class CausalLM(nnx.Module):
         if not self.layers_stacked:
             return self
         _check_concrete(self.layers, "unstack_layers")
-        graphdef, stacked = nnx.split(self.layers)
         layers = []
-        for i in range(self.config.num_layers):
-            layer = nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], stacked))
+        for graphdef, state in self._layer_states():
+            layer = nnx.merge(graphdef, state)
             for _, var in nnx.iter_graph(layer):
                 if isinstance(var, nnx.Variable):
                     _mark_stacked(var, False)
