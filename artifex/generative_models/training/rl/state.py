@@ -518,7 +518,10 @@ def _finite_flags(params: Any, opt_state: Any) -> tuple[jax.Array, jax.Array]:
     Optimizer states hold parameter-shaped trees (Adam's moments): each parameter is checked
     with its moments in one reduction with two outputs, not one reduction per array. The three
     arrays share a sharding, and on the CPU every reduction is a kernel to compile: for W1 this
-    cut the update's compilation by about a fifth.
+    cut the update's compilation by about a fifth. The reduction of a large array keeps its
+    leading axis and a second one reduces that: XLA:CPU runs a reduction to a vector on all
+    cores, a reduction to a scalar on one (the check of a 49,152 x 576 embedding with its
+    moments: about 40 against 85 ms).
     """
     p_leaves, p_def = jax.tree.flatten(params)
     slots: list[list[Any]] = [[] for _ in p_leaves]  # optimizer arrays shaped like parameter i
@@ -545,15 +548,21 @@ def _finite_flags(params: Any, opt_state: Any) -> tuple[jax.Array, jax.Array]:
             params_ok.append(_all_finite([p]))
             opt_ok.append(_all_finite(slot))
             continue
+        rows = a.size >= _ROWS_FIRST and a.ndim > 1
         both = jax.lax.reduce(
             (a, b),
             (np.bool_(True), np.bool_(True)),
             lambda x, y: (x[0] & y[0], x[1] & y[1]),
-            tuple(range(a.ndim)),
+            tuple(range(1 if rows else 0, a.ndim)),
         )
-        params_ok.append(both[0])
-        opt_ok.append(both[1])
+        params_ok.append(jnp.all(both[0]))
+        opt_ok.append(jnp.all(both[1]))
     return jnp.all(jnp.stack(params_ok)), jnp.all(jnp.stack(opt_ok))
+
+
+# Arrays of at least this many elements are checked rows first (see `_finite_flags`); smaller
+# ones in one reduction, as each extra reduction is one more operation to compile.
+_ROWS_FIRST = 1 << 22
 
 
 def _finite_mask(arrays: list[Any]) -> jax.Array | None:
@@ -563,9 +572,13 @@ def _finite_mask(arrays: list[Any]) -> jax.Array | None:
 
 
 def _all_finite(state: Any) -> jax.Array:
-    """Whether every inexact leaf of ``state`` is finite (a bool scalar)."""
+    """Whether every inexact leaf of ``state`` is finite (a bool scalar; rows first, see above)."""
     checks = [
-        jnp.all(jnp.isfinite(x))
+        jnp.all(
+            jnp.all(jnp.isfinite(x), axis=tuple(range(1, jnp.ndim(x))))
+            if jnp.size(x) >= _ROWS_FIRST and jnp.ndim(x) > 1
+            else jnp.isfinite(x)
+        )
         for x in jax.tree.leaves(state)
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
     ]

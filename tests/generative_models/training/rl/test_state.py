@@ -179,10 +179,19 @@ def test_train_state_is_a_pytree_of_arrays_and_bad_arguments_are_named():
         make_grpo_train_step(policy, optimizer.tx, {"beta": 0.0})
 
 
+@pytest.mark.parametrize("rows_first", [False, True])
 @pytest.mark.parametrize("where", ["none", "param", "mu", "nu", "scalar"])
-def test_finite_flags_match_a_numpy_reference(where):
-    """Each parameter is checked with its Adam moments in one two-output reduction."""
+def test_finite_flags_match_a_numpy_reference(where, rows_first, monkeypatch):
+    """Each parameter is checked with its Adam moments in one two-output reduction.
+
+    ``rows_first``: every array with two or more axes is reduced to its rows first, as large
+    arrays are (the threshold lowered to 1 element).
+    """
+    from artifex.generative_models.training.rl import state as state_module
     from artifex.generative_models.training.rl.state import _finite_flags
+
+    if rows_first:
+        monkeypatch.setattr(state_module, "_ROWS_FIRST", 1)
 
     rng = np.random.default_rng(0)
     params = {
@@ -218,6 +227,21 @@ def test_finite_flags_match_a_numpy_reference(where):
         "none": (True, True), "param": (False, True), "mu": (True, False),
         "nu": (True, False), "scalar": (False, True),
     }[where]  # fmt: skip
+
+
+@pytest.mark.parametrize("threshold", [1, 1 << 22])
+def test_all_finite_checks_every_leaf_rows_first_or_whole(threshold, monkeypatch):
+    from artifex.generative_models.training.rl import state as state_module
+
+    monkeypatch.setattr(state_module, "_ROWS_FIRST", threshold)
+    tree = {"m": jnp.ones((3, 4, 2)), "v": jnp.ones((5,)), "s": jnp.float32(1.0), "n": jnp.int32(7)}
+    check = jax.jit(state_module._all_finite)
+    assert bool(check(tree))
+    for name, index in (("m", (2, 3, 1)), ("m", (0, 0, 0)), ("v", (4,)), ("s", ())):
+        for bad in (jnp.nan, jnp.inf, -jnp.inf):
+            broken = dict(tree, **{name: tree[name].at[index].set(bad)})
+            assert not bool(check(broken)), (name, index, bad)
+    assert bool(check({"n": jnp.int32(7)}))  # no inexact leaf: nothing to check
 
 
 def test_finite_flags_with_a_single_array_and_an_optimizer_without_moments():
