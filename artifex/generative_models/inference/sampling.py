@@ -265,7 +265,8 @@ def _generate(
 ) -> SamplerOutput:
     model = nnx.merge(graphdef, state)
     # Scanned layers: stack the layer weights once, outside the decode loop (no copy when the
-    # model stores them stacked). Unrolled layers stored stacked: slice them once, likewise.
+    # model stores them stacked). Unrolled layers stored stacked: slice them once, likewise
+    # (`generate` slices them before this program, see `per_layer_split`).
     stack = model.layer_stack() if getattr(model, "scan_layers", False) else None
     if stack is None and getattr(model, "layers_stacked", False):
         model.unstack_layers()
@@ -365,6 +366,75 @@ def _local_rows(x: Any) -> np.ndarray:
         start = (shard.index[0].start or 0) if shard.index else 0
         parts.setdefault(start, np.asarray(shard.data))
     return np.concatenate([parts[k] for k in sorted(parts)], axis=0)
+
+
+def per_layer_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+    """``nnx.split(model)``, with decoder layers stored stacked sliced one module per layer.
+
+    For the unrolled samplers (:func:`generate`, the multi-turn rollout): a model whose layers
+    are stored stacked (``CausalLM.stack_layers()``) and not scanned runs its layers one by
+    one, so the sampler needs them sliced. They are sliced here, one layer per call of one small
+    compiled program (a dynamic index into each stack), and the sampler then compiles the same
+    program as for per-layer storage. Slicing inside the sampler's program made it compile
+    1.6-1.8 s longer for SmolLM2-135M, and slicing all layers in one program of its own took
+    about 1.4 s to compile (``docs/benchmarks.md``). The model itself is left as it is; the
+    slices are copies, made once per call.
+
+    Args:
+        model: The model to sample from.
+
+    Returns:
+        ``(graphdef, state)`` to merge inside the sampler's program.
+    """
+    graphdef, state = nnx.split(model)
+    if not getattr(model, "layers_stacked", False) or getattr(model, "scan_layers", False):
+        return graphdef, state
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    key = (graphdef, tuple((x.shape, x.dtype) for _, x in leaves))
+    plan = _PER_LAYER_PLANS.get(key)
+    if plan is None:
+        plan = _per_layer_plan(graphdef, state, [path for path, _ in leaves])
+        if len(_PER_LAYER_PLANS) >= 16:  # a few model shapes per process at most
+            _PER_LAYER_PLANS.clear()
+        _PER_LAYER_PLANS[key] = plan
+    per_layer_graphdef, treedef, sources, stacked_at, num_layers = plan
+    stacks = tuple(leaves[j][1] for j in stacked_at)
+    layers = [_layer_slice(stacks, np.int32(i)) for i in range(num_layers)]
+    out = [leaves[j][1] if layer is None else layers[layer][j] for layer, j in sources]
+    return per_layer_graphdef, jax.tree_util.tree_unflatten(treedef, out)
+
+
+# (graphdef, leaf shapes) -> (per-layer graphdef, its state's treedef, where each of its leaves
+# comes from: (None, leaf index) or (layer, stack index), the stacked leaves, number of layers)
+_PER_LAYER_PLANS: dict[Any, tuple[Any, ...]] = {}
+
+
+def _per_layer_plan(graphdef: nnx.GraphDef, state: nnx.State, paths: list[Any]) -> tuple:
+    """How the per-layer state is assembled from the stacked one (shapes only, traced once)."""
+    abstract = nnx.eval_shape(lambda s: nnx.merge(graphdef, s).unstack_layers(), state)
+    per_layer_graphdef, abstract_state = nnx.split(abstract)
+    out, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+    index = {path: j for j, path in enumerate(paths)}
+    stacked_at: list[int] = []  # leaf indices of the stacked layer weights, in order of use
+    sources = []
+    layer_key = jax.tree_util.DictKey("layers")
+    num_layers = 0
+    for path, _ in out:
+        index_key = path[1] if len(path) > 2 and path[0] == layer_key else None
+        if isinstance(index_key, jax.tree_util.DictKey) and isinstance(index_key.key, int):
+            source = index[(path[0], *path[2:])]  # the stacked weight this slice comes from
+            if source not in stacked_at:
+                stacked_at.append(source)
+            sources.append((index_key.key, stacked_at.index(source)))
+            num_layers = max(num_layers, index_key.key + 1)
+        else:
+            sources.append((None, index[path]))
+    return per_layer_graphdef, treedef, tuple(sources), tuple(stacked_at), num_layers
+
+
+@jit
+def _layer_slice(stacks: tuple[jax.Array, ...], layer: jax.Array) -> tuple[jax.Array, ...]:
+    return tuple(jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in stacks)
 
 
 def generate(
@@ -494,7 +564,7 @@ def generate(
         extra = width - ids.shape[1]
         dev_ids = jnp.pad(dev_ids, ((0, 0), (extra, 0)), constant_values=pad_id)
         dev_mask = jnp.pad(dev_mask, ((0, 0), (extra, 0)))
-    graphdef, state = nnx.split(model)
+    graphdef, state = per_layer_split(model)
     greedy = temperature == 0
     return _generate(
         graphdef,

@@ -320,3 +320,41 @@ def test_an_optimizer_built_before_stacking_is_refused():
     with pytest.raises(ValueError, match=r"optimizer was built before model.stack_layers\(\)"):
         GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2, beta=0.0))
     GRPOTrainer(model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param), GRPOConfig())
+
+
+def test_the_sampler_compiles_one_program_for_either_storage():
+    """Unrolled and stored stacked, the layers are sliced before the sampler's program."""
+    from artifex.generative_models.inference import sampling
+
+    ids, mask = _ids(t=5)
+    per_layer, stacked = _pair("llama", seed=1)
+    kw = dict(key=jax.random.key(4), num_generations=2, max_new_tokens=5, eos_ids=())
+    first = generate(per_layer, ids, mask, **kw)
+    programs = sampling._generate._cache_size()
+    second = generate(stacked, ids, mask, **kw)
+    assert sampling._generate._cache_size() == programs  # the per-layer program, reused
+    np.testing.assert_array_equal(first.completion_ids, second.completion_ids)
+    np.testing.assert_allclose(first.log_probs, second.log_probs, rtol=1e-6, atol=1e-6)
+    assert stacked.layers_stacked  # the model keeps its storage
+    stacked.scan_layers = True  # scanned: the sampler reads the stack itself, a program of its own
+    generate(stacked, ids, mask, **kw)
+    assert sampling._generate._cache_size() == programs + 1
+
+
+def test_multi_turn_rollout_on_stacked_layers_equals_per_layer():
+    from artifex.generative_models.inference.multiturn import append_tokens, decode_turn
+
+    outs = []
+    for model in _pair("llama", seed=2):
+        cache = model.init_cache(2, 40)
+        cache, logits = append_tokens(model, cache, [[5, 6, 7], [8, 9]], buckets=(8,))
+        out = decode_turn(
+            model, cache, logits, np.array([True, True]), key=jax.random.key(5),
+            max_new_tokens=4, eos_ids=(),
+        )  # fmt: skip
+        cache, logits = append_tokens(model, out.cache, [[3], [4, 4]], out.logits, buckets=(8,))
+        outs.append((np.asarray(out.tokens), np.asarray(out.log_probs), np.asarray(logits)))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outs[0][2], outs[1][2], rtol=1e-5, atol=1e-5)
+    assert model.layers_stacked
