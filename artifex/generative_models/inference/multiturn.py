@@ -32,8 +32,8 @@ import numpy as np
 from flax import nnx
 
 from artifex.generative_models.inference.sampling import (
+    _per_layer_split,
     bucket_length,
-    per_layer_split,
     sample_logits,
 )
 from artifex.generative_models.models.causal_lm.cache import KVCache
@@ -164,7 +164,7 @@ def append_tokens(
         if len(seq):
             ids[r, width - len(seq) :] = np.asarray(seq, np.int32)
             mask[r, width - len(seq) :] = 1
-    graphdef, state = per_layer_split(model)
+    graphdef, state = _per_layer_split(model)
     return _append(graphdef, state, cache, jnp.asarray(ids), jnp.asarray(mask), logits)
 
 
@@ -354,7 +354,7 @@ def decode_turn(
         raise ValueError(msg)
     check_float("decode_turn: temperature", temperature, minimum=0.0)
     greedy = temperature == 0
-    graphdef, state = per_layer_split(model)
+    graphdef, state = _per_layer_split(model)
     return _decode(
         graphdef,
         state,

@@ -266,7 +266,7 @@ def _generate(
     model = nnx.merge(graphdef, state)
     # Scanned layers: stack the layer weights once, outside the decode loop (no copy when the
     # model stores them stacked). Unrolled layers stored stacked: slice them once, likewise
-    # (`generate` slices them before this program, see `per_layer_split`).
+    # (`generate` slices them before this program, see `_per_layer_split`).
     stack = model.layer_stack() if getattr(model, "scan_layers", False) else None
     if stack is None and getattr(model, "layers_stacked", False):
         model.unstack_layers()
@@ -368,7 +368,7 @@ def _local_rows(x: Any) -> np.ndarray:
     return np.concatenate([parts[k] for k in sorted(parts)], axis=0)
 
 
-def per_layer_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+def _per_layer_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     """``nnx.split(model)``, with decoder layers stored stacked sliced one module per layer.
 
     For the unrolled samplers (:func:`generate`, the multi-turn rollout): a model whose layers
@@ -564,7 +564,7 @@ def generate(
         extra = width - ids.shape[1]
         dev_ids = jnp.pad(dev_ids, ((0, 0), (extra, 0)), constant_values=pad_id)
         dev_mask = jnp.pad(dev_mask, ((0, 0), (extra, 0)))
-    graphdef, state = per_layer_split(model)
+    graphdef, state = _per_layer_split(model)
     greedy = temperature == 0
     return _generate(
         graphdef,
