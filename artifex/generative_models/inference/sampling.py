@@ -390,7 +390,7 @@ def _per_layer_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     if not getattr(model, "layers_stacked", False) or getattr(model, "scan_layers", False):
         return graphdef, state
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    key = (graphdef, tuple((x.shape, x.dtype) for _, x in leaves))
+    key = (graphdef, tuple((np.shape(x), jnp.result_type(x)) for _, x in leaves))
     plan = _PER_LAYER_PLANS.get(key)
     if plan is None:
         plan = _per_layer_plan(graphdef, state, [path for path, _ in leaves])
@@ -400,8 +400,37 @@ def _per_layer_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     per_layer_graphdef, treedef, sources, stacked_at, num_layers = plan
     stacks = tuple(leaves[j][1] for j in stacked_at)
     layers = [_layer_slice(stacks, np.int32(i)) for i in range(num_layers)]
+    layers = [tuple(map(_sharded_like_stack, stacks, layer)) for layer in layers]
     out = [leaves[j][1] if layer is None else layers[layer][j] for layer, j in sources]
     return per_layer_graphdef, jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _per_layer_model(model: nnx.Module) -> nnx.Module:
+    """``model``, or for stacked, unrolled layers the same model with one module per layer.
+
+    The layers are sliced once (:func:`_per_layer_split`); the other arrays are shared, not
+    copied. For callers that run the samplers several times on unchanged weights (the
+    multi-turn rollout calls them twice per turn), so that each call does not slice again.
+    """
+    if not getattr(model, "layers_stacked", False) or getattr(model, "scan_layers", False):
+        return model
+    return nnx.merge(*_per_layer_split(model))
+
+
+def _sharded_like_stack(stack: jax.Array, piece: jax.Array) -> jax.Array:
+    """``piece``, one layer of ``stack``, with the stack's partition spec less its layer axis.
+
+    The slicing program hands back an equivalent sharding under another spec (``P()`` for a
+    replicated vector, where a per-layer model's weight has ``P(None,)``); relabelled, the slices
+    match a per-layer model's weights and the sampler reuses its program. Where the spec is
+    only relabelled, ``device_put`` moves no data.
+    """
+    sharding = getattr(stack, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return piece
+    spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:])
+    want = jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+    return piece if piece.sharding == want else jax.device_put(piece, want)
 
 
 # (graphdef, leaf shapes) -> (per-layer graphdef, its state's treedef, where each of its leaves

@@ -39,7 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from artifex.generative_models.inference.multiturn import append_tokens, decode_turn
-from artifex.generative_models.inference.sampling import DEFAULT_PROMPT_BUCKETS, bucket_length
+from artifex.generative_models.inference.sampling import (
+    DEFAULT_PROMPT_BUCKETS,
+    _per_layer_model,
+    bucket_length,
+)
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollout import (
@@ -520,6 +524,8 @@ def run_episodes(
 
     rows_n = len(envs)
     slots = width + 2 * config.max_completion_tokens + config.max_new_tokens
+    # Layers stored stacked are sliced once for the whole rollout, not at every call below.
+    model = _per_layer_model(model)
     cache = model.init_cache(len(rows), slots)
     # The prompts are prefilled at their bucketed width (one compiled program per bucket).
     cache, logits = append_tokens(

@@ -341,6 +341,38 @@ def test_the_sampler_compiles_one_program_for_either_storage():
     assert sampling._generate._cache_size() == programs + 1
 
 
+def test_the_sampler_compiles_one_program_for_either_storage_on_a_mesh():
+    """Sharded, the slices carry the stack's partition spec less its layer axis: the per-layer
+    model's shardings, so the sampler's program is the per-layer one here too."""
+    from artifex.generative_models.inference import sampling
+    from artifex.generative_models.training.sharding import shard_model
+
+    mesh = make_mesh(data=1, fsdp=2, tensor=2, devices=jax.devices()[:4])
+    per_layer, stacked = (shard_model(m, mesh) for m in _pair("llama", seed=3))
+    ids, mask = _ids(t=5)
+    kw = dict(key=jax.random.key(6), num_generations=2, max_new_tokens=4, eos_ids=())
+    first = generate(per_layer, ids, mask, **kw)
+    programs = sampling._generate._cache_size()
+    _, sliced = sampling._per_layer_split(stacked)
+    _, reference = nnx.split(per_layer)
+    assert [x.sharding for x in jax.tree.leaves(sliced)] == [
+        x.sharding for x in jax.tree.leaves(reference)
+    ]
+    second = generate(stacked, ids, mask, **kw)
+    assert sampling._generate._cache_size() == programs
+    np.testing.assert_array_equal(first.completion_ids, second.completion_ids)
+
+
+def test_the_sampler_slices_a_stacked_model_holding_a_python_number():
+    ids, mask = _ids(t=5)
+    outs = []
+    for model in _pair("llama", seed=4):
+        model.sampling_hint = nnx.Variable(0.5)  # kept as a plain float by nnx.split
+        kw = dict(key=jax.random.key(7), max_new_tokens=3, eos_ids=())
+        outs.append(np.asarray(generate(model, ids, mask, **kw).completion_ids))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_multi_turn_rollout_on_stacked_layers_equals_per_layer():
     from artifex.generative_models.inference.multiturn import append_tokens, decode_turn
 

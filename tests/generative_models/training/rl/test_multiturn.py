@@ -388,3 +388,33 @@ def test_episodes_compile_once_per_shape() -> None:
         run(rows, seed, turns)
     assert kv._decode._cache_size() == decode
     assert kv._append._cache_size() == append
+
+
+def test_stacked_layers_are_sliced_once_per_rollout(monkeypatch) -> None:
+    """A model with stacked, unrolled layers runs the episodes of its per-layer twin, and its
+    layers are sliced once for the rollout, not at each of the sampler's calls per turn."""
+    from artifex.generative_models.inference import sampling
+
+    tok = tool_demo_tokenizer()
+    cfg = MultiTurnConfig(max_turns=3, max_new_tokens=5, max_completion_tokens=64)
+    slices = []
+    layer_slice = sampling._layer_slice
+
+    def counting(stacks, layer):
+        slices.append(int(layer))
+        return layer_slice(stacks, layer)
+
+    monkeypatch.setattr(sampling, "_layer_slice", counting)
+    episodes = []
+    for stacked in (False, True):
+        model = _model(tok, seed=3)
+        if stacked:
+            model.stack_layers()
+        key = jax.random.key(2)
+        episodes.append(run_episodes(model, tok, ROWS, lambda: ScriptedModelEnv(2), cfg, key=key))
+        assert model.layers_stacked == stacked  # the caller's model keeps its storage
+    assert slices == [0, 1]  # two layers, sliced once, for the stacked run only
+    assert max(episodes[1].turns) == 2  # several sampler calls did run
+    np.testing.assert_array_equal(episodes[0].completion_ids, episodes[1].completion_ids)
+    np.testing.assert_array_equal(episodes[0].completion_mask, episodes[1].completion_mask)
+    np.testing.assert_allclose(episodes[0].log_probs, episodes[1].log_probs, atol=1e-5)
