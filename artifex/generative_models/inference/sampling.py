@@ -387,7 +387,7 @@ def _per_layer_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
         ``(graphdef, state)`` to merge inside the sampler's program.
     """
     graphdef, state = nnx.split(model)
-    if not getattr(model, "layers_stacked", False) or getattr(model, "scan_layers", False):
+    if not _runs_stacked_layers_unrolled(model):
         return graphdef, state
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     key = (graphdef, tuple((np.shape(x), jnp.result_type(x)) for _, x in leaves))
@@ -412,9 +412,13 @@ def _per_layer_model(model: nnx.Module) -> nnx.Module:
     copied. For callers that run the samplers several times on unchanged weights (the
     multi-turn rollout calls them twice per turn), so that each call does not slice again.
     """
-    if not getattr(model, "layers_stacked", False) or getattr(model, "scan_layers", False):
-        return model
-    return nnx.merge(*_per_layer_split(model))
+    return nnx.merge(*_per_layer_split(model)) if _runs_stacked_layers_unrolled(model) else model
+
+
+def _runs_stacked_layers_unrolled(model: nnx.Module) -> bool:
+    """Layers stored stacked (``CausalLM.stack_layers()``) and run one by one (not scanned)."""
+    stacked = bool(getattr(model, "layers_stacked", False))
+    return stacked and not getattr(model, "scan_layers", False)
 
 
 def _sharded_like_stack(stack: jax.Array, piece: jax.Array) -> jax.Array:
