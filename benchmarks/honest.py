@@ -190,8 +190,12 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
         for r in runs["runs"]:
             if r.get("system") == "ours" and r.get("train_flops") and "training_s" in r:
                 achieved = r["train_flops"] / r["training_s"]["median"]
-                host = r["seconds"]["median"] - r["generation_s"]["median"]
-                host -= r["training_s"]["median"]
+                # Each window's whole step is its generation + host + training parts; the median
+                # of its host parts, not a difference of three medians (which can be negative).
+                host = (r.get("host_s") or {}).get("median")
+                if host is None:
+                    host = r["seconds"]["median"] - r["generation_s"]["median"]
+                    host -= r["training_s"]["median"]
                 lines.append("")
                 share = f"{100 * achieved / (peak['gflops'] * 1e9):.0f}% of the matmul peak"
                 if peak_after is not None:
