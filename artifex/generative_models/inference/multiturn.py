@@ -201,10 +201,9 @@ def _decode(
 ) -> TurnOutput:
     model = nnx.merge(graphdef, state)
     # Scanned layers: stack the layer weights once, outside the decode loop (no copy when the
-    # model stores them stacked). Unrolled layers stored stacked: slice them once, likewise.
+    # model stores them stacked). Unrolled layers stored stacked arrive sliced per layer
+    # (`append_tokens` and `decode_turn` slice them before this program, `_per_layer_split`).
     stack = model.layer_stack() if getattr(model, "scan_layers", False) else None
-    if stack is None and getattr(model, "layers_stacked", False):
-        model.unstack_layers()
     layers = {} if stack is None else {"layer_stack": stack}
     rows, n = active.shape[0], max_new_tokens
     width = max((len(s) for s in stop_sequences), default=1)

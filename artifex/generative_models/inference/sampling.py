@@ -265,11 +265,9 @@ def _generate(
 ) -> SamplerOutput:
     model = nnx.merge(graphdef, state)
     # Scanned layers: stack the layer weights once, outside the decode loop (no copy when the
-    # model stores them stacked). Unrolled layers stored stacked: slice them once, likewise
+    # model stores them stacked). Unrolled layers stored stacked arrive sliced per layer
     # (`generate` slices them before this program, see `_per_layer_split`).
     stack = model.layer_stack() if getattr(model, "scan_layers", False) else None
-    if stack is None and getattr(model, "layers_stacked", False):
-        model.unstack_layers()
     layers = {} if stack is None else {"layer_stack": stack}
     k, n = num_generations, max_new_tokens
     b, p = prompt_ids.shape
@@ -437,8 +435,9 @@ def _sharded_like_stack(stack: jax.Array, piece: jax.Array) -> jax.Array:
     return piece if piece.sharding == want else jax.device_put(piece, want)
 
 
-# (graphdef, leaf shapes) -> (per-layer graphdef, its state's treedef, where each of its leaves
-# comes from: (None, leaf index) or (layer, stack index), the stacked leaves, number of layers)
+# (graphdef, leaf shapes and dtypes) -> (per-layer graphdef, its state's treedef, where each of
+# its leaves comes from: (None, leaf index) or (layer, stack index), the stacked leaves, number
+# of layers)
 _PER_LAYER_PLANS: dict[Any, tuple[Any, ...]] = {}
 
 
