@@ -732,17 +732,24 @@ def enable_compilation_cache(path: str | None) -> str | None:
     again. Every program is cached, however short its compilation.
 
     Args:
-        path: Cache directory (``~`` expanded, created by JAX); None, "" or "none" leaves the
-            cache off.
+        path: Cache directory (``~`` expanded, created by JAX). ``"none"`` turns the cache off
+            for this process, even where ``JAX_COMPILATION_CACHE_DIR`` would turn it on (JAX
+            decides at the process's first compilation, so call this before it). None or ""
+            changes nothing.
 
     Returns:
-        The directory used, or None when the cache stays off.
+        The directory used, or None when no cache is turned on here.
     """
-    if not path or path.lower() == "none":
+    if not path:
         return None
     import jax
 
+    if path.lower() == "none":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+
     directory = os.path.abspath(os.path.expanduser(path))
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

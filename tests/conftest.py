@@ -3,17 +3,50 @@
 JAX runs on the CPU in tests. 8 simulated host devices are requested before JAX is imported so
 that the sharding tests can build meshes; single-device code is unaffected (arrays default to
 device 0).
+
+One JAX persistent compilation cache serves the whole run: a fresh temporary directory made by
+the first pytest process, shared with its xdist workers and with the subprocesses tests start
+(``JAX_COMPILATION_CACHE_DIR``, and ``ARTIFEX_COMPILATION_CACHE`` for the CLI's default), and
+removed at the end. Many tests build the same trainer again (a resumed run, a second launch), so
+a program is compiled once per run instead of once per test, and nothing is read from or written
+to the user's own cache (``~/.cache/artifex/jax``). A cache hit runs the very program a compile
+would build; the compile counters in the tests see it as a compilation all the same (JAX's
+backend-compile event wraps the cache lookup). ``ARTIFEX_TEST_COMPILATION_CACHE=none`` turns it
+off; ``ARTIFEX_TEST_COMPILATION_CACHE=DIR`` uses (and keeps) ``DIR``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
+_CACHE_ENV = "ARTIFEX_TEST_COMPILATION_CACHE"
+_owned_cache: str | None = None  # made by this process: removed when the run ends
+if _CACHE_ENV not in os.environ:  # the first pytest process; xdist workers inherit the variable
+    _owned_cache = tempfile.mkdtemp(prefix="artifex-test-jax-cache-")
+    os.environ[_CACHE_ENV] = _owned_cache
+_cache = os.environ[_CACHE_ENV]
+if _cache != "none":
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    os.environ["ARTIFEX_COMPILATION_CACHE"] = _cache
+
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+if _cache != "none":  # in case JAX was imported before this file, by a plugin
+    jax.config.update("jax_compilation_cache_dir", _cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if _owned_cache is not None:
+        shutil.rmtree(_owned_cache, ignore_errors=True)

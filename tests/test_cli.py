@@ -171,10 +171,9 @@ def test_compilation_cache_flag_writes_and_reuses_compiled_programs(tmp_path):
         os.environ.get("ARTIFEX_COMPILATION_CACHE"),
     )
     assert parser.parse_args(["demo", "--compilation-cache", "none"]).compilation_cache == "none"
-    assert enable_compilation_cache("none") is None
-    assert enable_compilation_cache(None) is None
 
     names = (
+        "jax_enable_compilation_cache",
         "jax_compilation_cache_dir",
         "jax_persistent_cache_min_compile_time_secs",
         "jax_persistent_cache_min_entry_size_bytes",
@@ -185,12 +184,20 @@ def test_compilation_cache_flag_writes_and_reuses_compiled_programs(tmp_path):
     cache = tmp_path / "cache"
     cc.reset_cache()
     try:
+        assert enable_compilation_cache(None) is None
         assert enable_compilation_cache(str(cache)) == str(cache)
         assert jax.config.jax_compilation_cache_dir == str(cache)
         x = jnp.arange(7.0)
         jax.jit(lambda v: jnp.sin(v) * 3.0 + v.sum()).lower(x).compile()
-        entries = list(cache.iterdir())
+        entries = sorted(cache.iterdir())
         assert entries, "no compiled program was written to the cache"
+        # "none" turns the cache off even with a directory configured (as
+        # JAX_COMPILATION_CACHE_DIR would), for a process that has not compiled yet.
+        cc.reset_cache()
+        assert enable_compilation_cache("none") is None
+        assert jax.config.jax_compilation_cache_dir == str(cache)
+        jax.jit(lambda v: jnp.cos(v) * 5.0 - v.max()).lower(x).compile()
+        assert sorted(cache.iterdir()) == entries, "'none' still wrote to the cache"
     finally:
         for n, v in before.items():
             jax.config.update(n, v)

@@ -69,7 +69,7 @@ def test_train_command_runs_and_resumes_across_two_processes(tmp_path):
     common = ["--model", model_dir, "--data", str(data), "--checkpoint-dir", str(ckpt)]
     common += ["--checkpoint-every", "1", "--reward", "math", "--prompts-per-step", "4"]
     common += ["--num-generations", "4", "--max-new-tokens", "4", "--progress", "false"]
-    common += ["--learning-rate", "1e-3", "--mesh-fsdp", "2", "--compilation-cache", "none"]
+    common += ["--learning-rate", "1e-3", "--mesh-fsdp", "2"]
     out = tmp_path / "run" / "model"
     _launch(tmp_path, "run", [*common, "--num-steps", "2", "--output", str(out)])
     # One metrics log, written by process 0 only: each step once (no duplicate lines).
