@@ -32,11 +32,13 @@ if _CACHE_ENV not in os.environ:  # the first pytest process; xdist workers inhe
     _owned_cache = tempfile.mkdtemp(prefix="artifex-test-jax-cache-")
     os.environ[_CACHE_ENV] = _owned_cache
 _cache = os.environ[_CACHE_ENV]
-if _cache != "none":
+os.environ["ARTIFEX_COMPILATION_CACHE"] = _cache  # the CLI's default ("none": off)
+if _cache == "none":
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+else:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    os.environ["ARTIFEX_COMPILATION_CACHE"] = _cache
 
 import jax  # noqa: E402
 
