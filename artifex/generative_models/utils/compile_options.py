@@ -4,10 +4,13 @@ On the CPU, XLA hands each fused kernel to LLVM at its highest optimization leve
 code generation is most of the time of a first training step. Level 1
 (``xla_backend_optimization_level``) compiles the W1 update about 15-25% faster and ran no slower
 in the benchmarks (`docs/benchmarks.md`): the kernels that matter are matmuls and convolutions,
-which XLA:CPU calls from its libraries rather than generating. Level 0 is much slower at run time,
-so it is not used. Other backends keep XLA's defaults.
+which XLA:CPU calls from its libraries rather than generating. Level 0 compiles faster still but
+runs the generated kernels more slowly, so it is not the default; for programs that run a few
+times on tiny arrays (the test suite compiles at level 0) compile time is all there is.
+Other backends keep XLA's defaults.
 
-Set ``ARTIFEX_CPU_FAST_COMPILE=0`` to compile at XLA's default level everywhere.
+Set ``ARTIFEX_CPU_OPT_LEVEL`` (0-3) to choose the level on the CPU, or
+``ARTIFEX_CPU_FAST_COMPILE=0`` to compile at XLA's default level everywhere.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -26,10 +29,21 @@ from typing import Any
 
 import jax
 
-__all__ = ["CPU_COMPILER_OPTIONS", "ENV_VAR", "compiler_options", "jit"]
+__all__ = ["CPU_COMPILER_OPTIONS", "ENV_VAR", "LEVEL_ENV_VAR", "compiler_options", "jit"]
 
 ENV_VAR = "ARTIFEX_CPU_FAST_COMPILE"
+LEVEL_ENV_VAR = "ARTIFEX_CPU_OPT_LEVEL"
 CPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 1}
+
+
+def _cpu_level() -> int:
+    raw = os.environ.get(LEVEL_ENV_VAR, "").strip()
+    if not raw:
+        return CPU_COMPILER_OPTIONS["xla_backend_optimization_level"]
+    if raw not in ("0", "1", "2", "3"):
+        msg = f"{LEVEL_ENV_VAR}: expected an LLVM optimization level 0, 1, 2 or 3, got {raw!r}"
+        raise ValueError(msg)
+    return int(raw)
 
 
 def compiler_options() -> dict[str, Any] | None:
@@ -37,7 +51,11 @@ def compiler_options() -> dict[str, Any] | None:
 
     Returns:
         A copy of :data:`CPU_COMPILER_OPTIONS` when the default backend is the CPU and
-        ``ARTIFEX_CPU_FAST_COMPILE`` is not ``0``/``false``/``no``/``off``; otherwise None.
+        ``ARTIFEX_CPU_FAST_COMPILE`` is not ``0``/``false``/``no``/``off``, with the level
+        ``ARTIFEX_CPU_OPT_LEVEL`` names if it is set; otherwise None.
+
+    Raises:
+        ValueError: If ``ARTIFEX_CPU_OPT_LEVEL`` is set to anything but 0, 1, 2 or 3.
 
     Example:
         >>> import jax
@@ -50,7 +68,7 @@ def compiler_options() -> dict[str, Any] | None:
         return None
     if jax.default_backend() != "cpu":
         return None
-    return dict(CPU_COMPILER_OPTIONS)
+    return {**CPU_COMPILER_OPTIONS, "xla_backend_optimization_level": _cpu_level()}
 
 
 class _LazyJit:
