@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 
@@ -13,6 +14,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def xla_flags(device_count: int) -> str:
+    """``XLA_FLAGS`` for a subprocess with ``device_count`` CPU devices, compiling at this test
+    run's optimization level (``tests/conftest.py``), so that its programs match this process's
+    to the last bit."""
+    keep = [f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization_level" in f]
+    return " ".join([f"--xla_force_host_platform_device_count={device_count}", *keep])
 
 
 def wait_for(procs: list[subprocess.Popen], name: str, timeout_s: float) -> list[int]:

@@ -17,7 +17,7 @@ import pytest
 
 from artifex.demo import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.models.causal_lm import CausalLM
-from tests.processes import free_port, wait_for
+from tests.processes import free_port, wait_for, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 600  # a hang fails the test instead of stalling CI
@@ -29,7 +29,7 @@ def _launch(tmp_path, name: str, args: list[str]) -> None:
     """Runs ``artifex-grpo train ARGS`` as processes 0 and 1; fails the test on a non-zero exit."""
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=xla_flags(2),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
     )

@@ -5,8 +5,8 @@ code generation is most of the time of a first training step. Level 1
 (``xla_backend_optimization_level``) compiles the W1 update about 15-25% faster and ran no slower
 in the benchmarks (`docs/benchmarks.md`): the kernels that matter are matmuls and convolutions,
 which XLA:CPU calls from its libraries rather than generating. Level 0 compiles faster still but
-runs the generated kernels more slowly, so it is not the default; for programs that run a few
-times on tiny arrays (the test suite compiles at level 0) compile time is all there is.
+runs the generated kernels more slowly, so it is not the default; it suits programs that run a few
+times on small arrays, such as the project's tests, which compile at level 0.
 Other backends keep XLA's defaults.
 
 Set ``ARTIFEX_CPU_OPT_LEVEL`` (0-3) to choose the level on the CPU, or
@@ -60,7 +60,7 @@ def compiler_options() -> dict[str, Any] | None:
     Example:
         >>> import jax
         >>> options = compiler_options()
-        >>> options is None or options == {"xla_backend_optimization_level": 1}
+        >>> options is None or set(options) == {"xla_backend_optimization_level"}
         True
         >>> f = jax.jit(lambda x: x + 1, compiler_options=options)
     """

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from tests.generative_models.training import multihost_worker as worker
-from tests.processes import free_port, wait_for
+from tests.processes import free_port, wait_for, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TIMEOUT_S = 600  # per launch; a hang fails the test instead of stalling CI
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 def _start(mode: str, out: str, cache: str) -> list[subprocess.Popen]:
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=xla_flags(2),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
         JAX_COMPILATION_CACHE_DIR=cache,
