@@ -113,22 +113,27 @@ def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_b
 
     counter.count, counter.active = 0, True
     try:
-        # Same prompt width: other prompts, other sampled tokens, other rewards compile nothing.
-        for _ in range(2):
-            ids, mask = _prompts(rng, num_prompts, p, p // 2, cfg.vocab_size)
-            _step(trainer, ids, mask, next(keys), k, n)
-        assert counter.count == 0, f"{counter.count} compilations in steps of a compiled shape"
+        # Same prompt width: other prompts, other sampled tokens, other rewards, and the state
+        # the first update returned (a changed type or placement would compile again here)
+        # compile nothing.
+        ids, mask = _prompts(rng, num_prompts, p, p // 2, cfg.vocab_size)
+        _step(trainer, ids, mask, next(keys), k, n)
+        assert counter.count == 0, f"{counter.count} compilations in a step of a compiled shape"
 
         # Other widths in the same bucket: the sampler and the update are not compiled again;
         # only the left-padding to the bucket (two small device ops in ``generate``) compiles,
         # once per new width.
         for width in same_bucket:
-            for _ in range(2):
-                ids, mask = _prompts(rng, num_prompts, width, min(width, p) // 2, cfg.vocab_size)
-                _step(trainer, ids, mask, next(keys), k, n)
+            ids, mask = _prompts(rng, num_prompts, width, min(width, p) // 2, cfg.vocab_size)
+            _step(trainer, ids, mask, next(keys), k, n)
         assert sampling._generate._cache_size() == gen_before + 1
         assert trainer.compiled_step()._cache_size() == 1
         assert counter.count <= 2 * len(same_bucket), f"{counter.count} compilations"
+        # A width seen before compiles nothing, not even the padding.
+        seen = counter.count
+        ids, mask = _prompts(rng, num_prompts, same_bucket[0], same_bucket[0] // 2, cfg.vocab_size)
+        _step(trainer, ids, mask, next(keys), k, n)
+        assert counter.count == seen, f"{counter.count - seen} compilations at a width seen before"
 
         # The next bucket: the sampler and the update compile once more, and only once.
         for _ in range(2):
