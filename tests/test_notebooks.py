@@ -1,6 +1,7 @@
 """Notebooks are stored clean: valid, without outputs, with code that compiles.
 
-CI executes them once, in the docs build (mkdocs-jupyter, errors fail the build).
+CI executes them once, in the docs build (`docs/_hooks/notebooks.py` runs them two at a time
+for mkdocs-jupyter; a cell error fails the build).
 """
 
 from __future__ import annotations
