@@ -104,6 +104,8 @@ def _site(tmp_path: Path, notebooks: dict[str, tuple[str, ...]], execute: bool =
     docs = tmp_path / "docs"
     docs.mkdir(exist_ok=True)
     (docs / "index.md").write_text("# Home\n")
+    (docs / "_build").mkdir(exist_ok=True)
+    (docs / "_build" / "tool.py").write_text("x = 1\n")  # excluded, as docs/_hooks/ is
     for name, cells in notebooks.items():
         _notebook(docs / f"{name}.ipynb", *cells)
     config = {
@@ -122,6 +124,7 @@ def _site(tmp_path: Path, notebooks: dict[str, tuple[str, ...]], execute: bool =
             }
         ],
         "hooks": [str(HOOK)],
+        "exclude_docs": "/_build/\n",
     }
     (tmp_path / "mkdocs.yml").write_text(json.dumps(config))  # YAML reads JSON
     return tmp_path

@@ -33,6 +33,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import set_exclusions
 
 JOBS_ENV = "ARTIFEX_NOTEBOOK_JOBS"
 CACHE_DIR = Path(".cache") / "artifex-notebooks"
@@ -107,6 +108,9 @@ def on_files(files: Any, config: Any) -> Any:
     _sources.clear()
     if _plugin is None:
         return files
+    # mkdocs sets which files are excluded (exclude_docs) again after on_files; the files
+    # mkdocs-jupyter wrapped do not have it yet, and the function leaves set values alone.
+    set_exclusions(files, config)
     notebooks = [f for f in files if _executed_here(f)]
     if not notebooks:
         return files
