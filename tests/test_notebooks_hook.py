@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import nbformat
 import pytest
@@ -100,7 +101,9 @@ def test_the_hook_takes_execution_over_from_mkdocs_jupyter(hook):
 SIX_TIMES_SEVEN = "print('res' + 'ult-' + str(6 * 7))"  # "result-42" only in the output
 
 
-def _site(tmp_path: Path, notebooks: dict[str, tuple[str, ...]], execute: bool = True) -> Path:
+def _site(
+    tmp_path: Path, notebooks: dict[str, tuple[str, ...]], execute: bool = True, **jupyter: Any
+) -> Path:
     docs = tmp_path / "docs"
     docs.mkdir(exist_ok=True)
     (docs / "index.md").write_text("# Home\n")
@@ -120,6 +123,7 @@ def _site(tmp_path: Path, notebooks: dict[str, tuple[str, ...]], execute: bool =
                     "allow_errors": False,
                     "include_source": True,
                     "cache": False,  # mkdocs-jupyter's own cache sits in the working directory
+                    **jupyter,
                 }
             }
         ],
@@ -186,3 +190,19 @@ def test_a_site_without_execution_runs_nothing(tmp_path):
     assert _copies(site) == []
     page = (site / "site" / "nb" / "index.html").read_text()
     assert "print" in page and "result-42" not in page
+
+
+def test_execute_ignore_is_respected(tmp_path):
+    site = _site(tmp_path, {"nb": (SIX_TIMES_SEVEN,)}, execute_ignore=["*/nb.ipynb"])
+    _build(site)
+    assert _copies(site) == []
+    assert "result-42" not in (site / "site" / "nb" / "index.html").read_text()
+
+
+def test_a_python_notebook_to_execute_stops_the_build_by_name(tmp_path, caplog):
+    site = _site(tmp_path, {})
+    (site / "docs" / "script.py").write_text("print(1)\n")  # mkdocs-jupyter includes *.py
+    with caplog.at_level(logging.ERROR), pytest.raises(Abort, match="BuildError"):
+        _build(site)
+    errors = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+    assert "script.py: the notebooks hook executes .ipynb notebooks only" in errors

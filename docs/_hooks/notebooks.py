@@ -11,6 +11,9 @@ The copy of the notebook that the site offers for download stays the clean sourc
   running them, as before.
 - A cell that raises fails the build, as mkdocs-jupyter's ``allow_errors: false`` did. The error
   names the notebook and ends with the tail of its output.
+- It executes what mkdocs-jupyter would have: its ``include``/``ignore`` patterns, minus
+  excluded files and ``execute_ignore`` matches. Those must be ``.ipynb`` files; a Python or
+  Markdown notebook to execute stops the build with its name.
 - The kernels see ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless it is set: on a GPU, two JAX
   processes that each take most of its memory up front would not both fit.
 - Executed copies are kept in ``.cache/artifex-notebooks/<content hash>/``, so a rebuild
