@@ -18,16 +18,30 @@ Programs compile at LLVM optimization level 0 on the CPU (``ARTIFEX_CPU_OPT_LEVE
 library's programs, which subprocesses inherit, and ``--xla_backend_optimization_level=0`` in
 ``XLA_FLAGS`` for the tests' own): compilation is about two thirds of the suite's time, level 0
 takes about a third less of it than the library's level 1, and most tests' arrays are too small
-for level 1's faster kernels to matter (the W1- and W2-shaped compile-count tests run a little
+for level 1's faster kernels to matter (the W1- and W2-shaped compile-count tests do run
 slower). The optimized HLO is the same at every level (compared for the demo model's forward
 and backward). ``ARTIFEX_CPU_OPT_LEVEL=1 python -m pytest ...`` runs the suite at the library's
 default.
+
+The tests also compile XLA:CPU's fusions with its older LLVM IR emitters
+(``--xla_cpu_use_fusion_emitters=false`` in ``XLA_FLAGS``), not the MLIR fusion emitters XLA
+uses by default: most of the suite's thousands of compilations are small programs, whose fixed
+cost that about halves (a 447-test sample, alternated: 177 and 195 s against 258 and 289 s; the
+whole suite 1,064 s against 1,607 s; 2026-11-27, see CONTRIBUTING.md). It changes how XLA
+generates the fused elementwise kernels, not the programs (the HLO) nor the library calls that
+run the products, and the library's programs keep XLA's default for users (W1's first step and
+steps were the same either way). The flag is used only if this JAX accepts it (checked once, in
+a subprocess, since XLA aborts on a flag it does not know).
+``XLA_FLAGS=--xla_cpu_use_fusion_emitters=true python -m pytest ...`` runs the suite with XLA's
+default emitters.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -39,6 +53,27 @@ if _level not in ("0", "1", "2", "3"):
     raise ValueError(f"ARTIFEX_CPU_OPT_LEVEL: expected 0, 1, 2 or 3, got {_level!r}")
 if "xla_backend_optimization_level" not in flags:
     flags += f" --xla_backend_optimization_level={_level}"
+_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+_PROBED = "ARTIFEX_TEST_EMITTERS_PROBED"  # set by the first pytest process; xdist workers inherit
+
+
+def _accepts(flag: str) -> bool:
+    """Whether this JAX's XLA starts with ``flag`` in ``XLA_FLAGS`` (it aborts on unknown ones)."""
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices()"],
+            env=env, capture_output=True, timeout=300, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0
+
+
+if "xla_cpu_use_fusion_emitters" not in flags and _PROBED not in os.environ:
+    os.environ[_PROBED] = "1"
+    if _accepts(_EMITTERS):
+        flags += f" {_EMITTERS}"
 os.environ["XLA_FLAGS"] = flags.strip()
 
 _CACHE_ENV = "ARTIFEX_TEST_COMPILATION_CACHE"

@@ -17,10 +17,11 @@ def free_port() -> int:
 
 
 def xla_flags(device_count: int) -> str:
-    """``XLA_FLAGS`` for a subprocess with ``device_count`` CPU devices, compiling at this test
-    run's optimization level (``tests/conftest.py``), so that its programs match this process's
-    to the last bit."""
-    keep = [f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization_level" in f]
+    """``XLA_FLAGS`` for a subprocess with ``device_count`` CPU devices, compiling with this test
+    run's other XLA flags (its optimization level and fusion emitters, ``tests/conftest.py``), so
+    that its programs match this process's to the last bit."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    keep = [f for f in flags if "xla_force_host_platform_device_count" not in f]
     return " ".join([f"--xla_force_host_platform_device_count={device_count}", *keep])
 
 
