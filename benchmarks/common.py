@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -68,7 +69,8 @@ def update_cost(trainer: Any, batch: Any, *, remat: bool | int = False) -> dict[
     whole = GRPOTrainer(
         trainer.model,
         trainer.optimizer,
-        trainer.config,
+        # the same update as one program (per-layer programs have no single cost analysis)
+        dataclasses.replace(trainer.config, layerwise_update=False),
         reference_model=trainer.reference_model,
         log_prob_fn=causal_lm_log_probs_fn(chunk_size=2**31 - 1, remat=remat),
     )
@@ -95,6 +97,7 @@ def workload_trainer(
     scan_update: bool = False,
     stack_layers: bool = False,
     scan_layers: bool = False,
+    layerwise_update: bool = False,
 ) -> Any:
     """Our ``GRPOTrainer`` on a workload directory, as the benchmark workers build it.
 
@@ -111,6 +114,7 @@ def workload_trainer(
         scan_update: ``GRPOConfig.scan_layers`` (the update scans the layers).
         stack_layers: ``CausalLM.stack_layers()`` on the policy and the reference.
         scan_layers: ``CausalLM.scan_layers`` (the sampler scans them too).
+        layerwise_update: ``GRPOConfig.layerwise_update`` (the update as per-layer programs).
 
     Returns:
         The trainer.
@@ -134,6 +138,7 @@ def workload_trainer(
         remat=remat,
         remat_every=remat_every,
         scan_layers=scan_update,
+        layerwise_update=layerwise_update,
     )
     return GRPOTrainer(policy, optimizer, config, reference_model=reference)
 

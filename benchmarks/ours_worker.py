@@ -1,7 +1,8 @@
 """Our GRPO step on a workload directory (``benchmarks/hfdir.py``), in its own process.
 
     python benchmarks/ours_worker.py --dir DIR [--windows 5] [--max-retries 10] [--dtype bfloat16]
-        [--remat [--remat-every N]] [--scan-update] [--layers scan] [--stack-layers]
+        [--remat [--remat-every N]] [--scan-update] [--layerwise-update] [--layers scan]
+        [--stack-layers]
         [--microbatches N] [--no-compile-ahead]
 
 Loads the policy and the reference with ``CausalLM.from_pretrained(DIR)``, reads the prompt ids
@@ -58,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         "follows --layers)",
     )
     parser.add_argument(
+        "--layerwise-update",
+        action="store_true",
+        help="GRPOConfig(layerwise_update=True): the update as per-layer programs (needs --remat)",
+    )
+    parser.add_argument(
         "--stack-layers",
         action="store_true",
         help="CausalLM.stack_layers() on the policy and the reference: the decoder layers "
@@ -108,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         remat=args.remat,
         remat_every=args.remat_every,
         scan_update=args.scan_update,
+        layerwise_update=args.layerwise_update,
         stack_layers=args.stack_layers,
         scan_layers=args.layers == "scan",
     )
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "remat": args.remat,
         "remat_every": args.remat_every,
         "scan_update": args.scan_update,
+        "layerwise_update": args.layerwise_update,
         "stack_layers": args.stack_layers,
         "compile_ahead": args.compile_ahead,
         "microbatches": args.microbatches,

@@ -503,6 +503,53 @@ class CausalLM(nnx.Module):
             raise ValueError(msg)
         prompt_mask = jnp.asarray(prompt_mask)
         remat = check_remat("remat", remat)
+        ids, cos, sin, mask = self.layer_inputs(prompt_ids, completion_ids, prompt_mask, group=g)
+        h = self.embed(ids).astype(self.dtype)
+        h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack)
+        hidden = self.final_norm(h)
+        return hidden[:, :p], hidden[:, p:].reshape(rows, t, hidden.shape[-1])
+
+    def layer_inputs(
+        self,
+        prompt_ids: jax.Array,
+        completion_ids: jax.Array,
+        prompt_mask: jax.Array,
+        *,
+        group: int | None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+        """What the decoder layers take for a pass over prompts and their completions.
+
+        With `group=G`, prompts `(B, P)` and completions `(B * G, T)` as in
+        `shared_prefix_hidden_states` (each group one row, `[prompt ; completion 1 ; ... ;
+        completion G]`, under a `SharedPrefixMask`); with `group=None`, prompts and completions
+        row for row, `[prompt ; completion]` under a causal mask, as `hidden_states` without a
+        cache. The layers' output, after `final_norm`, is those calls' hidden states. Not
+        validated here (the callers check shapes).
+
+        Args:
+            prompt_ids: Left-padded prompts, int.
+            completion_ids: Completions, int.
+            prompt_mask: 1 on real prompt tokens (the shape of `prompt_ids`).
+            group: Completions per prompt, or None for one completion per prompt row.
+
+        Returns:
+            `(ids, cos, sin, mask)`: the token ids of each row (int32), the RoPE tables of
+            their positions, and the attention mask (`SharedPrefixMask` or a bool array).
+        """
+        b, p = prompt_ids.shape
+        t = completion_ids.shape[1]
+        cfg = self.config
+        inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
+        if group is None:
+            ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
+            attention = jnp.concatenate(
+                [jnp.asarray(prompt_mask, jnp.int32), jnp.ones((b, t), jnp.int32)], axis=1
+            )
+            causal = jnp.tril(jnp.ones((p + t, p + t), jnp.bool_))
+            mask = causal[None, :, :] & attention.astype(jnp.bool_)[:, None, :]
+            cos, sin = _rope_tables(positions_from_mask(attention), inv_freq, self.dtype, p + t)
+            return ids, cos, sin, mask
+        g = group
         valid = prompt_mask.astype(jnp.bool_)
         causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
         mask = SharedPrefixMask(causal[None] & valid[:, None, :], valid, g, p)
@@ -514,13 +561,8 @@ class CausalLM(nnx.Module):
             axis=1,
         )
         ids = jnp.concatenate([prompt_ids, completion_ids.reshape(b, g * t)], axis=1)
-        cfg = self.config
-        inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
         cos, sin = _rope_tables(positions, inv_freq, self.dtype, p + t)
-        h = self.embed(ids.astype(jnp.int32)).astype(self.dtype)
-        h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack)
-        hidden = self.final_norm(h)
-        return hidden[:, :p], hidden[:, p:].reshape(rows, t, hidden.shape[-1])
+        return ids.astype(jnp.int32), cos, sin, mask
 
     def layer_stack(self) -> LayerStack | None:
         """The decoder layers as one layer's graph and their states stacked on a new axis 0.

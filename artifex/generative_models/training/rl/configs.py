@@ -227,6 +227,17 @@ class GRPOConfig:
             the default log-prob function (a custom one opts in with
             ``causal_lm_log_probs_fn(scan_layers=True)``); models without ``layer_stack()``
             ignore it.
+        layerwise_update: Run a ``CausalLM`` policy's update as small programs called from
+            Python (:mod:`~artifex.generative_models.training.rl.layerwise`): the embedding,
+            one decoder layer (forward, and backward with the layer recomputed), the output
+            projection with the objective, and clipping, AdamW and the guard. Layers of one
+            structure share one compiled program, so the first step compiles in seconds
+            whatever the depth, where the one-program update compiles the whole unrolled
+            model (about 15-20 s for SmolLM2-135M on 2 CPU cores). Same values as the
+            one-program update with ``remat=True`` (which it needs, with ``remat_every=1``
+            and not ``scan_layers``); each update is a little slower (no fusion across layers;
+            ``docs/benchmarks.md``). For ``GRPOTrainer`` with the default log-prob function,
+            one microbatch and no mesh; the pure ``make_grpo_train_step`` ignores it.
 
     Raises:
         TypeError: If a field has the wrong type (``num_generations=4.0``, ``beta="0.1"``).
@@ -280,6 +291,7 @@ class GRPOConfig:
     remat: bool = False
     remat_every: int = 1
     scan_layers: bool = False
+    layerwise_update: bool = False
 
     def __post_init__(self) -> None:
         # Wrong type: TypeError; right type, out of range: ValueError (utils.validation).
@@ -309,6 +321,15 @@ class GRPOConfig:
             msg = (
                 f"GRPOConfig.remat_every={self.remat_every} needs unrolled layers, not "
                 "scan_layers=True (a scan rematerializes all its layers or none)"
+            )
+            raise ValueError(msg)
+        check_bool(f + "layerwise_update", self.layerwise_update)
+        if self.layerwise_update and (not self.remat or self.remat_every > 1 or self.scan_layers):
+            msg = (
+                "GRPOConfig.layerwise_update=True recomputes every decoder layer in the backward "
+                "pass: it needs remat=True, remat_every=1 and scan_layers=False, got "
+                f"remat={self.remat}, remat_every={self.remat_every}, "
+                f"scan_layers={self.scan_layers}"
             )
             raise ValueError(msg)
         self._check_variants()

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.layerwise import LayerwiseStep, check_layerwise_model
 from artifex.generative_models.training.rl.logprobs import LogProbFn, default_log_prob_fn
 from artifex.generative_models.training.rl.loop import TrainConfig
 from artifex.generative_models.training.rl.loop import train as run_loop
@@ -352,6 +353,17 @@ class GRPOTrainer:
         if partition_rules is not None and mesh is None:
             msg = "partition_rules were given without a mesh; pass mesh= as well"
             raise TypeError(msg)
+        if config.layerwise_update:
+            if log_prob_fn is not None:
+                msg = (
+                    "GRPOConfig.layerwise_update runs the causal LM's own layers and output "
+                    "projection; it cannot use a custom log_prob_fn"
+                )
+                raise ValueError(msg)
+            if mesh is not None:
+                msg = "GRPOConfig.layerwise_update does not support a mesh yet; leave mesh=None"
+                raise ValueError(msg)
+            check_layerwise_model(model, reference_model)
         if reference_model is not None:
             # Before placement: device_put onto a mesh may reuse a source buffer, so two models
             # sharing arrays (nnx.clone) would end up sharing device buffers the step donates.
@@ -574,6 +586,26 @@ class GRPOTrainer:
             >>> int(optimizer.step[...]), trainer.num_compilations, bool(after > before)
             (3, 1, True)
         """
+        if num_microbatches not in self._steps and self.config.layerwise_update:
+            if num_microbatches != 1:
+                msg = (
+                    "GRPOConfig.layerwise_update runs the whole batch at once (its activations "
+                    f"are one layer's); num_microbatches must be 1, got {num_microbatches}"
+                )
+                raise ValueError(msg)
+
+            def count() -> None:
+                self._num_traces += 1
+
+            self._steps[num_microbatches] = LayerwiseStep(
+                self.model,
+                self.optimizer.tx,
+                self.config,
+                wrt=self.wrt,
+                reference_model=self.reference_model,
+                lora_reference=self._lora_reference,
+                on_trace=count,
+            )
         if num_microbatches not in self._steps:
             pure = make_grpo_train_step(
                 self.model,

@@ -389,56 +389,87 @@ def make_grpo_train_step(
         if not precomputed:  # a loop that precomputes advantages reports these once per batch
             metrics.update(_reward_metrics(batch, advantages))
 
-        grad_norm = optax.tree.norm(grads)
-        if config.max_grad_norm is not None:
-            scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
-            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-
-        # Jitted so that the optimizer (per-leaf work, a large part of this step's tracing) is
-        # traced once for its two uses below; XLA inlines both calls.
-        @jax.jit
-        def apply_tx(grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
-            updates, new_opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), new_opt_state
-
-        def updated() -> tuple[Any, Any]:
-            return apply_tx(grads, state.opt_state, state.params)
-
-        # The update itself can overflow (a huge learning rate, a schedule that overflows): the
-        # new parameters and optimizer state must be finite too. They are computed twice: here
-        # only for the finiteness check (XLA fuses each leaf's update into its reduction, so
-        # nothing parameter-sized is written), and again inside the branch below that applies
-        # them, in place of the donated state. Computing them once, outside the branch, kept
-        # the old and the new state alive together: about 1 GB more peak memory for
-        # SmolLM2-135M and 0.1 s more per update (docs/benchmarks.md). One branch, not a
-        # `where` per leaf: XLA fuses the and-reduction over every leaf's check into each
-        # leaf's select, a program quadratic in the number of leaves (minutes to compile for
-        # a 30-layer model). The two computations are fused differently and may round apart in
-        # the last bit; only a value at the very edge of overflow could be finite in one and
-        # not the other.
-        params_ok, opt_ok = _finite_flags(*updated())
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
-        # A batch without any reward signal (all rewards NaN) moves nothing: its only gradients
-        # would be the KL term (and Adam's momentum, weight decay) acting blindly. An entropy
-        # bonus is a signal of its own that the user asked for: then the update is applied.
-        signal = _has_reward_signal(batch)
-        apply = ok & (signal | (config.entropy_coeff > 0.0))
-        params, opt_state = jax.lax.cond(apply, updated, lambda: (state.params, state.opt_state))
-        new_state = state.replace(
-            params=params,
-            opt_state=opt_state,
-            step=state.step + apply.astype(state.step.dtype),
-        )
-        f32 = jnp.float32
-        metrics = dict(metrics, grad_norm=grad_norm.astype(f32))
-        metrics["update_applied"] = apply.astype(f32)
-        metrics["finite_update"] = ok.astype(f32)
-        metrics["finite_params"] = params_ok.astype(f32)
-        metrics["finite_optimizer_state"] = opt_ok.astype(f32)
-        metrics["reward_signal"] = signal.astype(f32)
-        return new_state, metrics
+        return apply_gradients(tx, config, state, batch, loss, metrics, grads)
 
     return grpo_train_step
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    config: GRPOConfig,
+    state: GRPOTrainState,
+    batch: GRPOBatch,
+    loss: jax.Array,
+    metrics: dict[str, jax.Array],
+    grads: Any,
+) -> tuple[GRPOTrainState, dict[str, jax.Array]]:
+    """Steps 3 and 4 of the update: clipping, ``tx``, and the guard (pure, traceable).
+
+    Shared by ``grpo_train_step`` and the layer-by-layer update
+    (:mod:`~artifex.generative_models.training.rl.layerwise`), which computes ``loss``,
+    ``metrics`` and ``grads`` its own way.
+
+    Args:
+        tx: The optax gradient transformation.
+        config: The GRPO options (``max_grad_norm``, ``entropy_coeff``).
+        state: The state the gradients were taken at.
+        batch: The batch (for its reward signal).
+        loss: The objective's value.
+        metrics: The objective's metrics (returned with the update's added).
+        grads: The gradient of ``loss`` with respect to ``state.params``.
+
+    Returns:
+        ``(new_state, metrics)``: the state after the update, or ``state``'s parameters,
+        optimizer state and step where the guard rejected it.
+    """
+    grad_norm = optax.tree.norm(grads)
+    if config.max_grad_norm is not None:
+        scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+
+    # Jitted so that the optimizer (per-leaf work, a large part of this step's tracing) is
+    # traced once for its two uses below; XLA inlines both calls.
+    @jax.jit
+    def apply_tx(grads: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state
+
+    def updated() -> tuple[Any, Any]:
+        return apply_tx(grads, state.opt_state, state.params)
+
+    # The update itself can overflow (a huge learning rate, a schedule that overflows): the
+    # new parameters and optimizer state must be finite too. They are computed twice: here
+    # only for the finiteness check (XLA fuses each leaf's update into its reduction, so
+    # nothing parameter-sized is written), and again inside the branch below that applies
+    # them, in place of the donated state. Computing them once, outside the branch, kept
+    # the old and the new state alive together: about 1 GB more peak memory for
+    # SmolLM2-135M and 0.1 s more per update (docs/benchmarks.md). One branch, not a
+    # `where` per leaf: XLA fuses the and-reduction over every leaf's check into each
+    # leaf's select, a program quadratic in the number of leaves (minutes to compile for
+    # a 30-layer model). The two computations are fused differently and may round apart in
+    # the last bit; only a value at the very edge of overflow could be finite in one and
+    # not the other.
+    params_ok, opt_ok = _finite_flags(*updated())
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
+    # A batch without any reward signal (all rewards NaN) moves nothing: its only gradients
+    # would be the KL term (and Adam's momentum, weight decay) acting blindly. An entropy
+    # bonus is a signal of its own that the user asked for: then the update is applied.
+    signal = _has_reward_signal(batch)
+    apply = ok & (signal | (config.entropy_coeff > 0.0))
+    params, opt_state = jax.lax.cond(apply, updated, lambda: (state.params, state.opt_state))
+    new_state = state.replace(
+        params=params,
+        opt_state=opt_state,
+        step=state.step + apply.astype(state.step.dtype),
+    )
+    f32 = jnp.float32
+    metrics = dict(metrics, grad_norm=grad_norm.astype(f32))
+    metrics["update_applied"] = apply.astype(f32)
+    metrics["finite_update"] = ok.astype(f32)
+    metrics["finite_params"] = params_ok.astype(f32)
+    metrics["finite_optimizer_state"] = opt_ok.astype(f32)
+    metrics["reward_signal"] = signal.astype(f32)
+    return new_state, metrics
 
 
 def make_grpo_log_probs(

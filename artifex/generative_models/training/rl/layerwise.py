@@ -1,0 +1,481 @@
+"""The GRPO update of a causal LM as small compiled programs, run layer by layer.
+
+``GRPOConfig(layerwise_update=True)`` makes :class:`~artifex.generative_models.training.GRPOTrainer`
+run its update as a sequence of small programs called from Python instead of one program:
+
+1. the layers' inputs (token ids, RoPE tables, attention mask) and the embedding;
+2. the reference's log-probs: its layers one by one, then its output projection;
+3. the policy's layers one by one, keeping each layer's input;
+4. the output projection, the log-probs and the objective, with their gradient;
+5. each layer's backward pass, last to first, recomputing the layer from its input;
+6. the embedding's gradient (added to the output projection's for a tied embedding);
+7. clipping, ``tx`` and the guard
+   (:func:`~artifex.generative_models.training.rl.state.apply_gradients`), on the donated state.
+
+Every decoder layer of one structure runs the same compiled program, so the update compiles a
+fixed handful of small programs whatever the depth. The one-program update holds every layer
+unrolled, and XLA:CPU's compile time grows faster than linearly with its size (about 15-20 s
+for SmolLM2-135M's 30 layers on 2 cores, most of that model's first step); this one compiles in a
+few seconds. The values are those of the one-program update with ``remat=True``; each update
+is a little slower, as XLA cannot fuse or overlap work across the programs
+(``docs/benchmarks.md``).
+
+Nothing is donated before the last program: a failure in any earlier one leaves the state as it
+was, and the guard of the last one rejects a non-finite update as the one-program step does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from artifex.generative_models.training.rl import losses
+from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.logprobs import chunked_token_log_probs
+from artifex.generative_models.training.rl.objective import (
+    _reward_metrics,
+    compute_advantages,
+    grpo_objective,
+)
+from artifex.generative_models.training.rl.state import GRPOTrainState, apply_gradients
+from artifex.generative_models.utils.compile_options import jit
+
+__all__ = ["LayerwiseStep", "check_layerwise_model"]
+
+_HEAD_MODULES = ("embed", "final_norm", "lm_head")
+
+
+def check_layerwise_model(model: Any, reference_model: Any) -> None:
+    """Raises unless ``model`` (and ``reference_model``) can run the layer-by-layer update.
+
+    Args:
+        model: The policy.
+        reference_model: The reference policy, or None.
+
+    Raises:
+        TypeError: The model is not a causal LM with per-layer storage (``CausalLM``), or the
+            reference is not one of the same kind.
+        ValueError: The layers are stored stacked (``stack_layers()``).
+    """
+    for name, m in (("model", model), ("reference_model", reference_model)):
+        if m is None and name == "reference_model":
+            continue
+        needed = ("layer_inputs", "embed", "layers", "final_norm")
+        if not all(hasattr(m, a) for a in needed):
+            msg = (
+                f"GRPOConfig.layerwise_update needs a CausalLM {name} (layer_inputs, embed, "
+                f"layers, final_norm), got {type(m).__name__}"
+            )
+            raise TypeError(msg)
+        if getattr(m, "layers_stacked", False):
+            msg = (
+                f"GRPOConfig.layerwise_update runs the layers one by one from their own arrays; "
+                f"the {name}'s layers are stored stacked: call unstack_layers() first"
+            )
+            raise ValueError(msg)
+
+
+def _sub(tree: Any, *path: Any) -> Any:
+    """The sub-state of ``tree`` at ``path`` (an empty state where there is none)."""
+    for key in path:
+        if tree is None or key not in tree:
+            return nnx.State({})
+        tree = tree[key]
+    return tree
+
+
+def _prefixed(tree: Any, prefix: tuple) -> dict[tuple, Any]:
+    return {
+        prefix + tuple(_key(k) for k in path): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _key(entry: Any) -> Any:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return entry
+
+
+def _assemble(params: Any, pieces: dict[tuple, Any]) -> Any:
+    """The gradient tree shaped like ``params`` from each module's gradient (by leaf path)."""
+    flat: dict[tuple, Any] = {}
+    for prefix, tree in pieces.items():
+        flat.update(_prefixed(tree, prefix))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = [tuple(_key(k) for k in path) for path, _ in paths]
+    missing = [k for k in keys if k not in flat]
+    if missing:  # a trainable variable outside the embedding, layers, norm and head
+        msg = f"the layer-by-layer update has no gradient for the parameters at {missing[:3]}"
+        raise ValueError(msg)
+    return jax.tree.unflatten(treedef, [flat[k] for k in keys])
+
+
+def _merge(graph: Any, params: Any, frozen: Any, zero_params: bool) -> Any:
+    if zero_params:  # a LoRA policy's reference: the same model with its adapters zeroed
+        params = jax.tree.map(jnp.zeros_like, params)
+    return nnx.merge(graph, params, frozen)
+
+
+class LayerwiseStep:
+    """A trainer's update run as per-layer programs, with ``_CompiledStep``'s interface.
+
+    ``step(state, batch) -> (state, metrics)`` computes what ``jax.jit(grpo_train_step)``
+    computes for a causal LM with ``remat=True``; the parameters, optimizer state and step are
+    donated to the last program only.
+
+    Args:
+        model: The policy (a ``CausalLM`` with per-layer storage).
+        tx: The optax gradient transformation.
+        config: The GRPO options.
+        wrt: The trainable variables' filter.
+        reference_model: The reference policy, or None.
+        lora_reference: Without a reference model, use the policy with zeroed LoRA adapters.
+        on_trace: Called each time the update is traced for a new batch structure.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformation,
+        config: GRPOConfig,
+        *,
+        wrt: Any,
+        reference_model: nnx.Module | None,
+        lora_reference: bool,
+        on_trace: Callable[[], None],
+    ):
+        check_layerwise_model(model, reference_model)
+        self._model = model  # read for its config and dtype only (layer_inputs)
+        self._config = config
+        self._tx = tx
+        self._lora_reference = lora_reference
+        self._on_trace = on_trace
+        self._ready: dict[str, concurrent.futures.Future] = {}  # compile_ahead's programs
+
+        def graph(module: Any, filters: tuple) -> Any:
+            return None if module is None else nnx.split(module, *filters)[0]
+
+        policy_filters = (wrt, ...)
+        self._graphs = {name: graph(getattr(model, name), policy_filters) for name in _HEAD_MODULES}
+        self._layer_graphs = [graph(layer, policy_filters) for layer in model.layers]
+        ref = reference_model
+        self._ref_graphs = (
+            None if ref is None else {n: graph(getattr(ref, n), (...,)) for n in _HEAD_MODULES}
+        )
+        self._ref_layer_graphs = (
+            None if ref is None else [graph(layer, (...,)) for layer in ref.layers]
+        )
+        self._tied = model.lm_head is None
+        self._programs()
+
+    # ------------------------------------------------------------------ the programs
+    def _programs(self) -> None:
+        config, model = self._config, self._model
+        dtype = model.dtype
+
+        def inputs(batch: GRPOBatch) -> tuple:
+            self._on_trace()
+            g = batch.group_size if batch.shared_prompts else None
+            step = g or 1
+            return model.layer_inputs(
+                batch.prompt_ids[::step],
+                batch.completion_ids,
+                batch.prompt_mask[::step],
+                group=g,
+            )
+
+        def embed(graph, params, frozen, ids, zero_params=False):
+            return _merge(graph, params, frozen, zero_params)(ids).astype(dtype)
+
+        def layer(graph, params, frozen, h, cos, sin, mask, zero_params=False):
+            module = _merge(graph, params, frozen, zero_params)
+            return module(h, cos, sin, mask, None, None)[0]
+
+        def layer_backward(graph, params, frozen, h, cos, sin, mask, dh):
+            def f(p, x):
+                return layer(graph, p, frozen, x, cos, sin, mask)
+
+            _, vjp = jax.vjp(f, params, h)
+            return vjp(dh)
+
+        def embed_backward(graph, params, frozen, ids, dh):
+            _, vjp = jax.vjp(lambda p: embed(graph, p, frozen, ids), params)
+            return vjp(dh)[0]
+
+        def log_probs(graphs, states, h, batch, zero_params=False):
+            graphs = dict(graphs)
+            norm = _merge(graphs["final_norm"], *states["final_norm"], zero_params)
+            hidden = norm(h)
+            rows, t = batch.completion_ids.shape
+            if batch.shared_prompts:  # [prompt ; completion 1 ; ... ; completion G] per row
+                g = batch.group_size
+                p = hidden.shape[1] - g * t
+                first = jnp.repeat(hidden[:, p - 1 : p], g, axis=0)
+                completions = hidden[:, p:].reshape(rows, t, hidden.shape[-1])
+                hidden = jnp.concatenate([first, completions[:, :-1]], axis=1)
+            else:
+                p = batch.prompt_ids.shape[1]
+                hidden = hidden[:, p - 1 : p + t - 1]
+            if self._tied:  # the embedding as stored, (V, D)
+                weight = _merge(graphs["embed"], *states["embed"], zero_params).embedding[...]
+            else:
+                weight = _merge(graphs["lm_head"], *states["lm_head"], zero_params).kernel[...]
+            if config.temperature != 1.0:
+                hidden = hidden / jnp.asarray(config.temperature, hidden.dtype)
+            return chunked_token_log_probs(
+                hidden, weight, batch.completion_ids, transposed=self._tied
+            )
+
+        def reference_log_probs(graphs, states, h, batch, zero_params):
+            return jax.lax.stop_gradient(log_probs(graphs, states, h, batch, zero_params)[0])
+
+        def head(graphs, params, frozen, h, batch):
+            precomputed = batch.advantages is not None
+            advantages = jax.lax.stop_gradient(compute_advantages(batch, config))
+            normalizer = losses.loss_normalizer(
+                batch.completion_mask,
+                config.loss_aggregation,
+                max_length=config.max_completion_length,
+            )
+
+            def objective(p, x):
+                states = {n: (p[n], frozen[n]) for n in p}
+                lp, entropy = log_probs(graphs, states, x, batch)
+                return grpo_objective(
+                    lp,
+                    entropy,
+                    batch,
+                    config,
+                    normalizer=normalizer,
+                    advantages=advantages,
+                    reward_metrics=False,
+                )
+
+            grad = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
+            (loss, metrics), (d_params, dh) = grad(params, h)
+            if not precomputed:
+                metrics.update(_reward_metrics(batch, advantages))
+            return loss, metrics, d_params, dh
+
+        def finish(params, opt_state, step, pieces, loss, metrics, batch):
+            if self._tied:  # the embedding's two uses: lookup and output projection
+                pieces = dict(pieces)
+                pieces[("embed",)] = jax.tree.map(
+                    jnp.add, pieces[("embed",)], pieces.pop(("embed", "head"))
+                )
+            grads = _assemble(params, pieces)
+            state = GRPOTrainState(params, None, opt_state, step, None, None)
+            new, metrics = apply_gradients(self._tx, config, state, batch, loss, metrics, grads)
+            return (new.params, new.opt_state, new.step), metrics
+
+        self._inputs = jit(inputs)
+        self._embed = jit(embed, static_argnums=(0, 4))
+        self._layer = jit(layer, static_argnums=(0, 7))
+        self._layer_backward = jit(layer_backward, static_argnums=0, donate_argnums=7)
+        self._embed_backward = jit(embed_backward, static_argnums=0)
+        self._reference_log_probs = jit(reference_log_probs, static_argnums=(0, 4))
+        self._head = jit(head, static_argnums=0)
+        self._finish = jit(finish, donate_argnums=(0, 1, 2))
+
+    # ------------------------------------------------------------------ one update
+    def _needs_reference(self, state: GRPOTrainState, batch: GRPOBatch) -> bool:
+        has_ref = (state.reference is not None and self._ref_graphs is not None) or (
+            self._lora_reference
+        )
+        return self._config.beta > 0.0 and batch.ref_log_probs is None and has_ref
+
+    def _run(self, state: GRPOTrainState, batch: GRPOBatch, fn: dict[str, Any]) -> Any:
+        """One update through the program callables ``fn`` (jitted, or ``eval_shape`` ones)."""
+        params, frozen = state.params, state.frozen
+        ids, cos, sin, mask = fn["inputs"](batch)
+
+        def head_states(tree: Any, other: Any) -> dict[str, tuple[Any, Any]]:
+            return {n: (_sub(tree, n), _sub(other, n)) for n in _HEAD_MODULES if n in self._used}
+
+        if self._needs_reference(state, batch):
+            if state.reference is not None and self._ref_graphs is not None:
+                graphs, layer_graphs, zero = self._ref_graphs, self._ref_layer_graphs, False
+                ref, ref_other = state.reference, nnx.State({})
+            else:
+                graphs, layer_graphs, zero = self._graphs, self._layer_graphs, True
+                ref, ref_other = params, frozen
+            h = fn["embed"](
+                graphs["embed"], _sub(ref, "embed"), _sub(ref_other, "embed"), ids, zero
+            )
+            for i, lg in enumerate(layer_graphs):
+                layer_ref, layer_other = _sub(ref, "layers", i), _sub(ref_other, "layers", i)
+                h = fn["layer"](lg, layer_ref, layer_other, h, cos, sin, mask, zero)
+            ref_graphs = tuple((n, graphs[n]) for n in self._used)
+            ref_states = head_states(ref, ref_other)
+            ref_lp = fn["reference_log_probs"](ref_graphs, ref_states, h, batch, zero)
+            batch = batch.replace(ref_log_probs=ref_lp)
+
+        h = fn["embed"](
+            self._graphs["embed"], _sub(params, "embed"), _sub(frozen, "embed"), ids, False
+        )
+        saved = []
+        for i, lg in enumerate(self._layer_graphs):
+            saved.append(h)
+            layer_params, layer_frozen = _sub(params, "layers", i), _sub(frozen, "layers", i)
+            h = fn["layer"](lg, layer_params, layer_frozen, h, cos, sin, mask, False)
+        head_graphs = tuple((n, self._graphs[n]) for n in self._used)
+        head_params = {n: _sub(params, n) for n in self._used}
+        head_frozen = {n: _sub(frozen, n) for n in self._used}
+        loss, metrics, d_head, dh = fn["head"](head_graphs, head_params, head_frozen, h, batch)
+        pieces: dict[tuple, Any] = {("final_norm",): d_head["final_norm"]}
+        if self._tied:
+            pieces[("embed", "head")] = d_head["embed"]
+        else:
+            pieces[("lm_head",)] = d_head["lm_head"]
+        for i in reversed(range(len(self._layer_graphs))):
+            lg = self._layer_graphs[i]
+            layer_params, layer_frozen = _sub(params, "layers", i), _sub(frozen, "layers", i)
+            d_layer, dh = fn["layer_backward"](
+                lg, layer_params, layer_frozen, saved.pop(), cos, sin, mask, dh
+            )
+            pieces[("layers", i)] = d_layer
+        pieces[("embed",)] = fn["embed_backward"](
+            self._graphs["embed"], _sub(params, "embed"), _sub(frozen, "embed"), ids, dh
+        )
+        return fn["finish"](params, state.opt_state, state.step, pieces, loss, metrics, batch)
+
+    @property
+    def _used(self) -> tuple[str, ...]:
+        return ("embed", "final_norm") if self._tied else _HEAD_MODULES
+
+    def _jitted(self) -> dict[str, Any]:
+        programs = {
+            "inputs": self._inputs,
+            "embed": self._embed,
+            "layer": self._layer,
+            "layer_backward": self._layer_backward,
+            "embed_backward": self._embed_backward,
+            "reference_log_probs": self._reference_log_probs,
+            "head": self._head,
+            "finish": self._finish,
+        }
+        ready, self._ready = dict(self._ready), {}  # popped below: the thread keeps its own
+        if not ready:
+            return programs
+
+        def after(name: str, program: Any) -> Callable[..., Any]:
+            def call(*args: Any) -> Any:
+                future = ready.pop(name, None)
+                if future is not None:  # its error, if any, is raised by the call itself
+                    concurrent.futures.wait([future])
+                return program(*args)
+
+            return call
+
+        return {name: after(name, program) for name, program in programs.items()}
+
+    def __call__(
+        self, state: GRPOTrainState, batch: GRPOBatch
+    ) -> tuple[GRPOTrainState, dict[str, jax.Array]]:
+        """One GRPO update: ``(new_state, metrics)``, as ``jax.jit(grpo_train_step)`` returns.
+
+        Args:
+            state: The train state (its parameters, optimizer state and step are donated).
+            batch: A prepared batch.
+
+        Returns:
+            The new state and the metrics.
+        """
+        # Each program waits for its own background compilation (compile_ahead), so the first
+        # update starts as soon as its first programs are compiled.
+        (params, opt_state, step), metrics = self._run(state, batch, self._jitted())
+        return state.replace(params=params, opt_state=opt_state, step=step), metrics
+
+    def wait(self) -> None:
+        """Waits for a background compilation (:meth:`compile_ahead`) to finish, if any."""
+        ready, self._ready = self._ready, {}
+        concurrent.futures.wait(list(ready.values()))
+
+    def compile_ahead(self, state: GRPOTrainState, batch: GRPOBatch) -> concurrent.futures.Future:
+        """Traces every program for ``state`` and ``batch`` here, compiles them in the background.
+
+        As ``_CompiledStep.compile_ahead``: only shapes, dtypes and shardings are read. The
+        programs compile one after the other, in the order the update runs them; the next
+        update runs each program once its own compilation is done (the optimizer's, the
+        longest, is the last one it needs).
+
+        Args:
+            state: A train state.
+            batch: A batch with the structure, shapes and dtypes of the batches to come.
+
+        Returns:
+            A future whose result is ``None`` once every program is compiled (or the first
+            error).
+        """
+        self.wait()
+        lowered: dict[int, tuple[str, Any]] = {}  # JAX caches lowerings: one per program
+
+        def lowering(name: str, program: Any) -> Callable[..., Any]:
+            def call(*args: Any) -> Any:
+                low = program.lower(*args)
+                lowered[id(low)] = (name, low)
+                return jax.tree.map(
+                    lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+                    low.out_info,
+                )
+
+            return call
+
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (state, batch)
+        )
+        self._run(*abstract, {name: lowering(name, p) for name, p in self._jitted().items()})
+        order = list(lowered.values())
+        last = {name: i for i, (name, _) in enumerate(order)}  # a name's last lowering
+        ready = {name: concurrent.futures.Future() for name in last}
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work() -> None:
+            error: BaseException | None = None
+            try:
+                for i, (name, low) in enumerate(order):
+                    if error is None:
+                        try:
+                            low.compile()
+                        except BaseException as exc:  # handed to whoever waits on the future
+                            error = exc
+                    if last[name] == i:
+                        ready[name].set_result(None)
+            finally:  # no waiter is left hanging, whatever happened
+                for pending in ready.values():
+                    if not pending.done():
+                        pending.set_result(None)
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+
+        self._ready = dict(ready)
+        threading.Thread(target=work, name="artifex-compile-ahead").start()
+        return future
+
+    def lower(self, state: GRPOTrainState, batch: GRPOBatch) -> Any:
+        """Not available: the layer-by-layer update is several programs.
+
+        Raises:
+            NotImplementedError: Always; use ``GRPOConfig(layerwise_update=False)`` for XLA's
+                cost and memory analysis of one program.
+        """
+        msg = (
+            "the layer-by-layer update (GRPOConfig.layerwise_update) is several programs, not "
+            "one lowering; set layerwise_update=False for XLA's analysis of the whole update"
+        )
+        raise NotImplementedError(msg)
+
+    def _cache_size(self) -> int:
+        return self._inputs._cache_size()

@@ -1,0 +1,179 @@
+"""``GRPOConfig(layerwise_update=True)``: the trainer's update as per-layer programs.
+
+The layer-by-layer update must give the one-program update's values (``remat=True``, which it
+needs), compile a set of programs that does not grow with the depth, leave the state as it was
+when the guard rejects an update, and refuse what it cannot run, by name, before any work.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm import (
+    CausalLM,
+    CausalLMConfig,
+    LoRAConfig,
+    apply_lora,
+)
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl import NonFiniteUpdateError, causal_lm_log_probs_fn
+from tests.generative_models.training.rl.test_remat import (
+    VOCAB,
+    assert_bool_config_option,
+    flat,
+    lm_batch,
+)
+
+
+def tiny(num_layers: int = 3, seed: int = 0, tied: bool = False) -> CausalLM:
+    cfg = CausalLMConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    )
+    return CausalLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def trainer(layerwise: bool, *, tied=False, num_layers=3, reference=True, tx=None, **options):
+    policy = tiny(num_layers, 0, tied)
+    ref = tiny(num_layers, 5, tied) if reference else None
+    optimizer = nnx.Optimizer(policy, tx or optax.sgd(0.1), wrt=nnx.Param)
+    config = GRPOConfig(
+        num_generations=4, beta=0.04, remat=True, layerwise_update=layerwise, **options
+    )
+    return GRPOTrainer(policy, optimizer, config, reference_model=ref)
+
+
+def assert_same_updates(a: GRPOTrainer, b: GRPOTrainer, batch, steps=2, atol=1e-6) -> None:
+    """Same metrics, parameters and optimizer state after ``steps`` updates on ``batch``."""
+    for _ in range(steps):
+        ma, mb = a.train_step(batch), b.train_step(batch)
+        assert set(ma) == set(mb)
+        for key, value in ma.items():
+            assert mb[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    pa, pb = flat(nnx.state(a.model, nnx.Param)), flat(nnx.state(b.model, nnx.Param))
+    for name, expected in pa.items():
+        np.testing.assert_allclose(pb[name], expected, rtol=1e-5, atol=atol, err_msg=name)
+    oa, ob = flat(nnx.state(a.optimizer.opt_state)), flat(nnx.state(b.optimizer.opt_state))
+    for name, expected in oa.items():
+        np.testing.assert_allclose(ob[name], expected, rtol=1e-5, atol=atol, err_msg=name)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prompts", "every_row"])
+def test_the_layerwise_update_gives_the_one_program_update(tied, shared):
+    batch = lm_batch(seed=1).replace(ref_log_probs=None, shared_prompts=shared)
+    assert_same_updates(
+        trainer(False, tied=tied, temperature=0.7), trainer(True, tied=tied, temperature=0.7), batch
+    )
+
+
+def test_adamw_moments_follow_the_same_gradients():
+    # Adam divides by the root of the second moment: last-bit differences of near-zero
+    # gradients move a parameter by up to a few learning-rate millionths
+    a, b = trainer(False, tx=optax.adamw(1e-2)), trainer(True, tx=optax.adamw(1e-2))
+    assert_same_updates(a, b, lm_batch(seed=8).replace(ref_log_probs=None), atol=2e-5)
+
+
+def test_given_reference_log_probs_and_no_reference_model():
+    batch = lm_batch(seed=2)  # ref_log_probs given: no reference forward
+    assert_same_updates(trainer(False, reference=False), trainer(True, reference=False), batch)
+
+
+def test_a_lora_policy_uses_itself_with_zeroed_adapters_as_reference():
+    runs = []
+    for layerwise in (False, True):
+        policy = tiny(2)
+        apply_lora(policy, LoRAConfig(rank=2, alpha=4.0, target_modules=("q_proj",)), nnx.Rngs(1))
+        for layer in policy.layers:  # non-zero adapters, so the reference differs
+            lora_b = layer.attn.q_proj.lora.lora_b
+            lora_b[...] = jnp.full_like(lora_b[...], 0.05)
+        optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.LoRAParam)
+        config = GRPOConfig(num_generations=4, beta=0.1, remat=True, layerwise_update=layerwise)
+        runs.append(GRPOTrainer(policy, optimizer, config))
+    assert runs[1].has_reference
+    batch = lm_batch(seed=3).replace(ref_log_probs=None)
+    first = runs[0].train_step(batch)
+    assert first["kl"] > 0
+    assert runs[1].train_step(batch)["kl"] == pytest.approx(first["kl"], rel=1e-5)
+    assert_same_updates(runs[0], runs[1], batch, steps=1)
+
+
+def _programs(num_layers: int) -> dict[str, int]:
+    t = trainer(True, num_layers=num_layers)
+    batch = lm_batch(seed=4).replace(ref_log_probs=None)
+    for _ in range(3):
+        t.train_step(batch)
+    assert t.num_compilations == 1
+    step = t.compiled_step()
+    return {name: program._cache_size() for name, program in step._jitted().items()}
+
+
+def test_the_compiled_programs_do_not_grow_with_the_depth():
+    shallow, deep = _programs(2), _programs(5)
+    assert shallow == deep, (shallow, deep)
+    # one program per part (the policy and the reference have one layer structure)
+    assert set(deep.values()) == {1}, deep
+
+
+def test_compile_ahead_compiles_what_the_step_then_runs():
+    t = trainer(True)
+    batch = lm_batch(seed=5).replace(ref_log_probs=None, old_log_probs=None)
+    future = t.compile_ahead(batch)
+    t.train_step(batch)
+    assert future.result() is None
+    assert t.num_compilations == 1
+    sizes = {name: p._cache_size() for name, p in t.compiled_step()._jitted().items()}
+    assert set(sizes.values()) == {1}, sizes
+
+
+def test_a_rejected_update_leaves_the_state_as_it_was():
+    t = trainer(True, tx=optax.sgd(1e39))  # an infinite float32 learning rate
+    before = flat(nnx.state(t.model, nnx.Param))
+    batch = lm_batch(seed=6).replace(ref_log_probs=None)
+    with pytest.raises(NonFiniteUpdateError):
+        t.train_step(batch)
+    after = flat(nnx.state(t.model, nnx.Param))
+    for name, expected in before.items():
+        np.testing.assert_array_equal(after[name], expected, err_msg=name)
+    assert int(t.optimizer.step[...]) == 0
+
+
+def test_the_option_is_checked_and_reaches_the_cli():
+    assert_bool_config_option("layerwise_update")
+    for options in ({}, {"remat": True, "remat_every": 2}, {"remat": True, "scan_layers": True}):
+        with pytest.raises(ValueError, match="layerwise_update=True recomputes every decoder"):
+            GRPOConfig(layerwise_update=True, **options)
+
+
+def test_what_it_cannot_run_is_refused_by_name():
+    policy = tiny(2)
+    optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
+    config = GRPOConfig(num_generations=4, remat=True, layerwise_update=True)
+    with pytest.raises(ValueError, match="cannot use a custom log_prob_fn"):
+        GRPOTrainer(policy, optimizer, config, log_prob_fn=causal_lm_log_probs_fn())
+    linear = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="needs a CausalLM model"):
+        GRPOTrainer(linear, nnx.Optimizer(linear, optax.sgd(0.1), wrt=nnx.Param), config)
+    stacked = tiny(2).stack_layers()
+    with pytest.raises(ValueError, match="stored stacked"):
+        GRPOTrainer(stacked, nnx.Optimizer(stacked, optax.sgd(0.1), wrt=nnx.Param), config)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with pytest.raises(ValueError, match="does not support a mesh"):
+        GRPOTrainer(policy, optimizer, config, mesh=mesh)
+    t = GRPOTrainer(policy, optimizer, config)
+    batch = lm_batch(seed=7)
+    with pytest.raises(ValueError, match="num_microbatches must be 1"):
+        t.train_step(batch, num_microbatches=2)
+    with pytest.raises(NotImplementedError, match="several programs"):
+        t.compiled_step().lower(t.state, t.prepare_batch(batch))
