@@ -14,7 +14,8 @@ persistent compilation cache, one process filling it and one reading it, for the
 a second run; W2: ours, TRL, ours, then ours and TRL with
 bfloat16 parameters, ours recomputing every layer, ours without remat and ours with the
 decoder layers stored stacked and scanned in the update, ``CausalLM.stack_layers()`` with
-``GRPOConfig(scan_layers=True)``), one after the other. On W2 ours
+``GRPOConfig(scan_layers=True)``, and ours with the update run as per-layer programs,
+``GRPOConfig(layerwise_update=True)``), one after the other. On W2 ours
 recomputes the activations of every second layer in the backward pass (``GRPOConfig(remat=True,
 remat_every=2)``), as TRL recomputes its layers by default (its
 ``gradient_checkpointing=True``), with a peak memory that stays below TRL's; on W1 it does
@@ -317,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
             label = "ours, stacked layers, scanned update (remat every layer)"
             stacked_cmd = [*full_remat_cmd, "--scan-update", "--stack-layers"]
             order.append(("ours", stacked_cmd, ours_env, label))
+            # GRPOConfig.layerwise_update: the update as per-layer programs (one compiled
+            # program per part, whatever the depth), every layer recomputed
+            label = "ours, layerwise update (remat every layer)"
+            order.append(("ours", [*full_remat_cmd, "--layerwise-update"], ours_env, label))
         runs = []
         for system, cmd, env, label in order:
             if not os.path.exists(cmd[0]):

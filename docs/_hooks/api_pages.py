@@ -63,7 +63,7 @@ GROUPS: tuple[Group, ...] = (
         "The trainer",
         "One GRPO update: the pure train step on an explicit state, and the trainer that holds "
         "a model and its optimizer.",
-        (f"{_GM}.training", f"{_RL}.grpo", f"{_RL}.state"),
+        (f"{_GM}.training", f"{_RL}.grpo", f"{_RL}.state", f"{_RL}.layerwise"),
     ),
     Group(
         "Rollout and loop",

@@ -64,6 +64,14 @@ def check_layerwise_model(model: Any, reference_model: Any) -> None:
         TypeError: The model is not a causal LM with per-layer storage (``CausalLM``), or the
             reference is not one of the same kind.
         ValueError: The layers are stored stacked (``stack_layers()``).
+
+    Example:
+        >>> from flax import nnx
+        >>> try:
+        ...     check_layerwise_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), None)
+        ... except TypeError as err:
+        ...     print(str(err)[:60])
+        GRPOConfig.layerwise_update needs a CausalLM model (layer_in
     """
     for name, m in (("model", model), ("reference_model", reference_model)):
         if m is None and name == "reference_model":
@@ -141,6 +149,23 @@ class LayerwiseStep:
         reference_model: The reference policy, or None.
         lora_reference: Without a reference model, use the policy with zeroed LoRA adapters.
         on_trace: Called each time the update is traced for a new batch structure.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+        >>> from artifex.generative_models.training.rl import GRPOBatch
+        >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> config = GRPOConfig(num_generations=2, beta=0.0, remat=True, layerwise_update=True)
+        >>> trainer = GRPOTrainer(model, optimizer, config)
+        >>> type(trainer.compiled_step()).__name__
+        'LayerwiseStep'
+        >>> batch = GRPOBatch.zeros(1, 2, 4, 3).replace(rewards=jnp.array([1.0, 0.0]))
+        >>> metrics = trainer.train_step(batch)
+        >>> int(optimizer.step[...]), trainer.num_compilations
+        (1, 1)
     """
 
     def __init__(
@@ -466,6 +491,13 @@ class LayerwiseStep:
 
     def lower(self, state: GRPOTrainState, batch: GRPOBatch) -> Any:
         """Not available: the layer-by-layer update is several programs.
+
+        Args:
+            state: A train state.
+            batch: A batch.
+
+        Returns:
+            Nothing: it always raises.
 
         Raises:
             NotImplementedError: Always; use ``GRPOConfig(layerwise_update=False)`` for XLA's

@@ -177,3 +177,26 @@ def test_what_it_cannot_run_is_refused_by_name():
         t.train_step(batch, num_microbatches=2)
     with pytest.raises(NotImplementedError, match="several programs"):
         t.compiled_step().lower(t.state, t.prepare_batch(batch))
+
+
+def test_the_training_loop_runs_it_with_compile_ahead_and_minibatches():
+    from artifex.generative_models.training.rl.loop import TrainConfig, train
+    from tests.generative_models.training.rl.test_loop import (
+        REWARD,
+        ROLLOUT,
+        TRAIN,
+        make_trainer,
+        params,
+    )
+
+    settings = TrainConfig(
+        num_steps=2, prompts_per_step=4, num_iterations=2, num_minibatches=2, progress=False, seed=3
+    )
+    runs = []
+    for layerwise in (False, True):
+        trainer_, tok = make_trainer(remat=True, layerwise_update=layerwise)
+        train(trainer_, tok, TRAIN, [REWARD], settings, ROLLOUT)
+        assert trainer_.num_compilations == 1
+        runs.append(params(trainer_))
+    for a, b in zip(*runs, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-5)
