@@ -16,32 +16,21 @@ from flax import nnx
 
 from artifex.generative_models.models.causal_lm import (
     CausalLM,
-    CausalLMConfig,
     LoRAConfig,
     apply_lora,
 )
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl import NonFiniteUpdateError, causal_lm_log_probs_fn
 from tests.generative_models.training.rl.test_remat import (
-    VOCAB,
     assert_bool_config_option,
     flat,
     lm_batch,
+    tiny_lm,
 )
 
 
 def tiny(num_layers: int = 3, seed: int = 0, tied: bool = False) -> CausalLM:
-    cfg = CausalLMConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-    )
-    return CausalLM(cfg, rngs=nnx.Rngs(seed))
+    return tiny_lm(num_layers, seed, tie_word_embeddings=tied)
 
 
 def trainer(layerwise: bool, *, tied=False, num_layers=3, reference=True, tx=None, **options):

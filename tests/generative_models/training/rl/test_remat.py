@@ -21,7 +21,7 @@ from artifex.generative_models.training.rl import (
 VOCAB = 64
 
 
-def tiny_lm(num_layers: int = 2, seed: int = 0) -> CausalLM:
+def tiny_lm(num_layers: int = 2, seed: int = 0, **options) -> CausalLM:
     cfg = CausalLMConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -30,6 +30,7 @@ def tiny_lm(num_layers: int = 2, seed: int = 0) -> CausalLM:
         num_heads=4,
         num_kv_heads=2,
         max_position_embeddings=256,
+        **options,
     )
     return CausalLM(cfg, rngs=nnx.Rngs(seed))
 
