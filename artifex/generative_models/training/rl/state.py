@@ -583,12 +583,18 @@ def _finite_flags(params: Any, opt_state: Any) -> tuple[jax.Array, jax.Array]:
         both = jax.lax.reduce(
             (a, b),
             (np.bool_(True), np.bool_(True)),
-            lambda x, y: (x[0] & y[0], x[1] & y[1]),
+            _and_pairs,
             tuple(range(1 if rows else 0, a.ndim)),
         )
         params_ok.append(jnp.all(both[0]))
         opt_ok.append(jnp.all(both[1]))
     return jnp.all(jnp.stack(params_ok)), jnp.all(jnp.stack(opt_ok))
+
+
+def _and_pairs(x: tuple[Any, Any], y: tuple[Any, Any]) -> tuple[Any, Any]:
+    # One function for every reduction: JAX traces a reducer once per function and operand
+    # types, so a lambda per call would be traced again for every parameter.
+    return x[0] & y[0], x[1] & y[1]
 
 
 # Arrays of at least this many elements are checked rows first (see `_finite_flags`); smaller
