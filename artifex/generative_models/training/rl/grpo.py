@@ -363,7 +363,7 @@ class GRPOTrainer:
             if mesh is not None:
                 msg = "GRPOConfig.layerwise_update does not support a mesh yet; leave mesh=None"
                 raise ValueError(msg)
-            check_layerwise_model(model, reference_model)
+            check_layerwise_model(model, reference_model, optimizer.wrt)
         if reference_model is not None:
             # Before placement: device_put onto a mesh may reuse a source buffer, so two models
             # sharing arrays (nnx.clone) would end up sharing device buffers the step donates.

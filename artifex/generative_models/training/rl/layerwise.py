@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -53,17 +54,20 @@ __all__ = ["LayerwiseStep", "check_layerwise_model"]
 _HEAD_MODULES = ("embed", "final_norm", "lm_head")
 
 
-def check_layerwise_model(model: Any, reference_model: Any) -> None:
+def check_layerwise_model(model: Any, reference_model: Any, wrt: Any = nnx.Param) -> None:
     """Raises unless ``model`` (and ``reference_model``) can run the layer-by-layer update.
 
     Args:
         model: The policy.
         reference_model: The reference policy, or None.
+        wrt: The filter of the policy's trainable variables.
 
     Raises:
         TypeError: The model is not a causal LM with per-layer storage (``CausalLM``), or the
             reference is not one of the same kind.
-        ValueError: The layers are stored stacked (``stack_layers()``).
+        ValueError: The layers are stored stacked (``stack_layers()``), or a trainable
+            variable lies outside the embedding, the layers, the final norm and the output
+            projection.
 
     Example:
         >>> from flax import nnx
@@ -89,6 +93,16 @@ def check_layerwise_model(model: Any, reference_model: Any) -> None:
                 f"the {name}'s layers are stored stacked: call unstack_layers() first"
             )
             raise ValueError(msg)
+    outside = sorted(
+        {path[0] for path, _ in nnx.to_flat_state(nnx.state(model, wrt))}
+        - {"layers", *_HEAD_MODULES}
+    )
+    if outside:
+        msg = (
+            "GRPOConfig.layerwise_update differentiates the embedding, the decoder layers, the "
+            f"final norm and the output projection only; the model has trainable {outside}"
+        )
+        raise ValueError(msg)
 
 
 def _sub(tree: Any, *path: Any) -> Any:
@@ -126,6 +140,11 @@ def _assemble(params: Any, pieces: dict[tuple, Any]) -> Any:
         msg = f"the layer-by-layer update has no gradient for the parameters at {missing[:3]}"
         raise ValueError(msg)
     return jax.tree.unflatten(treedef, [flat[k] for k in keys])
+
+
+def _used(tied: bool) -> tuple[str, ...]:
+    """The modules the output projection reads: the embedding when tied, else ``lm_head``."""
+    return ("embed", "final_norm") if tied else _HEAD_MODULES
 
 
 def _merge(graph: Any, params: Any, frozen: Any, zero_params: bool) -> Any:
@@ -179,7 +198,7 @@ class LayerwiseStep:
         lora_reference: bool,
         on_trace: Callable[[], None],
     ):
-        check_layerwise_model(model, reference_model)
+        check_layerwise_model(model, reference_model, wrt)
         self._model = model  # read for its config and dtype only (layer_inputs)
         self._config = config
         self._tx = tx
@@ -201,25 +220,29 @@ class LayerwiseStep:
             None if ref is None else [graph(layer, (...,)) for layer in ref.layers]
         )
         self._tied = model.lm_head is None
+        self._ref_tied = None if ref is None else ref.lm_head is None
+        self._reference = ref
         self._programs()
 
     # ------------------------------------------------------------------ the programs
     def _programs(self) -> None:
-        config, model = self._config, self._model
-        dtype = model.dtype
+        config, model, ref = self._config, self._model, self._reference
 
-        def inputs(batch: GRPOBatch) -> tuple:
-            self._on_trace()
+        def layer_inputs(m: Any, batch: GRPOBatch) -> tuple:
             g = batch.group_size if batch.shared_prompts else None
             step = g or 1
-            return model.layer_inputs(
+            return m.layer_inputs(
                 batch.prompt_ids[::step],
                 batch.completion_ids,
                 batch.prompt_mask[::step],
                 group=g,
             )
 
-        def embed(graph, params, frozen, ids, zero_params=False):
+        def inputs(batch: GRPOBatch) -> tuple:
+            self._on_trace()
+            return layer_inputs(model, batch)
+
+        def embed(graph, params, frozen, ids, zero_params, dtype):
             return _merge(graph, params, frozen, zero_params)(ids).astype(dtype)
 
         def layer(graph, params, frozen, h, cos, sin, mask, zero_params=False):
@@ -234,11 +257,12 @@ class LayerwiseStep:
             return vjp(dh)
 
         def embed_backward(graph, params, frozen, ids, dh):
-            _, vjp = jax.vjp(lambda p: embed(graph, p, frozen, ids), params)
+            _, vjp = jax.vjp(lambda p: embed(graph, p, frozen, ids, False, model.dtype), params)
             return vjp(dh)[0]
 
         def log_probs(graphs, states, h, batch, zero_params=False):
             graphs = dict(graphs)
+            tied = "lm_head" not in graphs  # the policy's, or the reference's own
             norm = _merge(graphs["final_norm"], *states["final_norm"], zero_params)
             hidden = norm(h)
             rows, t = batch.completion_ids.shape
@@ -251,15 +275,13 @@ class LayerwiseStep:
             else:
                 p = batch.prompt_ids.shape[1]
                 hidden = hidden[:, p - 1 : p + t - 1]
-            if self._tied:  # the embedding as stored, (V, D)
+            if tied:  # the embedding as stored, (V, D)
                 weight = _merge(graphs["embed"], *states["embed"], zero_params).embedding[...]
             else:
                 weight = _merge(graphs["lm_head"], *states["lm_head"], zero_params).kernel[...]
             if config.temperature != 1.0:
                 hidden = hidden / jnp.asarray(config.temperature, hidden.dtype)
-            return chunked_token_log_probs(
-                hidden, weight, batch.completion_ids, transposed=self._tied
-            )
+            return chunked_token_log_probs(hidden, weight, batch.completion_ids, transposed=tied)
 
         def reference_log_probs(graphs, states, h, batch, zero_params):
             return jax.lax.stop_gradient(log_probs(graphs, states, h, batch, zero_params)[0])
@@ -304,7 +326,10 @@ class LayerwiseStep:
             return (new.params, new.opt_state, new.step), metrics
 
         self._inputs = jit(inputs)
-        self._embed = jit(embed, static_argnums=(0, 4))
+        # A reference of another configuration or dtype (RoPE, head size) has its own inputs.
+        same = ref is None or (ref.config == model.config and ref.dtype == model.dtype)
+        self._reference_inputs = self._inputs if same else jit(partial(layer_inputs, ref))
+        self._embed = jit(embed, static_argnums=(0, 4, 5))
         self._layer = jit(layer, static_argnums=(0, 7))
         self._layer_backward = jit(layer_backward, static_argnums=0, donate_argnums=7)
         self._embed_backward = jit(embed_backward, static_argnums=0)
@@ -324,38 +349,39 @@ class LayerwiseStep:
         params, frozen = state.params, state.frozen
         ids, cos, sin, mask = fn["inputs"](batch)
 
-        def head_states(tree: Any, other: Any) -> dict[str, tuple[Any, Any]]:
-            return {n: (_sub(tree, n), _sub(other, n)) for n in _HEAD_MODULES if n in self._used}
-
         if self._needs_reference(state, batch):
             if state.reference is not None and self._ref_graphs is not None:
                 graphs, layer_graphs, zero = self._ref_graphs, self._ref_layer_graphs, False
                 ref, ref_other = state.reference, nnx.State({})
-            else:
+                used, dtype = _used(self._ref_tied), self._reference.dtype
+                ref_ids, ref_cos, ref_sin, ref_mask = fn["reference_inputs"](batch)
+            else:  # the policy with zeroed adapters
                 graphs, layer_graphs, zero = self._graphs, self._layer_graphs, True
                 ref, ref_other = params, frozen
-            h = fn["embed"](
-                graphs["embed"], _sub(ref, "embed"), _sub(ref_other, "embed"), ids, zero
-            )
+                used, dtype = _used(self._tied), self._model.dtype
+                ref_ids, ref_cos, ref_sin, ref_mask = ids, cos, sin, mask
+            ref_embed, ref_embed_other = _sub(ref, "embed"), _sub(ref_other, "embed")
+            h = fn["embed"](graphs["embed"], ref_embed, ref_embed_other, ref_ids, zero, dtype)
             for i, lg in enumerate(layer_graphs):
                 layer_ref, layer_other = _sub(ref, "layers", i), _sub(ref_other, "layers", i)
-                h = fn["layer"](lg, layer_ref, layer_other, h, cos, sin, mask, zero)
-            ref_graphs = tuple((n, graphs[n]) for n in self._used)
-            ref_states = head_states(ref, ref_other)
+                h = fn["layer"](lg, layer_ref, layer_other, h, ref_cos, ref_sin, ref_mask, zero)
+            ref_graphs = tuple((n, graphs[n]) for n in used)
+            ref_states = {n: (_sub(ref, n), _sub(ref_other, n)) for n in used}
             ref_lp = fn["reference_log_probs"](ref_graphs, ref_states, h, batch, zero)
             batch = batch.replace(ref_log_probs=ref_lp)
 
+        embed_params, embed_frozen = _sub(params, "embed"), _sub(frozen, "embed")
         h = fn["embed"](
-            self._graphs["embed"], _sub(params, "embed"), _sub(frozen, "embed"), ids, False
+            self._graphs["embed"], embed_params, embed_frozen, ids, False, self._model.dtype
         )
         saved = []
         for i, lg in enumerate(self._layer_graphs):
             saved.append(h)
             layer_params, layer_frozen = _sub(params, "layers", i), _sub(frozen, "layers", i)
             h = fn["layer"](lg, layer_params, layer_frozen, h, cos, sin, mask, False)
-        head_graphs = tuple((n, self._graphs[n]) for n in self._used)
-        head_params = {n: _sub(params, n) for n in self._used}
-        head_frozen = {n: _sub(frozen, n) for n in self._used}
+        head_graphs = tuple((n, self._graphs[n]) for n in _used(self._tied))
+        head_params = {n: _sub(params, n) for n in _used(self._tied)}
+        head_frozen = {n: _sub(frozen, n) for n in _used(self._tied)}
         loss, metrics, d_head, dh = fn["head"](head_graphs, head_params, head_frozen, h, batch)
         pieces: dict[tuple, Any] = {("final_norm",): d_head["final_norm"]}
         if self._tied:
@@ -374,13 +400,10 @@ class LayerwiseStep:
         )
         return fn["finish"](params, state.opt_state, state.step, pieces, loss, metrics, batch)
 
-    @property
-    def _used(self) -> tuple[str, ...]:
-        return ("embed", "final_norm") if self._tied else _HEAD_MODULES
-
     def _jitted(self) -> dict[str, Any]:
         programs = {
             "inputs": self._inputs,
+            "reference_inputs": self._reference_inputs,
             "embed": self._embed,
             "layer": self._layer,
             "layer_backward": self._layer_backward,
@@ -449,17 +472,15 @@ class LayerwiseStep:
             def call(*args: Any) -> Any:
                 low = program.lower(*args)
                 lowered[id(low)] = (name, low)
-                return jax.tree.map(
-                    lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
-                    low.out_info,
-                )
+                # Without a sharding: the next program gets uncommitted arrays, as when it runs
+                # (a struct with the output's sharding lowers to another compiled program).
+                return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), low.out_info)
 
             return call
 
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), (state, batch)
-        )
-        self._run(*abstract, {name: lowering(name, p) for name, p in self._jitted().items()})
+        # The state and batch themselves (only their types are read, nothing runs): lowered
+        # from them, the programs match the calls of the update to come.
+        self._run(state, batch, {name: lowering(name, p) for name, p in self._jitted().items()})
         order = list(lowered.values())
         last = {name: i for i, (name, _) in enumerate(order)}  # a name's last lowering
         ready = {name: concurrent.futures.Future() for name in last}

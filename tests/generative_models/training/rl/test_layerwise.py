@@ -21,6 +21,7 @@ from artifex.generative_models.models.causal_lm import (
 )
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl import NonFiniteUpdateError, causal_lm_log_probs_fn
+from tests.generative_models.training.rl.compiles import CompileCounter
 from tests.generative_models.training.rl.test_remat import (
     assert_bool_config_option,
     flat,
@@ -119,11 +120,55 @@ def test_compile_ahead_compiles_what_the_step_then_runs():
     t = trainer(True)
     batch = lm_batch(seed=5).replace(ref_log_probs=None, old_log_probs=None)
     future = t.compile_ahead(batch)
-    t.train_step(batch)
     assert future.result() is None
+    counter = CompileCounter()  # every XLA compilation, from any thread
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        counter.during(lambda: t.train_step(batch))
+    finally:
+        counter.active = False
+    assert counter.count == 0  # the programs compiled ahead are the ones the step runs
     assert t.num_compilations == 1
-    sizes = {name: p._cache_size() for name, p in t.compiled_step()._jitted().items()}
-    assert set(sizes.values()) == {1}, sizes
+
+
+@pytest.mark.parametrize(
+    "reference_options",
+    [{"tied": True}, {"dtype": "bfloat16"}, {"rope_theta": 100.0}, {"num_layers": 2}],
+    ids=["tied", "bf16", "rope", "depth"],
+)
+def test_a_reference_of_another_kind_runs_with_its_own_settings(reference_options):
+    """The reference's own output tying, dtype, RoPE and depth, as in the one-program update
+    (its log-probs reach the update through the KL term)."""
+    options = dict(reference_options)
+    dtype = options.pop("dtype", None)
+    tied = options.pop("tied", False)
+    layers = options.pop("num_layers", 3)
+    runs = []
+    for layerwise in (False, True):
+        policy = tiny(3, 0)
+        reference = tiny_lm(layers, 5, tie_word_embeddings=tied, **options)
+        if dtype is not None:
+            reference = CausalLM(reference.config, rngs=nnx.Rngs(5), dtype=dtype)
+        optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
+        config = GRPOConfig(num_generations=4, beta=0.5, remat=True, layerwise_update=layerwise)
+        runs.append(GRPOTrainer(policy, optimizer, config, reference_model=reference))
+    batch = lm_batch(seed=9).replace(ref_log_probs=None)
+    expected = runs[0].train_step(batch)
+    got = runs[1].train_step(batch)
+    # A bfloat16 reference: XLA keeps float32 intermediates inside the one program where the
+    # per-layer programs round to bfloat16 between layers (bfloat16's epsilon is 7.8e-3).
+    rel = 2e-3 if dtype == "bfloat16" else 2e-5
+    for key in ("kl", "kl_penalty", "total_loss", "grad_norm"):
+        assert got[key] == pytest.approx(expected[key], rel=rel, abs=1e-7), key
+
+
+def test_a_trainable_variable_outside_the_layers_is_refused_when_the_trainer_is_built():
+    policy = tiny(2)
+    policy.value_head = nnx.Linear(32, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
+    config = GRPOConfig(num_generations=4, remat=True, layerwise_update=True)
+    with pytest.raises(ValueError, match=r"the model has trainable \['value_head'\]"):
+        GRPOTrainer(policy, optimizer, config)
 
 
 def test_a_rejected_update_leaves_the_state_as_it_was():
