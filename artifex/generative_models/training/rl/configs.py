@@ -231,9 +231,10 @@ class GRPOConfig:
             Python (:mod:`~artifex.generative_models.training.rl.layerwise`): the embedding,
             one decoder layer (forward, and backward with the layer recomputed), the output
             projection with the objective, and clipping, AdamW and the guard. Layers of one
-            structure share one compiled program, so the first step compiles in seconds
-            whatever the depth, where the one-program update compiles the whole unrolled
-            model (about 15-20 s for SmolLM2-135M on 2 CPU cores). Same values as the
+            structure share one compiled program, so the layers' compile does not grow with
+            the depth, where the one-program update compiles the whole unrolled model (about
+            15-20 s for SmolLM2-135M on 2 CPU cores); the optimizer's program still grows with
+            the number of parameter arrays. Same values as the
             one-program update with ``remat=True`` (which it needs, with ``remat_every=1``
             and not ``scan_layers``), up to float32 rounding; with bfloat16 parameters up to
             bfloat16 rounding, since XLA keeps float32 intermediates inside one program (0.1%

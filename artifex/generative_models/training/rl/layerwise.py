@@ -12,13 +12,14 @@ run its update as a sequence of small programs called from Python instead of one
 7. clipping, ``tx`` and the guard
    (:func:`~artifex.generative_models.training.rl.state.apply_gradients`), on the donated state.
 
-Every decoder layer of one structure runs the same compiled program, so the update compiles a
-fixed handful of small programs whatever the depth. The one-program update holds every layer
-unrolled, and XLA:CPU's compile time grows faster than linearly with its size (about 15-20 s
-for SmolLM2-135M's 30 layers on 2 cores, most of that model's first step); this one compiles in a
-few seconds. The values are those of the one-program update with ``remat=True``; each update
-is a little slower, as XLA cannot fuse or overlap work across the programs
-(``docs/benchmarks.md``).
+Every decoder layer of one structure runs the same compiled program, so the layers' programs
+do not grow with the depth. The one-program update holds every layer unrolled, and XLA:CPU's
+compile time grows faster than linearly with its size (about 15-20 s for SmolLM2-135M's 30
+layers on 2 cores, most of that model's first step). Here the layers' programs compile in a few
+seconds; the optimizer's program still updates and checks every parameter array (273 for
+SmolLM2-135M: 5-12 s to compile), and is the longest compile. The values are those of the
+one-program update with ``remat=True``; each update is a little slower, as XLA cannot fuse or
+overlap work across the programs (``docs/benchmarks.md``).
 
 Nothing is donated before the last program: a failure in any earlier one leaves the state as it
 was, and the guard of the last one rejects a non-finite update as the one-program step does.
@@ -345,7 +346,7 @@ class LayerwiseStep:
         return self._config.beta > 0.0 and batch.ref_log_probs is None and has_ref
 
     def _run(self, state: GRPOTrainState, batch: GRPOBatch, fn: dict[str, Any]) -> Any:
-        """One update through the program callables ``fn`` (jitted, or ``eval_shape`` ones)."""
+        """One update through the program callables ``fn`` (jitted, or lowering ones)."""
         params, frozen = state.params, state.frozen
         ids, cos, sin, mask = fn["inputs"](batch)
 
