@@ -70,7 +70,7 @@ def update_cost(trainer: Any, batch: Any, *, remat: bool | int = False) -> dict[
         trainer.model,
         trainer.optimizer,
         # the same update as one program (per-layer programs have no single cost analysis)
-        dataclasses.replace(trainer.config, layerwise_update=False),
+        dataclasses.replace(trainer.config, layerwise_update=False, optimizer_by_layer=False),
         reference_model=trainer.reference_model,
         log_prob_fn=causal_lm_log_probs_fn(chunk_size=2**31 - 1, remat=remat),
     )
@@ -98,6 +98,7 @@ def workload_trainer(
     stack_layers: bool = False,
     scan_layers: bool = False,
     layerwise_update: bool = False,
+    optimizer_by_layer: bool = True,
 ) -> Any:
     """Our ``GRPOTrainer`` on a workload directory, as the benchmark workers build it.
 
@@ -115,6 +116,8 @@ def workload_trainer(
         stack_layers: ``CausalLM.stack_layers()`` on the policy and the reference.
         scan_layers: ``CausalLM.scan_layers`` (the sampler scans them too).
         layerwise_update: ``GRPOConfig.layerwise_update`` (the update as per-layer programs).
+        optimizer_by_layer: ``GRPOConfig.optimizer_by_layer`` (False: the optimizer in the
+            update's one program).
 
     Returns:
         The trainer.
@@ -139,6 +142,7 @@ def workload_trainer(
         remat_every=remat_every,
         scan_layers=scan_update,
         layerwise_update=layerwise_update,
+        optimizer_by_layer=optimizer_by_layer,
     )
     return GRPOTrainer(policy, optimizer, config, reference_model=reference)
 

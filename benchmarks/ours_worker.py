@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         help="GRPOConfig(layerwise_update=True): the update as per-layer programs (needs --remat)",
     )
     parser.add_argument(
+        "--one-program-optimizer",
+        action="store_true",
+        help="GRPOConfig(optimizer_by_layer=False): clipping, AdamW and the guard in the "
+        "update's one program",
+    )
+    parser.add_argument(
         "--stack-layers",
         action="store_true",
         help="CausalLM.stack_layers() on the policy and the reference: the decoder layers "
@@ -115,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         remat_every=args.remat_every,
         scan_update=args.scan_update,
         layerwise_update=args.layerwise_update,
+        optimizer_by_layer=not args.one_program_optimizer,
         stack_layers=args.stack_layers,
         scan_layers=args.layers == "scan",
     )
@@ -199,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "remat_every": args.remat_every,
         "scan_update": args.scan_update,
         "layerwise_update": args.layerwise_update,
+        "optimizer_by_layer": not args.one_program_optimizer,
         "stack_layers": args.stack_layers,
         "compile_ahead": args.compile_ahead,
         "microbatches": args.microbatches,

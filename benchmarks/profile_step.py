@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         remat_every=args.remat_every,
         scan_update=args.scan_update,
         stack_layers=args.stack_layers,
+        optimizer_by_layer=False,  # one program, compiled and analyzed ahead of time here
     )
     policy, reference, optimizer = trainer.model, trainer.reference_model, trainer.optimizer
     rss_loaded = cleanwin.peak_rss_bytes()

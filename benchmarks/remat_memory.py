@@ -54,7 +54,9 @@ def _compile_one(layers: int, dtype: str, remat: bool) -> dict:
     policy = CausalLM(w.model, rngs=nnx.Rngs(spec["seed"]))
     reference = frozen_copy(policy)
     optimizer = nnx.Optimizer(policy, optax.adamw(spec["learning_rate"]), wrt=nnx.Param)
-    config = GRPOConfig(num_generations=w.num_generations, beta=w.beta, remat=remat)
+    config = GRPOConfig(
+        num_generations=w.num_generations, beta=w.beta, remat=remat, optimizer_by_layer=False
+    )
     trainer = GRPOTrainer(policy, optimizer, config, reference_model=reference)
     batch = trainer.prepare_batch(random_batch(w, seed=spec["seed"]))  # one prefill per group
     start = time.perf_counter()

@@ -82,7 +82,8 @@ def build_trainer(w: Workload, *, seed: int = 0, lr: float = 1e-5) -> GRPOTraine
     model = CausalLM(w.model, rngs=nnx.Rngs(seed))
     optimizer = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
     reference = frozen_copy(model) if w.beta > 0 else None
-    config = GRPOConfig(num_generations=w.num_generations, beta=w.beta)
+    # One program: the benchmarks that use these trainers take XLA's cost analysis of it.
+    config = GRPOConfig(num_generations=w.num_generations, beta=w.beta, optimizer_by_layer=False)
     return GRPOTrainer(model, optimizer, config, reference_model=reference)
 
 

@@ -63,7 +63,13 @@ GROUPS: tuple[Group, ...] = (
         "The trainer",
         "One GRPO update: the pure train step on an explicit state, and the trainer that holds "
         "a model and its optimizer.",
-        (f"{_GM}.training", f"{_RL}.grpo", f"{_RL}.state", f"{_RL}.layerwise"),
+        (
+            f"{_GM}.training",
+            f"{_RL}.grpo",
+            f"{_RL}.state",
+            f"{_RL}.layerwise",
+            f"{_RL}.optimizer_split",
+        ),
     ),
     Group(
         "Rollout and loop",

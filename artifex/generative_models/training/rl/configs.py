@@ -233,8 +233,7 @@ class GRPOConfig:
             projection with the objective, and clipping, AdamW and the guard. Layers of one
             structure share one compiled program, so the layers' compile does not grow with
             the depth, where the one-program update compiles the whole unrolled model (about
-            15-20 s for SmolLM2-135M on 2 CPU cores); the optimizer's program still grows with
-            the number of parameter arrays. Same values as the
+            15-20 s for SmolLM2-135M on 2 CPU cores). Same values as the
             one-program update with ``remat=True`` (which it needs, with ``remat_every=1``
             and not ``scan_layers``), up to float32 rounding; with bfloat16 parameters up to
             bfloat16 rounding, since XLA keeps float32 intermediates inside one program (0.1%
@@ -242,6 +241,18 @@ class GRPOConfig:
             across layers; ``docs/benchmarks.md``). For ``GRPOTrainer`` with the default
             log-prob function, one microbatch and no mesh; the pure ``make_grpo_train_step``
             ignores it.
+        optimizer_by_layer: Let ``GRPOTrainer`` run clipping, the optimizer and the
+            non-finite guard one decoder layer at a time, in small programs compiled once per
+            layer structure, after a program that computes the gradient
+            (:mod:`~artifex.generative_models.training.rl.optimizer_split`). Used only where
+            that gives the same update: a transformation that updates each parameter from its
+            own gradient and state and shared scalars (SGD, Adam, AdamW, Lion, schedules;
+            not ``optax.clip_by_global_norm`` inside the chain, ``MultiSteps`` or factored
+            states), checked on its own computation when the step is first built; a model
+            whose parameters have per-layer entries; no mesh. The one-program step spends
+            about half its compile on the per-array optimizer work for SmolLM2-135M
+            (``docs/benchmarks.md``). ``False``: always one program (which
+            ``compiled_step().lower()`` needs). The pure ``make_grpo_train_step`` ignores it.
 
     Raises:
         TypeError: If a field has the wrong type (``num_generations=4.0``, ``beta="0.1"``).
@@ -296,6 +307,7 @@ class GRPOConfig:
     remat_every: int = 1
     scan_layers: bool = False
     layerwise_update: bool = False
+    optimizer_by_layer: bool = True
 
     def __post_init__(self) -> None:
         # Wrong type: TypeError; right type, out of range: ValueError (utils.validation).
@@ -328,6 +340,7 @@ class GRPOConfig:
             )
             raise ValueError(msg)
         check_bool(f + "layerwise_update", self.layerwise_update)
+        check_bool(f + "optimizer_by_layer", self.optimizer_by_layer)
         if self.layerwise_update and (not self.remat or self.remat_every > 1 or self.scan_layers):
             msg = (
                 "GRPOConfig.layerwise_update=True recomputes every decoder layer in the backward "

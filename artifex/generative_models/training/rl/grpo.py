@@ -40,12 +40,19 @@ from artifex.generative_models.training.rl.objective import (
     make_grpo_loss,
     split_microbatches,
 )
+from artifex.generative_models.training.rl.optimizer_split import (
+    LayerOptimizer,
+    LayerSplit,
+    group_tree,
+    split_by_layer,
+)
 from artifex.generative_models.training.rl.rollout import Policy
 from artifex.generative_models.training.rl.state import (
     GRPOTrainState,
     NonFiniteUpdateError,
     _is_lora_only,
     init_train_state,
+    make_grpo_gradients,
     make_grpo_log_probs,
     make_grpo_train_step,
     write_train_state,
@@ -221,6 +228,139 @@ class _CompiledStep:
 
     def _cache_size(self) -> int:
         return self._jitted._cache_size()
+
+
+class _SplitStep:
+    """A trainer's step as a gradient program, then the optimizer one layer at a time.
+
+    ``(state, batch) -> (state, metrics)`` as :class:`_CompiledStep`, with the same values (the
+    gradient norm summed in another order): the objective and its gradient in one program
+    (``make_grpo_gradients``, nothing donated), then clipping, ``tx`` and the guard per
+    parameter group (:class:`~artifex.generative_models.training.rl.optimizer_split.
+    LayerOptimizer`: each decoder layer, then the rest), whose programs compile once per group
+    structure. The one-program step holds the optimizer's work for every parameter array,
+    about half of its compile for SmolLM2-135M's 273 arrays (``docs/benchmarks.md``).
+    """
+
+    def __init__(self, gradients: Any, optimizer: LayerOptimizer, split: LayerSplit):
+        self._gradients = gradients
+        self._optimizer = optimizer
+        self._split = split
+        self._pending: list[concurrent.futures.Future] = []  # compile_ahead's, in flight
+
+    @staticmethod
+    def _parts(state: GRPOTrainState) -> tuple[tuple, tuple]:
+        return _CompiledStep._parts(state)
+
+    def _run(self, state: GRPOTrainState, batch: GRPOBatch, fn: Mapping[str, Any]) -> Any:
+        (params, opt_state, step), (frozen, rng, reference) = self._parts(state)
+        loss, metrics, grads = fn["gradients"](
+            (params, opt_state, step), (frozen, rng, reference), batch
+        )
+        split = self._split
+        by_group = {g: group_tree(grads, g) for g in split.groups}
+        return self._optimizer.run(fn, split, state, by_group, loss, metrics, batch)
+
+    def __call__(
+        self, state: GRPOTrainState, batch: GRPOBatch
+    ) -> tuple[GRPOTrainState, dict[str, jax.Array]]:
+        self.wait()
+        fn = dict(
+            self._optimizer.programs,
+            gradients=self._gradients,
+            prepare_apply=self._optimizer.prepare_apply,
+        )
+        (params, opt_state, step), metrics = self._run(state, batch, fn)
+        return state.replace(params=params, opt_state=opt_state, step=step), metrics
+
+    def wait(self) -> None:
+        """Waits for a background compilation (:meth:`compile_ahead`) to finish, if any."""
+        pending, self._pending = self._pending, []
+        concurrent.futures.wait(pending)
+
+    def compile_ahead(self, state: GRPOTrainState, batch: GRPOBatch) -> concurrent.futures.Future:
+        """Traces every program here, compiles them in the background (two threads).
+
+        As ``_CompiledStep.compile_ahead``; the gradient program compiles in one thread, the
+        optimizer's small programs in another.
+
+        Args:
+            state: A train state (only its types are read).
+            batch: A batch with the structure, shapes and dtypes of the batches to come.
+
+        Returns:
+            A future whose result is ``None`` once every program is compiled (or an error).
+        """
+        self.wait()
+        lowered: dict[int, tuple[str, Any]] = {}  # JAX caches lowerings: one per program
+
+        def lowering(name: str, program: Any) -> Any:
+            def call(*args: Any) -> Any:
+                low = program.lower(*args)
+                lowered[id(low)] = (name, low)
+                # Without a sharding: the next program gets uncommitted arrays, as when it runs.
+                return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), low.out_info)
+
+            return call
+
+        programs = dict(self._optimizer.programs, gradients=self._gradients)
+        fn = {name: lowering(name, p) for name, p in programs.items()}
+        self._run(state, batch, dict(fn, prepare_apply=lambda *args: None))
+        order = list(lowered.values())
+        first = [low for name, low in order if name == "gradients"]
+        rest = [low for name, low in order if name != "gradients"]
+        futures = []
+        for lows in (first, rest):
+            future: concurrent.futures.Future = concurrent.futures.Future()
+
+            def work(lows: list = lows, future: concurrent.futures.Future = future) -> None:
+                try:
+                    for low in lows:
+                        low.compile()
+                except BaseException as exc:  # handed to whoever waits on the future
+                    future.set_exception(exc)
+                else:
+                    future.set_result(None)
+
+            threading.Thread(target=work, name="artifex-compile-ahead").start()
+            futures.append(future)
+        self._pending = list(futures)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def join() -> None:
+            errors = [f.exception() for f in futures]
+            error = next((e for e in errors if e is not None), None)
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+        threading.Thread(target=join, name="artifex-compile-ahead-join").start()
+        return done
+
+    def lower(self, state: GRPOTrainState, batch: GRPOBatch) -> Any:
+        """Not available: the step is a gradient program and the optimizer's programs.
+
+        Args:
+            state: A train state.
+            batch: A batch.
+
+        Returns:
+            Nothing: it always raises.
+
+        Raises:
+            NotImplementedError: Always; use ``GRPOConfig(optimizer_by_layer=False)`` for XLA's
+                cost and memory analysis of one program.
+        """
+        msg = (
+            "this step runs the optimizer one layer at a time (GRPOConfig.optimizer_by_layer), "
+            "so it is several programs, not one lowering; set optimizer_by_layer=False for "
+            "XLA's analysis of the whole update"
+        )
+        raise NotImplementedError(msg)
+
+    def _cache_size(self) -> int:
+        return self._gradients._cache_size()
 
 
 def _holds_per_layer_state(optimizer: nnx.Optimizer) -> bool:
@@ -606,6 +746,23 @@ class GRPOTrainer:
                 lora_reference=self._lora_reference,
                 on_trace=count,
             )
+        if num_microbatches not in self._steps and self._optimizer_split() is not None:
+            gradients = make_grpo_gradients(
+                self.model, self.config, num_microbatches=num_microbatches, **self._bound
+            )
+
+            # Named like the one-program step (`split_step`): both are "the update" by name.
+            def split_step_gradients(dynamic: tuple, fixed: tuple, batch: GRPOBatch):
+                self._num_traces += 1
+                (params, opt_state, step), (frozen, rng, reference) = dynamic, fixed
+                state = GRPOTrainState(params, frozen, opt_state, step, rng, reference)
+                return gradients(state, batch)
+
+            self._steps[num_microbatches] = _SplitStep(
+                jax.jit(split_step_gradients, compiler_options=compiler_options()),
+                LayerOptimizer(self.optimizer.tx, self.config),
+                self._optimizer_split(),
+            )
         if num_microbatches not in self._steps:
             pure = make_grpo_train_step(
                 self.model,
@@ -638,6 +795,28 @@ class GRPOTrainer:
             )
             self._steps[num_microbatches] = _CompiledStep(jitted)
         return self._steps[num_microbatches]
+
+    def _optimizer_split(self) -> LayerSplit | None:
+        """The per-layer split of the optimizer step, or None (then one program runs it).
+
+        Only with ``GRPOConfig.optimizer_by_layer``, without a mesh, and where
+        :func:`~artifex.generative_models.training.rl.optimizer_split.split_by_layer` accepts
+        the optimizer's transformation for this state (decided once per trainer).
+        """
+        if not hasattr(self, "_split"):
+            self._split: LayerSplit | None = None
+            #: Why the optimizer runs in one program ("" while it runs layer by layer).
+            self.optimizer_split_reason = ""
+            if not self.config.optimizer_by_layer:
+                self.optimizer_split_reason = "GRPOConfig.optimizer_by_layer is False"
+            elif self.mesh is not None:
+                self.optimizer_split_reason = "a mesh (the one-program step keeps its layout)"
+            else:
+                state = self.state
+                self._split, self.optimizer_split_reason = split_by_layer(
+                    self.optimizer.tx, state.params, state.opt_state
+                )
+        return self._split
 
     # ----------------------------------------------------------------- the step
     def prepare_batch(self, batch: GRPOBatch | Mapping[str, Any]) -> GRPOBatch:

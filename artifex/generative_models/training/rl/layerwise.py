@@ -47,6 +47,12 @@ from artifex.generative_models.training.rl.objective import (
     compute_advantages,
     grpo_objective,
 )
+from artifex.generative_models.training.rl.optimizer_split import (
+    LayerOptimizer,
+    LayerSplit,
+    group_tree,
+    split_by_layer,
+)
 from artifex.generative_models.training.rl.state import GRPOTrainState, apply_gradients
 from artifex.generative_models.utils.compile_options import jit
 
@@ -206,6 +212,9 @@ class LayerwiseStep:
         self._lora_reference = lora_reference
         self._on_trace = on_trace
         self._ready: dict[str, concurrent.futures.Future] = {}  # compile_ahead's programs
+        self._splits: dict[Any, tuple[LayerSplit | None, str]] = {}
+        #: Why the optimizer runs as one program (empty while it runs layer by layer).
+        self.optimizer_split_reason = ""
 
         def graph(module: Any, filters: tuple) -> Any:
             return None if module is None else nnx.split(module, *filters)[0]
@@ -326,6 +335,12 @@ class LayerwiseStep:
             new, metrics = apply_gradients(self._tx, config, state, batch, loss, metrics, grads)
             return (new.params, new.opt_state, new.step), metrics
 
+        # The optimizer group by group (a decoder layer, then the rest), where
+        # `split_by_layer` has found that the same as the whole (AdamW, SGD, ...): its programs
+        # compile once per group structure, not once for all 273 arrays of SmolLM2-135M.
+        self._optimizer = LayerOptimizer(self._tx, config)
+        self._add = jit(partial(jax.tree.map, jnp.add))
+
         self._inputs = jit(inputs)
         # A reference of another configuration or dtype (RoPE, head size) has its own inputs.
         same = ref is None or (ref.config == model.config and ref.dtype == model.dtype)
@@ -399,10 +414,55 @@ class LayerwiseStep:
         pieces[("embed",)] = fn["embed_backward"](
             self._graphs["embed"], _sub(params, "embed"), _sub(frozen, "embed"), ids, dh
         )
-        return fn["finish"](params, state.opt_state, state.step, pieces, loss, metrics, batch)
+        split = self.optimizer_split(state)
+        if split is None:
+            return fn["finish"](params, state.opt_state, state.step, pieces, loss, metrics, batch)
+        return self._finish_by_layer(split, state, pieces, loss, metrics, batch, fn)
 
-    def _jitted(self) -> dict[str, Any]:
-        programs = {
+    def _finish_by_layer(
+        self,
+        split: LayerSplit,
+        state: GRPOTrainState,
+        pieces: dict[tuple, Any],
+        loss: Any,
+        metrics: Any,
+        batch: GRPOBatch,
+        fn: dict[str, Any],
+    ) -> Any:
+        """Clipping, ``tx`` and the guard as ``apply_gradients``, one group at a time."""
+        if self._tied:  # the embedding's two uses: lookup and output projection
+            pieces = dict(pieces)
+            pieces[("embed",)] = fn["add"](pieces[("embed",)], pieces.pop(("embed", "head")))
+        grads = {}
+        for group in split.groups:
+            if group is not None:
+                grads[group] = pieces[("layers", group)]
+            else:
+                rest = {k: v for k, v in pieces.items() if k[0] != "layers"}
+                grads[group] = _assemble(group_tree(state.params, None), rest)
+        return self._optimizer.run(fn, split, state, grads, loss, metrics, batch)
+
+    def optimizer_split(self, state: GRPOTrainState) -> LayerSplit | None:
+        """How the optimizer step runs one layer at a time for ``state``, or None.
+
+        None where ``tx`` is not separable by layer (``split_by_layer``'s check): then the
+        optimizer runs as one program over every parameter, as in the one-program update.
+        :attr:`optimizer_split_reason` says why.
+
+        Args:
+            state: A train state (its structure, shapes and dtypes are read).
+
+        Returns:
+            The split, or None.
+        """
+        key = (jax.tree.structure(state.params), jax.tree.structure(state.opt_state))
+        if key not in self._splits:
+            self._splits[key] = split_by_layer(self._tx, state.params, state.opt_state)
+        split, self.optimizer_split_reason = self._splits[key]
+        return split
+
+    def _programs_by_name(self) -> dict[str, Any]:
+        return {
             "inputs": self._inputs,
             "reference_inputs": self._reference_inputs,
             "embed": self._embed,
@@ -412,10 +472,19 @@ class LayerwiseStep:
             "reference_log_probs": self._reference_log_probs,
             "head": self._head,
             "finish": self._finish,
+            "add": self._add,
+            **self._optimizer.programs,
         }
+
+    def _jitted(self) -> dict[str, Any]:
+        programs = self._programs_by_name()
         ready, self._ready = dict(self._ready), {}  # popped below: the thread keeps its own
+
+        def prepare_apply(*args: Any) -> None:
+            self._optimizer.prepare_apply(*args, wait=ready.pop("apply", None))
+
         if not ready:
-            return programs
+            return dict(programs, prepare_apply=prepare_apply)
 
         def after(name: str, program: Any) -> Callable[..., Any]:
             def call(*args: Any) -> Any:
@@ -426,7 +495,8 @@ class LayerwiseStep:
 
             return call
 
-        return {name: after(name, program) for name, program in programs.items()}
+        wrapped = {name: after(name, program) for name, program in programs.items()}
+        return dict(wrapped, prepare_apply=prepare_apply)
 
     def __call__(
         self, state: GRPOTrainState, batch: GRPOBatch
@@ -481,7 +551,8 @@ class LayerwiseStep:
 
         # The state and batch themselves (only their types are read, nothing runs): lowered
         # from them, the programs match the calls of the update to come.
-        self._run(state, batch, {name: lowering(name, p) for name, p in self._jitted().items()})
+        programs = {name: lowering(name, p) for name, p in self._programs_by_name().items()}
+        self._run(state, batch, dict(programs, prepare_apply=lambda *args: None))
         order = list(lowered.values())
         last = {name: i for i, (name, _) in enumerate(order)}  # a name's last lowering
         ready = {name: concurrent.futures.Future() for name in last}

@@ -50,6 +50,7 @@ __all__ = [
     "GRPOTrainState",
     "NonFiniteUpdateError",
     "init_train_state",
+    "make_grpo_gradients",
     "make_grpo_log_probs",
     "make_grpo_train_step",
     "write_train_state",
@@ -319,14 +320,78 @@ def make_grpo_train_step(
         >>> int(state.step), float(metrics["update_applied"])
         (1, 1.0)
     """
-    check_int("num_microbatches", num_microbatches, minimum=1)
-    program = _program(model, config, wrt, reference_model, log_prob_fn)
-    log_prob = program.log_prob_fn
+    gradients = make_grpo_gradients(
+        model,
+        config,
+        wrt=wrt,
+        reference_model=reference_model,
+        log_prob_fn=log_prob_fn,
+        num_microbatches=num_microbatches,
+    )
 
     def grpo_train_step(
         state: GRPOTrainState, batch: GRPOBatch
     ) -> tuple[GRPOTrainState, dict[str, jax.Array]]:
         """One GRPO update of ``state`` on ``batch``: ``(new_state, metrics)`` (pure)."""
+        loss, metrics, grads = gradients(state, batch)
+        return apply_gradients(tx, config, state, batch, loss, metrics, grads)
+
+    return grpo_train_step
+
+
+def make_grpo_gradients(
+    model: nnx.Module,
+    config: GRPOConfig,
+    *,
+    wrt: Any = nnx.Param,
+    reference_model: nnx.Module | None = None,
+    log_prob_fn: LogProbFn | None = None,
+    num_microbatches: int = 1,
+) -> Callable[[GRPOTrainState, GRPOBatch], tuple[jax.Array, dict[str, jax.Array], Any]]:
+    """The first half of ``grpo_train_step``: the objective and its gradient, nothing applied.
+
+    ``grpo_gradients(state, batch) -> (loss, metrics, grads)`` (pure, not jitted): the
+    objective's value, its metrics (the reward metrics included) and its gradient with respect
+    to ``state.params``; :func:`apply_gradients` is the second half.
+    ``make_grpo_train_step`` is the two in one function.
+
+    Args:
+        model: The policy (only its graph is bound).
+        config: The GRPO options.
+        wrt: The filter of trainable variables.
+        reference_model: The reference policy's module, as for ``make_grpo_train_step``.
+        log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
+        num_microbatches: Accumulate gradients over this many equal row slices.
+
+    Returns:
+        ``grpo_gradients``.
+
+    Raises:
+        TypeError: ``config`` is not a ``GRPOConfig``.
+        ValueError: ``num_microbatches`` is not an int >= 1.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        >>> gradients = jax.jit(make_grpo_gradients(model, GRPOConfig()))
+        >>> batch = GRPOBatch.from_dict(
+        ...     {"observations": jnp.ones((4, 4)), "actions": jnp.array([0, 1, 2, 0]),
+        ...      "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])}, group_size=4)
+        >>> loss, metrics, grads = gradients(init_train_state(model, optimizer), batch)
+        >>> grads["kernel"].shape, "reward_mean" in metrics
+        ((4, 3), True)
+    """
+    check_int("num_microbatches", num_microbatches, minimum=1)
+    program = _program(model, config, wrt, reference_model, log_prob_fn)
+    log_prob = program.log_prob_fn
+
+    def grpo_gradients(
+        state: GRPOTrainState, batch: GRPOBatch
+    ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+        """The objective, its metrics and its gradient for ``state`` on ``batch`` (pure)."""
         needs_ref = program.needs_reference(state, batch)
         frozen = state.frozen
         # Advantages and the loss normalizer come from the whole batch, so splitting it into
@@ -388,10 +453,9 @@ def make_grpo_train_step(
             metrics = _combine_micro_metrics(micro_metrics, config)
         if not precomputed:  # a loop that precomputes advantages reports these once per batch
             metrics.update(_reward_metrics(batch, advantages))
+        return loss, metrics, grads
 
-        return apply_gradients(tx, config, state, batch, loss, metrics, grads)
-
-    return grpo_train_step
+    return grpo_gradients
 
 
 def apply_gradients(
@@ -543,7 +607,9 @@ def _has_reward_signal(batch: GRPOBatch) -> jax.Array:
     return signal
 
 
-def _finite_flags(params: Any, opt_state: Any) -> tuple[jax.Array, jax.Array]:
+def _finite_flags(
+    params: Any, opt_state: Any, *, rows_first: int | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Whether every inexact leaf of ``params`` / of ``opt_state`` is finite (two bool scalars).
 
     Optimizer states hold parameter-shaped trees (Adam's moments): each parameter is checked
@@ -552,8 +618,10 @@ def _finite_flags(params: Any, opt_state: Any) -> tuple[jax.Array, jax.Array]:
     cut the update's compilation by about a fifth. The reduction of a large array keeps its
     leading axis and a second one reduces that: XLA:CPU runs a reduction to a vector on all
     cores, a reduction to a scalar on one (the check of a 49,152 x 576 embedding with its
-    moments: about 40 against 85 ms).
+    moments: about 40 against 85 ms). ``rows_first`` sets that size threshold (default
+    ``_ROWS_FIRST``).
     """
+    rows_first = _ROWS_FIRST if rows_first is None else rows_first
     p_leaves, p_def = jax.tree.flatten(params)
     slots: list[list[Any]] = [[] for _ in p_leaves]  # optimizer arrays shaped like parameter i
     rest: list[Any] = []  # the other optimizer arrays (step counts, ...)
@@ -572,14 +640,14 @@ def _finite_flags(params: Any, opt_state: Any) -> tuple[jax.Array, jax.Array]:
                 slot.append(x)
         else:
             rest.append(node)
-    params_ok, opt_ok = [jnp.asarray(True)], [_all_finite(rest)]
+    params_ok, opt_ok = [jnp.asarray(True)], [_all_finite(rest, rows_first)]
     for p, slot in zip(p_leaves, slots, strict=True):
         a, b = _finite_mask([p]), _finite_mask(slot)
         if a is None or b is None:
-            params_ok.append(_all_finite([p]))
-            opt_ok.append(_all_finite(slot))
+            params_ok.append(_all_finite([p], rows_first))
+            opt_ok.append(_all_finite(slot, rows_first))
             continue
-        rows = a.size >= _ROWS_FIRST and a.ndim > 1
+        rows = a.size >= rows_first and a.ndim > 1
         both = jax.lax.reduce(
             (a, b),
             (np.bool_(True), np.bool_(True)),
@@ -608,12 +676,12 @@ def _finite_mask(arrays: list[Any]) -> jax.Array | None:
     return functools.reduce(jnp.logical_and, masks) if masks else None
 
 
-def _all_finite(state: Any) -> jax.Array:
+def _all_finite(state: Any, rows_first: int = _ROWS_FIRST) -> jax.Array:
     """Whether every inexact leaf of ``state`` is finite (a bool scalar; rows first, see above)."""
     checks = [
         jnp.all(
             jnp.all(jnp.isfinite(x), axis=tuple(range(1, jnp.ndim(x))))
-            if jnp.size(x) >= _ROWS_FIRST and jnp.ndim(x) > 1
+            if jnp.size(x) >= rows_first and jnp.ndim(x) > 1
             else jnp.isfinite(x)
         )
         for x in jax.tree.leaves(state)

@@ -34,7 +34,10 @@ def _compiled_update(num_layers: int, batch: GRPOBatch | None = None):
     reference = CausalLM(config, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(policy, optax.adamw(1e-3), wrt=nnx.Param)
     trainer = GRPOTrainer(
-        policy, optimizer, GRPOConfig(num_generations=2, beta=0.04), reference_model=reference
+        policy,
+        optimizer,
+        GRPOConfig(num_generations=2, beta=0.04, optimizer_by_layer=False),
+        reference_model=reference,
     )
     rng = np.random.default_rng(0)
     batch = batch or GRPOBatch(

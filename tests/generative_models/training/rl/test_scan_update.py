@@ -52,7 +52,9 @@ def _dots_in_update(num_layers: int, scan: bool) -> int:
     """Dot operations in the optimized program of the whole update (policy and reference)."""
     policy, reference = tiny_lm(num_layers), tiny_lm(num_layers)
     optimizer = nnx.Optimizer(policy, optax.adamw(1e-3), wrt=nnx.Param)
-    config = GRPOConfig(num_generations=3, beta=0.04, remat=True, scan_layers=scan)
+    config = GRPOConfig(
+        num_generations=3, beta=0.04, remat=True, scan_layers=scan, optimizer_by_layer=False
+    )
     trainer = GRPOTrainer(policy, optimizer, config, reference_model=reference)
     batch = lm_batch().replace(old_log_probs=None, ref_log_probs=None)
     text = trainer.compiled_step().lower(trainer.state, batch).compile().as_text()

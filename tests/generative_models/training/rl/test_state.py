@@ -271,7 +271,8 @@ def test_guarded_update_keeps_no_second_copy_of_the_parameters_and_moments():
         rngs=nnx.Rngs(0),
     )
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
-    trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2, beta=0.0))
+    config = GRPOConfig(num_generations=2, beta=0.0, optimizer_by_layer=False)  # one program
+    trainer = GRPOTrainer(model, optimizer, config)
     batch = GRPOBatch.zeros(1, 2, 2, 2).replace(shared_prompts=True)
     compiled = trainer.compiled_step().lower(trainer.state, batch).compile()
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.state.params))

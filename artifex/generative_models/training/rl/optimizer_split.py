@@ -1,0 +1,547 @@
+"""The optimizer step one decoder layer at a time, where that computes the same as the whole.
+
+An optax transformation such as AdamW updates each parameter from its own gradient and moments
+and a few scalars (the step count, the hyperparameters). Then the update of one decoder layer's
+parameters can be computed on its own, and all layers of one structure share one small compiled
+program instead of one program holding every parameter array (273 for SmolLM2-135M; XLA:CPU
+compiles each array's work as its own kernels, so that program takes seconds to compile).
+
+Whether a transformation is separable this way is not declared by optax, so
+:func:`split_by_layer` checks it on the transformation's own computation: it traces
+``tx.update`` on the whole parameter tree and on one group's sub-tree, and accepts the split only
+if, for every group, the operations that produce the group's outputs in the whole update read
+only that group's inputs and the shared scalars, and are the same operations, in the same order
+and with the same constants, as the group's own update. A transformation that mixes parameters
+(``optax.clip_by_global_norm`` inside the chain), treats them by their place in the whole tree
+(a mask or label function that reads the layer index), or keeps per-parameter state outside
+parameter-shaped trees is refused, and the caller keeps the one-program optimizer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.extend.core import Literal
+
+from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.state import (
+    GRPOTrainState,
+    _finite_flags,
+    _has_reward_signal,
+)
+from artifex.generative_models.utils.compile_options import jit
+
+__all__ = ["LayerOptimizer", "LayerSplit", "split_by_layer"]
+
+# A group: a decoder layer's index, or None for the parameters outside ``layers``.
+Group = int | None
+
+
+def group_tree(tree: Any, group: Group) -> Any:
+    """The part of a parameter-shaped mapping ``tree`` that belongs to ``group``.
+
+    Args:
+        tree: A mapping shaped like the parameters (``embed``, ``layers`` -> ``{i: ...}``, ...).
+        group: A layer index, or None for everything outside ``layers``.
+
+    Returns:
+        ``tree["layers"][group]``, or ``tree`` without its ``layers`` entry (same mapping type).
+    """
+    if group is not None:
+        return tree["layers"][group]
+    return type(tree)({k: v for k, v in tree.items() if k != "layers"})
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSplit:
+    """How a parameter tree and its optimizer state split into per-layer groups.
+
+    Built by :func:`split_by_layer`, which has checked that the transformation's update of each
+    group equals its part of the whole update. The optimizer state is seen as a container whose
+    entries are either parameter-shaped trees (Adam's moments: split by group and donated with
+    the group's parameters) or scalars shared by every group (the step count, hyperparameters).
+
+    Attributes:
+        groups: The groups: each layer index, then None (the rest) when the rest is not empty.
+        node_def: The optimizer state's container, its entries as leaves.
+        shaped: For each entry, whether it is parameter-shaped.
+        param_def: The parameters' tree structure.
+        order: For each group (in the order of ``groups``), the indices of its parameter
+            leaves among all parameter leaves, in the order its sub-tree flattens.
+    """
+
+    groups: tuple[Group, ...]
+    node_def: Any
+    shaped: tuple[bool, ...]
+    param_def: Any
+    order: tuple[tuple[int, ...], ...]
+
+    # ---------------------------------------------------------------- splitting
+    def entries(self, opt_state: Any) -> list[Any]:
+        """The optimizer state's entries (parameter-shaped trees and shared scalars)."""
+        return self.node_def.flatten_up_to(opt_state)
+
+    def shared(self, opt_state: Any) -> list[Any]:
+        """The entries every group reads (step counts, hyperparameters)."""
+        return [n for n, s in zip(self.entries(opt_state), self.shaped, strict=True) if not s]
+
+    def slots(self, opt_state: Any, group: Group) -> list[Any]:
+        """The group's parts of the parameter-shaped entries (its moments)."""
+        return [
+            group_tree(n, group)
+            for n, s in zip(self.entries(opt_state), self.shaped, strict=True)
+            if s
+        ]
+
+    def sub_state(self, slots: Sequence[Any], shared: Sequence[Any]) -> Any:
+        """A group's optimizer state, from its slots and the shared entries."""
+        slots_it, shared_it = iter(slots), iter(shared)
+        nodes = [next(slots_it) if s else next(shared_it) for s in self.shaped]
+        return self.node_def.unflatten(nodes)
+
+    def unsplit_state(self, sub_state: Any) -> tuple[list[Any], list[Any]]:
+        """``(slots, shared)`` of a group's optimizer state (the inverse of :meth:`sub_state`)."""
+        nodes = self.node_def.flatten_up_to(sub_state)
+        slots = [n for n, s in zip(nodes, self.shaped, strict=True) if s]
+        shared = [n for n, s in zip(nodes, self.shaped, strict=True) if not s]
+        return slots, shared
+
+    # ---------------------------------------------------------------- assembling
+    def assemble(self, pieces: dict[Group, Any]) -> Any:
+        """The whole parameter-shaped tree from each group's sub-tree."""
+        leaves: list[Any] = [None] * self.param_def.num_leaves
+        for group, order in zip(self.groups, self.order, strict=True):
+            for i, leaf in zip(order, jax.tree.leaves(pieces[group]), strict=True):
+                leaves[i] = leaf
+        return self.param_def.unflatten(leaves)
+
+    def assemble_state(self, slots: dict[Group, list[Any]], shared: Sequence[Any]) -> Any:
+        """The whole optimizer state from each group's slots and the shared entries."""
+        per_slot = [self.assemble({g: s[k] for g, s in slots.items()}) for k in range(len(self))]
+        return self.sub_state(per_slot, shared)
+
+    def __len__(self) -> int:
+        """The number of parameter-shaped entries of the optimizer state."""
+        return sum(self.shaped)
+
+
+def _groups_of(params: Any) -> list[Group]:
+    layers = params.get("layers") if hasattr(params, "get") else None
+    if layers is None or not hasattr(layers, "keys") or not len(layers):
+        return []
+    groups: list[Group] = sorted(k for k in layers if isinstance(k, int))
+    if len(groups) != len(layers):
+        return []
+    if any(k != "layers" for k in params):
+        groups.append(None)
+    return groups
+
+
+def update_function(
+    tx: optax.GradientTransformation, split: LayerSplit
+) -> Callable[..., tuple[Any, list[Any], list[Any]]]:
+    """``f(grads, slots, shared, params, scale) -> (new_params, new_slots, new_shared)``.
+
+    The clipped update of one group (or of the whole tree, with all of it as one group):
+    ``grads * scale``, ``tx.update``, ``optax.apply_updates``.
+
+    Args:
+        tx: The optax transformation.
+        split: The state's layout.
+
+    Returns:
+        The function (pure, traceable).
+    """
+
+    def f(grads: Any, slots: list[Any], shared: list[Any], params: Any, scale: jax.Array):
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        updates, new_state = tx.update(grads, split.sub_state(slots, shared), params)
+        new_slots, new_shared = split.unsplit_state(new_state)
+        return optax.apply_updates(params, updates), new_slots, new_shared
+
+    return f
+
+
+def split_by_layer(
+    tx: optax.GradientTransformation, params: Any, opt_state: Any
+) -> tuple[LayerSplit | None, str]:
+    """Checks whether ``tx``'s update can run one decoder layer at a time, and how.
+
+    Args:
+        tx: The optax transformation.
+        params: The trainable parameters (a mapping with ``layers`` -> ``{i: ...}``; arrays
+            or ``jax.ShapeDtypeStruct``).
+        opt_state: ``tx``'s state for ``params``.
+
+    Returns:
+        ``(split, "")`` where the update of every group equals its part of the whole update;
+        ``(None, reason)`` otherwise.
+    """
+    groups = _groups_of(params)
+    if not groups:
+        return None, "the parameters have no per-layer entries (params['layers'][i])"
+    p_leaves, p_def = jax.tree.flatten(params)
+
+    def shaped(node: Any) -> bool:
+        if jax.tree.structure(node) != p_def:
+            return False
+        return all(
+            jnp.shape(x) == jnp.shape(p) and jnp.result_type(x) == jnp.result_type(p)
+            for x, p in zip(jax.tree.leaves(node), p_leaves, strict=True)
+        )
+
+    nodes, node_def = jax.tree.flatten(opt_state, is_leaf=shaped)
+    flags = tuple(shaped(n) for n in nodes)
+    for node, flag in zip(nodes, flags, strict=True):
+        if not flag and jnp.ndim(node) != 0:
+            return None, (
+                "the optimizer state holds a non-scalar array outside the parameter-shaped "
+                f"trees ({jnp.shape(node)})"
+            )
+    index_params = p_def.unflatten(list(range(len(p_leaves))))
+    order = {g: tuple(jax.tree.leaves(group_tree(index_params, g))) for g in groups}
+    if sorted(i for g in groups for i in order[g]) != list(range(len(p_leaves))):
+        return None, "the groups do not cover every parameter exactly once"
+    split = LayerSplit(tuple(groups), node_def, flags, p_def, tuple(order[g] for g in groups))
+
+    def spec(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+    structs = jax.tree.map(spec, params)
+    state_structs = jax.tree.map(spec, opt_state)
+    scale = jax.ShapeDtypeStruct((), jnp.float32)
+    f = update_function(tx, split)  # the whole tree as one group
+    slots_all = [n for n, s in zip(split.entries(state_structs), flags, strict=True) if s]
+    shared = split.shared(state_structs)
+    try:
+        full = jax.make_jaxpr(f)(structs, slots_all, shared, structs, scale)
+    except Exception as exc:  # any failure: keep the whole update (its error shows there)
+        return None, f"tracing the whole update failed: {exc}"
+    if not isinstance(full.out_avals, (list, tuple)):
+        return None, "unexpected update output"
+    n_p, n_k, n_s = len(p_leaves), sum(flags), len(shared)
+    # The leaf positions of each argument and result of ``f`` in the whole update's jaxpr.
+    in_grads, in_slots = 0, n_p
+    in_shared, in_params = n_p + n_k * n_p, n_p + n_k * n_p + n_s
+    out_slots, out_shared = n_p, n_p + n_k * n_p
+    if len(full.jaxpr.invars) != in_params + n_p + 1 or len(full.jaxpr.outvars) != out_shared + n_s:
+        return None, "the update's state does not keep its structure"
+    specs = []  # each group's inputs and outputs, as positions in the whole update's jaxpr
+    for g in groups:
+        o = order[g]
+        ins = (
+            [in_grads + i for i in o]
+            + [in_slots + k * n_p + i for k in range(n_k) for i in o]
+            + list(range(in_shared, in_shared + n_s))
+            + [in_params + i for i in o]
+            + [in_params + n_p]  # the scale
+        )
+        outs = (
+            list(o)
+            + [out_slots + k * n_p + i for k in range(n_k) for i in o]
+            + list(range(out_shared, out_shared + n_s))
+        )
+        specs.append((ins, outs))
+    restricted = _Canonical(full).texts(specs)
+    own: dict[Any, tuple[str, ...] | None] = {}  # each group's own update, by sub-structure
+    for g, text in zip(groups, restricted, strict=True):
+        if text is None:
+            return None, f"the update of group {g} reads other groups' parameters or state"
+        sub = group_tree(structs, g)
+        key = jax.tree.structure(sub), tuple(spec(x) for x in jax.tree.leaves(sub))
+        if key not in own:
+            slots_g = [group_tree(n, g) for n in slots_all]
+            try:
+                jaxpr = jax.make_jaxpr(update_function(tx, split))(sub, slots_g, shared, sub, scale)
+            except Exception as exc:
+                return None, f"tracing group {g}'s own update failed: {exc}"
+            everything = list(range(len(jaxpr.jaxpr.invars))), list(range(len(jaxpr.jaxpr.outvars)))
+            own[key] = _Canonical(jaxpr).texts([everything])[0]
+        if own[key] != text:
+            return None, f"group {g}'s own update differs from its part of the whole update"
+    return split, ""
+
+
+class _Canonical:
+    """Texts of the parts of a jaxpr that compute given outputs from given inputs.
+
+    Inputs are named by their position in a part's inputs, intermediate values by their order
+    of definition, constants by their value, so two computations print alike exactly when
+    they are the same operations on corresponding inputs.
+    """
+
+    def __init__(self, closed: Any):
+        jaxpr = closed.jaxpr
+        self._jaxpr = jaxpr
+        self._consts: dict[Any, str] = {}
+        for var, value in zip(jaxpr.constvars, closed.consts, strict=True):
+            arr = np.asarray(value)
+            self._consts[var] = f"const{arr.dtype}{arr.shape}:{arr.tobytes().hex()}"
+        # each equation's operation and parameters, printed once for all parts
+        self._ops = [
+            f"{e.primitive.name} {sorted((k, repr(v)) for k, v in e.params.items())}"
+            for e in jaxpr.eqns
+        ]
+        self._literals: dict[int, str] = {}
+
+    def _literal(self, v: Any) -> str:
+        key = id(v)
+        if key not in self._literals:
+            self._literals[key] = f"lit{v.aval}:{v.val!r}"
+        return self._literals[key]
+
+    def texts(self, parts: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple | None]:
+        """For each ``(inputs, outputs)`` (positions), its text, or None if it reads others."""
+        jaxpr = self._jaxpr
+        need: dict[Any, int] = {}  # a bit per part that needs the value
+        for bit, (_, outputs) in enumerate(parts):
+            for i in outputs:
+                v = jaxpr.outvars[i]
+                if not isinstance(v, Literal):
+                    need[v] = need.get(v, 0) | (1 << bit)
+        masks = [0] * len(jaxpr.eqns)
+        for index in range(len(jaxpr.eqns) - 1, -1, -1):
+            eqn = jaxpr.eqns[index]
+            mask = 0
+            for v in eqn.outvars:
+                mask |= need.get(v, 0)
+            if mask:
+                masks[index] = mask
+                for v in eqn.invars:
+                    if not isinstance(v, Literal):
+                        need[v] = need.get(v, 0) | mask
+        return [self._text(bit, ins, outs, masks) for bit, (ins, outs) in enumerate(parts)]
+
+    def _text(
+        self, bit: int, inputs: Sequence[int], outputs: Sequence[int], masks: list[int]
+    ) -> tuple | None:
+        jaxpr = self._jaxpr
+        names: dict[Any, str] = dict(self._consts)
+        names.update({jaxpr.invars[i]: f"in{k}" for k, i in enumerate(inputs)})
+
+        def name(v: Any) -> str | None:
+            return self._literal(v) if isinstance(v, Literal) else names.get(v)
+
+        lines: list[str] = []
+        count = 0
+        for index, eqn in enumerate(jaxpr.eqns):
+            if not masks[index] >> bit & 1:
+                continue
+            args = [name(v) for v in eqn.invars]
+            if None in args:
+                return None  # an input outside the part
+            outs = []
+            for v in eqn.outvars:
+                names[v] = f"v{count}"
+                count += 1
+                outs.append(names[v])
+            lines.append(f"{self._ops[index]} {args} -> {outs}")
+        results = [name(jaxpr.outvars[i]) for i in outputs]
+        if None in results:
+            return None
+        lines.append(f"return {results}")
+        return tuple(lines)
+
+
+# Arrays checked rows first in the per-group check (see `_finite_flags`): a group's program has
+# few arrays, and a reduction of an array to a scalar runs on one core.
+_GROUP_ROWS_FIRST = 1 << 14
+
+
+class LayerOptimizer:
+    """Clipping, ``tx`` and the guard of ``apply_gradients``, one group of parameters at a time.
+
+    The same values as :func:`~artifex.generative_models.training.rl.state.apply_gradients`
+    for a transformation that :func:`split_by_layer` accepted (the gradient norm summed in
+    another order). Its programs: each group's squared gradient norm, the clipping scale,
+    each group's check of the new parameters and optimizer state (computed, not written), the
+    decision, and each group's update, which donates the group's parameters and moments. Every
+    program is compiled once per group structure (one for the decoder layers, one for the
+    rest), whatever the depth.
+
+    Args:
+        tx: The optax transformation.
+        config: The GRPO options (``max_grad_norm``, ``entropy_coeff``).
+    """
+
+    def __init__(self, tx: optax.GradientTransformation, config: GRPOConfig):
+        self._tx = tx
+
+        def grad_sq(grads):
+            leaves = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)]
+            return jnp.sum(jnp.stack(leaves)) if leaves else jnp.zeros((), jnp.float32)
+
+        def clip(squares):
+            grad_norm = jnp.sqrt(jnp.sum(jnp.stack(squares)))
+            if config.max_grad_norm is None:
+                return grad_norm, jnp.ones((), jnp.float32)
+            scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
+            return grad_norm, scale
+
+        def check(split, grads, slots, shared, params, scale):
+            new_params, new_slots, new_shared = update_function(tx, split)(
+                grads, slots, shared, params, scale
+            )
+            new_state = split.sub_state(new_slots, new_shared)
+            return _finite_flags(new_params, new_state, rows_first=_GROUP_ROWS_FIRST)
+
+        def decide(loss, metrics, grad_norm, params_oks, opt_oks, step, batch):
+            params_ok = jnp.all(jnp.stack(params_oks))
+            opt_ok = jnp.all(jnp.stack(opt_oks))
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
+            signal_ = _has_reward_signal(batch)
+            apply = ok & (signal_ | (config.entropy_coeff > 0.0))
+            f32 = jnp.float32
+            metrics = dict(metrics, grad_norm=grad_norm.astype(f32))
+            metrics["update_applied"] = apply.astype(f32)
+            metrics["finite_update"] = ok.astype(f32)
+            metrics["finite_params"] = params_ok.astype(f32)
+            metrics["finite_optimizer_state"] = opt_ok.astype(f32)
+            metrics["reward_signal"] = signal_.astype(f32)
+            return apply, metrics, step + apply.astype(step.dtype)
+
+        def apply(split, grads, slots, params, shared, scale, flag):
+            def updated():
+                return update_function(tx, split)(grads, slots, shared, params, scale)
+
+            return jax.lax.cond(flag, updated, lambda: (params, slots, shared))
+
+        self._compiled: set[Any] = set()  # the apply programs' signatures compiled so far
+        #: The programs by name (``run`` calls them through a mapping of the same names).
+        self.programs: dict[str, Any] = {
+            "grad_sq": jit(grad_sq),
+            "clip": jit(clip),
+            "check": jit(check, static_argnums=0),
+            "decide": jit(decide),
+            # The group's moments and parameters are donated; the shared scalars (step count,
+            # hyperparameters) are read by every group and are not.
+            "apply": jit(apply, static_argnums=0, donate_argnums=(2, 3)),
+        }
+
+    def prepare_apply(
+        self,
+        split: LayerSplit,
+        grads: Mapping[Group, Any],
+        slots: Mapping[Group, Any],
+        params: Mapping[Group, Any],
+        shared: Any,
+        scale: Any,
+        flag: Any,
+        *,
+        wait: concurrent.futures.Future | None = None,
+    ) -> None:
+        """Compiles the update program for each group structure before any group runs it.
+
+        JAX then runs the calls without compiling, so that no group's program fails to compile
+        after another group donated its arrays.
+
+        Args:
+            split: The split.
+            grads: Each group's gradient.
+            slots: Each group's moments.
+            params: Each group's parameters.
+            shared: The shared optimizer entries.
+            scale: The clipping scale.
+            flag: Whether to apply.
+            wait: A background compilation of the program to wait for first, if any.
+        """
+        if wait is not None:
+            concurrent.futures.wait([wait])
+        for g in split.groups:
+            args = (grads[g], slots[g], params[g], shared)
+            leaves = jax.tree.leaves(args)
+            key = (
+                split,
+                jax.tree.structure(args),
+                tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves),
+            )
+            if key not in self._compiled:
+                self.programs["apply"].lower(
+                    split, grads[g], slots[g], params[g], shared, scale, flag
+                ).compile()
+                self._compiled.add(key)
+
+    def run(
+        self,
+        fn: Mapping[str, Callable[..., Any]],
+        split: LayerSplit,
+        state: GRPOTrainState,
+        grads: Mapping[Group, Any],
+        loss: Any,
+        metrics: Any,
+        batch: GRPOBatch,
+    ) -> tuple[tuple[Any, Any, Any], Any]:
+        """The update: ``((params, opt_state, step), metrics)``, as ``apply_gradients``.
+
+        Args:
+            fn: The programs by name (``self.programs`` or wrappers of them: a caller may wait
+                for compilations or lower instead of running), and ``prepare_apply``.
+            split: The split of ``state``'s parameters and optimizer state.
+            state: The state the gradients were taken at (its parameters and moments are
+                donated to the last programs).
+            grads: Each group's gradient.
+            loss: The objective's value.
+            metrics: The objective's metrics.
+            batch: The batch (for its reward signal).
+
+        Returns:
+            The new parameters, optimizer state and step, and the metrics.
+        """
+        params = {g: group_tree(state.params, g) for g in split.groups}
+        slots = {g: split.slots(state.opt_state, g) for g in split.groups}
+        shared = split.shared(state.opt_state)
+        grad_norm, scale = fn["clip"]([fn["grad_sq"](grads[g]) for g in split.groups])
+        flags = [
+            fn["check"](split, grads[g], slots[g], shared, params[g], scale) for g in split.groups
+        ]
+        params_oks, opt_oks = [f[0] for f in flags], [f[1] for f in flags]
+        apply, metrics, step = fn["decide"](
+            loss, metrics, grad_norm, params_oks, opt_oks, state.step, batch
+        )
+        fn["prepare_apply"](split, grads, slots, params, shared, scale, apply)
+        new_params, new_slots, new_shared = {}, {}, shared
+        # Each group's program donates its arrays: the dispatches below are not interrupted
+        # halfway (a Ctrl-C waits for the last of them, a few milliseconds).
+        with deferred_interrupt():
+            for g in split.groups:
+                new_params[g], new_slots[g], group_shared = fn["apply"](
+                    split, grads[g], slots[g], params[g], shared, scale, apply
+                )
+                if g == split.groups[-1]:
+                    new_shared = group_shared
+        new_state = split.assemble_state(new_slots, new_shared)
+        return (split.assemble(new_params), new_state, step), metrics
+
+
+@contextlib.contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Holds back Ctrl-C (SIGINT) inside the block and raises it after; main thread only.
+
+    The optimizer's per-group programs each donate their group's arrays: an interrupt between
+    two of them would leave the model half updated, with the old arrays of the updated groups
+    deleted.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(signal.SIGINT, caught[0])
+        elif caught:
+            raise KeyboardInterrupt

@@ -1,0 +1,294 @@
+"""``split_by_layer``: the optimizer step one decoder layer at a time, only where it is exact.
+
+The check must accept the usual per-parameter transformations, refuse the ones that mix
+parameters or treat layers differently, and where it accepts, the groups' updates put together
+must equal the transformation's update of the whole tree.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm import LoRAConfig, apply_lora
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl import NonFiniteUpdateError
+from artifex.generative_models.training.rl.optimizer_split import (
+    deferred_interrupt,
+    group_tree,
+    split_by_layer,
+    update_function,
+)
+from artifex.generative_models.training.rl.state import init_train_state
+from tests.generative_models.training.rl.compiles import CompileCounter
+from tests.generative_models.training.rl.test_remat import (
+    flat,
+    lm_batch,
+    tiny_lm,
+)
+
+
+def _layer_zero_frozen(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: (
+            "layers" not in jax.tree_util.keystr(path) or "[0]" not in jax.tree_util.keystr(path)
+        ),
+        params,
+    )
+
+
+SEPARABLE = {
+    "sgd": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "adamw, schedule": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.1
+    ),
+    "clip by value, adamw": lambda: optax.chain(optax.clip(0.01), optax.adamw(1e-2)),
+    "adamw, decay mask by rank": lambda: optax.adamw(
+        1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+    ),
+    "lion": lambda: optax.lion(1e-3),
+}
+NOT_SEPARABLE = {
+    # the global norm reads every parameter's gradient
+    "clip by global norm, adamw": (
+        lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2)),
+        "reads other groups",
+    ),
+    # a mask that depends on the layer's place in the whole tree
+    "adamw, decay mask by layer": (
+        lambda: optax.adamw(1e-2, mask=_layer_zero_frozen),
+        "differs from its part of the whole update",
+    ),
+    # gradient accumulation decides for all parameters at once
+    "multisteps": (lambda: optax.MultiSteps(optax.adam(1e-2), 2), "reads other groups"),
+    # factored second moments: state arrays that are not shaped like the parameters
+    "adafactor": (lambda: optax.adafactor(1e-2), "outside the parameter-shaped trees"),
+}
+
+
+def _state(tx, num_layers=3, tied=False):
+    model = tiny_lm(num_layers, 0, tie_word_embeddings=tied)
+    return init_train_state(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+
+
+def _random_like(tree, seed, scale=1.0):
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return treedef.unflatten(
+        [
+            scale * jax.random.normal(k, jnp.shape(x), jnp.result_type(x))
+            if jnp.issubdtype(jnp.result_type(x), jnp.floating) and jnp.ndim(x)
+            else x
+            for k, x in zip(keys, leaves, strict=True)
+        ]
+    )
+
+
+def _by_groups(tx, split, grads, opt_state, params, scale):
+    """The update computed group by group with the split's own pieces, put together."""
+    f = update_function(tx, split)
+    shared = split.shared(opt_state)
+    new_params, new_slots, new_shared = {}, {}, shared
+    for g in split.groups:
+        p, s, new_shared = f(
+            group_tree(grads, g), split.slots(opt_state, g), shared, group_tree(params, g), scale
+        )
+        new_params[g], new_slots[g] = p, s
+    return split.assemble(new_params), split.assemble_state(new_slots, new_shared)
+
+
+@pytest.mark.parametrize("name", sorted(SEPARABLE))
+def test_a_separable_update_computed_by_groups_equals_the_whole_update(name):
+    tx = SEPARABLE[name]()
+    state = _state(tx)
+    split, reason = split_by_layer(tx, state.params, state.opt_state)
+    assert split is not None, reason
+    assert split.groups == (0, 1, 2, None)
+    params, opt_state = state.params, state.opt_state
+    scale = jnp.asarray(0.75, jnp.float32)
+    for step in range(3):  # the moments and the step count move between steps
+        grads = _random_like(params, seed=step)
+        scaled = jax.tree.map(lambda g: g * scale, grads)
+        updates, expected_state = tx.update(scaled, opt_state, params)
+        expected = optax.apply_updates(params, updates)
+        got, got_state = _by_groups(tx, split, grads, opt_state, params, scale)
+        assert jax.tree.structure(got) == jax.tree.structure(expected)
+        assert jax.tree.structure(got_state) == jax.tree.structure(expected_state)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(expected_state), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        params, opt_state = expected, expected_state
+
+
+@pytest.mark.parametrize("name", sorted(NOT_SEPARABLE))
+def test_an_update_that_is_not_separable_is_refused_with_the_reason(name):
+    make, reason = NOT_SEPARABLE[name]
+    tx = make()
+    state = _state(tx)
+    split, why = split_by_layer(tx, state.params, state.opt_state)
+    assert split is None
+    assert reason in why
+
+
+def test_the_check_itself_would_see_a_difference_without_it():
+    # what the refused layer mask would do if split anyway: the groups' own updates differ
+    # from the whole update (layer 0 gets weight decay in its own update, not in the whole)
+    tx = optax.adamw(1e-1, weight_decay=0.5, mask=_layer_zero_frozen)
+    state = _state(tx)
+    separable, _ = split_by_layer(optax.adamw(1e-1), state.params, state.opt_state)
+    assert separable is not None  # same state layout, so its split applies to this tx too
+    grads = _random_like(state.params, seed=0)
+    scale = jnp.ones((), jnp.float32)
+    updates, _ = tx.update(grads, state.opt_state, state.params)
+    expected = optax.apply_updates(state.params, updates)
+    got, _ = _by_groups(tx, separable, grads, state.opt_state, state.params, scale)
+    differs = [
+        not np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True)
+    ]
+    assert any(differs)
+
+
+def test_parameters_without_layers_are_not_split():
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    tx = optax.adam(1e-2)
+    state = init_train_state(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+    split, why = split_by_layer(tx, state.params, state.opt_state)
+    assert split is None
+    assert "no per-layer entries" in why
+
+
+def test_only_layers_trainable_has_no_rest_group():
+    tx = optax.adam(1e-2)
+    state = _state(tx)
+    params = nnx.State({"layers": state.params["layers"]})
+    split, reason = split_by_layer(tx, params, tx.init(params))
+    assert split is not None, reason
+    assert split.groups == (0, 1, 2)
+
+
+# ---------------------------------------------------------------- GRPOTrainer with the split
+
+
+def _trainer(optimizer_by_layer, *, tx=None, tied=False, lora=False, **options):
+    policy = tiny_lm(3, 0, tie_word_embeddings=tied)
+    reference = tiny_lm(3, 5, tie_word_embeddings=tied)
+    wrt = nnx.Param
+    if lora:
+        apply_lora(policy, LoRAConfig(rank=2, alpha=4.0, target_modules=("q_proj",)), nnx.Rngs(1))
+        wrt, reference = nnx.LoRAParam, None
+    optimizer = nnx.Optimizer(policy, tx or optax.adamw(1e-2, weight_decay=0.1), wrt=wrt)
+    config = GRPOConfig(
+        num_generations=4, beta=0.04, optimizer_by_layer=optimizer_by_layer, **options
+    )
+    return GRPOTrainer(policy, optimizer, config, reference_model=reference)
+
+
+def _assert_same_training(a, b, batch, steps=3, num_microbatches=1):
+    for _ in range(steps):
+        ma = a.train_step(batch, num_microbatches=num_microbatches)
+        mb = b.train_step(batch, num_microbatches=num_microbatches)
+        assert set(ma) == set(mb)
+        for key, value in ma.items():
+            assert mb[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for tree in (lambda t: nnx.state(t.model, nnx.Param), lambda t: nnx.state(t.optimizer)):
+        fa, fb = flat(tree(a)), flat(tree(b))
+        assert fa.keys() == fb.keys()
+        for name, expected in fa.items():
+            np.testing.assert_allclose(fb[name], expected, rtol=1e-5, atol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {},
+        {"tied": True},
+        {"max_grad_norm": 1e-3},  # the clipping scale below 1
+        {"max_grad_norm": None},
+        {"remat": True, "remat_every": 2},
+        {"tx": optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1)},
+        {"lora": True},
+    ],
+    ids=["adamw", "tied", "clipped", "no_clipping", "remat", "injected", "lora"],
+)
+def test_the_trainer_runs_the_optimizer_by_layer_with_the_one_program_values(case):
+    a, b = _trainer(False, **case), _trainer(True, **case)
+    batch = lm_batch(seed=1).replace(ref_log_probs=None)
+    _assert_same_training(a, b, batch)
+    assert type(b.compiled_step()).__name__ == "_SplitStep", b.optimizer_split_reason
+    assert type(a.compiled_step()).__name__ == "_CompiledStep"
+    assert a.num_compilations == b.num_compilations == 1
+
+
+def test_microbatches_and_an_unseparable_optimizer():
+    a, b = _trainer(False), _trainer(True)
+    batch = lm_batch(seed=2).replace(ref_log_probs=None)
+    _assert_same_training(a, b, batch, steps=2, num_microbatches=2)
+    global_clip = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    c = _trainer(True, tx=global_clip)
+    c.train_step(batch)
+    assert type(c.compiled_step()).__name__ == "_CompiledStep"
+    assert "reads other groups" in c.optimizer_split_reason
+
+
+def test_a_rejected_update_by_layer_leaves_model_and_optimizer_as_they_were():
+    t = _trainer(True, tx=optax.sgd(1e39))  # an infinite float32 learning rate
+    before = flat(nnx.state(t.model, nnx.Param))
+    before_opt = flat(nnx.state(t.optimizer))
+    with pytest.raises(NonFiniteUpdateError):
+        t.train_step(lm_batch(seed=6).replace(ref_log_probs=None))
+    assert type(t.compiled_step()).__name__ == "_SplitStep"
+    for now, then in (
+        (nnx.state(t.model, nnx.Param), before),
+        (nnx.state(t.optimizer), before_opt),
+    ):
+        got = flat(now)
+        for name, expected in then.items():
+            np.testing.assert_array_equal(got[name], expected, err_msg=name)
+
+
+def test_compile_ahead_compiles_every_program_the_step_runs():
+    t = _trainer(True)
+    batch = lm_batch(seed=5).replace(ref_log_probs=None, old_log_probs=None)
+    assert t.compile_ahead(batch).result() is None
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    try:
+        counter.during(lambda: t.train_step(batch))
+    finally:
+        counter.active = False
+    assert counter.count == 0
+    assert t.num_compilations == 1
+
+
+def test_the_split_step_has_no_single_lowering_and_the_option_is_checked():
+    t = _trainer(True)
+    batch = t.prepare_batch(lm_batch(seed=7))
+    with pytest.raises(NotImplementedError, match="optimizer_by_layer=False"):
+        t.compiled_step().lower(t.state, batch)
+    assert GRPOConfig().optimizer_by_layer is True
+    for value in ("yes", 1, None):
+        with pytest.raises(TypeError, match=r"GRPOConfig\.optimizer_by_layer must be a bool"):
+            GRPOConfig(optimizer_by_layer=value)
+    from artifex.cli import build_parser
+
+    base = ["train", "--model", "m", "--data", "d.jsonl", "--reward", "math"]
+    args = vars(build_parser().parse_args([*base, "--optimizer-by-layer", "false"]))
+    assert args["GRPOConfig.optimizer_by_layer"] is False
+
+
+def test_an_interrupt_during_the_per_group_updates_is_raised_after_them():
+    reached = []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupt():
+        signal.raise_signal(signal.SIGINT)
+        reached.append("after the signal")  # the block is not cut short
+    assert reached == ["after the signal"]
