@@ -249,7 +249,8 @@ class GRPOConfig:
             own gradient and state and shared scalars (SGD, Adam, AdamW, Lion, schedules;
             not ``optax.clip_by_global_norm`` inside the chain, ``MultiSteps`` or factored
             states), checked on its own computation when the step is first built; a model
-            whose parameters have per-layer entries; no mesh. The one-program step spends
+            with at least 8 decoder layers (per-layer entries in its parameters; with fewer,
+            the one-program step compiles as fast); no mesh. The one-program step spends
             about half its compile on the per-array optimizer work for SmolLM2-135M
             (``docs/benchmarks.md``). ``False``: always one program (which
             ``compiled_step().lower()`` needs). The pure ``make_grpo_train_step`` ignores it.

@@ -230,6 +230,21 @@ class _CompiledStep:
         return self._jitted._cache_size()
 
 
+# With fewer decoder layers the one-program step keeps the optimizer: its per-array work then
+# compiles in well under a second, and the per-layer programs' own tracing and loading cost as
+# much (W1's 4 layers: a first step through the compilation cache 0.5 s longer; SmolLM2-135M's
+# 30 layers: a first step 8.5 s shorter; docs/benchmarks.md).
+MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER = 8
+
+
+def _num_layers(model: nnx.Module) -> int:
+    """The number of decoder layers a model holds as a sequence (0 for any other model)."""
+    try:
+        return len(model.layers)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        return 0
+
+
 class _SplitStep:
     """A trainer's step as a gradient program, then the optimizer one layer at a time.
 
@@ -811,6 +826,11 @@ class GRPOTrainer:
                 self.optimizer_split_reason = "GRPOConfig.optimizer_by_layer is False"
             elif self.mesh is not None:
                 self.optimizer_split_reason = "a mesh (the one-program step keeps its layout)"
+            elif _num_layers(self.model) < MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER:
+                self.optimizer_split_reason = (
+                    f"fewer than {MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER} decoder layers (one "
+                    "program compiles as fast)"
+                )
             else:
                 state = self.state
                 self._split, self.optimizer_split_reason = split_by_layer(

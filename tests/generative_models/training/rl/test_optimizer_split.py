@@ -179,9 +179,12 @@ def test_only_layers_trainable_has_no_rest_group():
 # ---------------------------------------------------------------- GRPOTrainer with the split
 
 
-def _trainer(optimizer_by_layer, *, tx=None, tied=False, lora=False, **options):
-    policy = tiny_lm(3, 0, tie_word_embeddings=tied)
-    reference = tiny_lm(3, 5, tie_word_embeddings=tied)
+LAYERS = 8  # MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER
+
+
+def _trainer(optimizer_by_layer, *, tx=None, tied=False, lora=False, layers=LAYERS, **options):
+    policy = tiny_lm(layers, 0, tie_word_embeddings=tied)
+    reference = tiny_lm(layers, 5, tie_word_embeddings=tied)
     wrt = nnx.Param
     if lora:
         apply_lora(policy, LoRAConfig(rank=2, alpha=4.0, target_modules=("q_proj",)), nnx.Rngs(1))
@@ -238,6 +241,10 @@ def test_microbatches_and_an_unseparable_optimizer():
     c.train_step(batch)
     assert type(c.compiled_step()).__name__ == "_CompiledStep"
     assert "reads other groups" in c.optimizer_split_reason
+    shallow = _trainer(True, layers=LAYERS - 1)
+    shallow.train_step(batch)
+    assert type(shallow.compiled_step()).__name__ == "_CompiledStep"
+    assert f"fewer than {LAYERS} decoder layers" in shallow.optimizer_split_reason
 
 
 def test_a_rejected_update_by_layer_leaves_model_and_optimizer_as_they_were():
