@@ -709,7 +709,7 @@ class GRPOTrainer:
             batch = batch.replace(ref_log_probs=ref_log_probs)
         return batch
 
-    def compiled_step(self, num_microbatches: int = 1) -> _CompiledStep:
+    def compiled_step(self, num_microbatches: int = 1) -> Any:
         """The compiled ``grpo_train_step(state, batch) -> (state, metrics)`` of this trainer.
 
         The trainable parameters, optimizer state and step count are donated (updated in
@@ -720,8 +720,11 @@ class GRPOTrainer:
             num_microbatches: Gradient-accumulation slices bound into the step.
 
         Returns:
-            The compiled pure step (cached per ``num_microbatches``); ``.lower(state, batch)``
-            gives XLA's lowering for cost and memory analysis.
+            The compiled pure step (cached per ``num_microbatches``). Where the optimizer runs
+            one decoder layer at a time (``GRPOConfig.optimizer_by_layer``, models of 8 or
+            more layers; ``trainer.optimizer_split_reason`` says why not) it is a gradient
+            program followed by the optimizer's per-layer programs; otherwise one program,
+            whose ``.lower(state, batch)`` gives XLA's lowering for cost and memory analysis.
 
         Example:
             >>> import jax, jax.numpy as jnp, optax
@@ -814,29 +817,51 @@ class GRPOTrainer:
     def _optimizer_split(self) -> LayerSplit | None:
         """The per-layer split of the optimizer step, or None (then one program runs it).
 
-        Only with ``GRPOConfig.optimizer_by_layer``, without a mesh, and where
+        Only with ``GRPOConfig.optimizer_by_layer``, without a mesh, for models of at least
+        ``MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER`` decoder layers, and where
         :func:`~artifex.generative_models.training.rl.optimizer_split.split_by_layer` accepts
         the optimizer's transformation for this state (decided once per trainer).
         """
         if not hasattr(self, "_split"):
-            self._split: LayerSplit | None = None
-            #: Why the optimizer runs in one program ("" while it runs layer by layer).
-            self.optimizer_split_reason = ""
+            split: LayerSplit | None = None
+            reason = ""
             if not self.config.optimizer_by_layer:
-                self.optimizer_split_reason = "GRPOConfig.optimizer_by_layer is False"
+                reason = "GRPOConfig.optimizer_by_layer is False"
             elif self.mesh is not None:
-                self.optimizer_split_reason = "a mesh (the one-program step keeps its layout)"
+                reason = "a mesh (the one-program step keeps its layout)"
             elif _num_layers(self.model) < MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER:
-                self.optimizer_split_reason = (
+                reason = (
                     f"fewer than {MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER} decoder layers (one "
                     "program compiles as fast)"
                 )
             else:
                 state = self.state
-                self._split, self.optimizer_split_reason = split_by_layer(
-                    self.optimizer.tx, state.params, state.opt_state
-                )
+                split, reason = split_by_layer(self.optimizer.tx, state.params, state.opt_state)
+            self._split, self._split_reason = split, reason
         return self._split
+
+    @property
+    def optimizer_split_reason(self) -> str:
+        """Why the optimizer step runs in one program; empty where it runs layer by layer.
+
+        See ``GRPOConfig.optimizer_by_layer`` (and ``layerwise_update``, whose update decides
+        the same way for its own optimizer programs).
+
+        Example:
+            >>> import optax
+            >>> from flax import nnx
+            >>> from artifex.generative_models.training.rl import GRPOConfig
+            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            >>> GRPOTrainer(model, optimizer, GRPOConfig()).optimizer_split_reason
+            'fewer than 8 decoder layers (one program compiles as fast)'
+        """
+        if self.config.layerwise_update:
+            step = self.compiled_step()
+            step.optimizer_split(self.state)
+            return step.optimizer_split_reason
+        self._optimizer_split()
+        return self._split_reason
 
     # ----------------------------------------------------------------- the step
     def prepare_batch(self, batch: GRPOBatch | Mapping[str, Any]) -> GRPOBatch:

@@ -9,20 +9,23 @@ run its update as a sequence of small programs called from Python instead of one
 4. the output projection, the log-probs and the objective, with their gradient;
 5. each layer's backward pass, last to first, recomputing the layer from its input;
 6. the embedding's gradient (added to the output projection's for a tied embedding);
-7. clipping, ``tx`` and the guard
-   (:func:`~artifex.generative_models.training.rl.state.apply_gradients`), on the donated state.
+7. clipping, ``tx`` and the guard, one decoder layer at a time where ``tx`` allows it
+   (:class:`~artifex.generative_models.training.rl.optimizer_split.LayerOptimizer`), else in
+   one program (:func:`~artifex.generative_models.training.rl.state.apply_gradients`), on the
+   donated state.
 
 Every decoder layer of one structure runs the same compiled program, so the layers' programs
 do not grow with the depth. The one-program update holds every layer unrolled, and XLA:CPU's
 compile time grows faster than linearly with its size (about 15-20 s for SmolLM2-135M's 30
 layers on 2 cores, most of that model's first step). Here the layers' programs compile in a few
-seconds; the optimizer's program still updates and checks every parameter array (273 for
-SmolLM2-135M: 5-12 s to compile), and is the longest compile. The values are those of the
+seconds, and so do the optimizer's per-layer programs (in one program, its work on every
+parameter array, 273 for SmolLM2-135M, takes 5-12 s to compile). The values are those of the
 one-program update with ``remat=True``; each update is a little slower, as XLA cannot fuse or
 overlap work across the programs (``docs/benchmarks.md``).
 
-Nothing is donated before the last program: a failure in any earlier one leaves the state as it
-was, and the guard of the last one rejects a non-finite update as the one-program step does.
+Nothing is donated before the optimizer's update programs, which run only after every group's
+new state was checked: a failure before them leaves the state as it was, and the guard rejects
+a non-finite update as the one-program step does.
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ class LayerwiseStep:
 
     ``step(state, batch) -> (state, metrics)`` computes what ``jax.jit(grpo_train_step)``
     computes for a causal LM with ``remat=True``; the parameters, optimizer state and step are
-    donated to the last program only.
+    donated to the optimizer's last programs only.
 
     Args:
         model: The policy (a ``CausalLM`` with per-layer storage).

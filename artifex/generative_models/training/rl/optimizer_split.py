@@ -79,6 +79,16 @@ class LayerSplit:
         param_def: The parameters' tree structure.
         order: For each group (in the order of ``groups``), the indices of its parameter
             leaves among all parameter leaves, in the order its sub-tree flattens.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
+        ...                     "head": {"w": jnp.ones(3)}})
+        >>> tx = optax.adam(1e-2)
+        >>> split, _ = split_by_layer(tx, params, tx.init(params))
+        >>> split.groups, len(split), [jnp.shape(m["w"]) for m in split.slots(tx.init(params), 1)]
+        ((0, 1, None), 2, [(2,), (2,)])
     """
 
     groups: tuple[Group, ...]
@@ -89,15 +99,37 @@ class LayerSplit:
 
     # ---------------------------------------------------------------- splitting
     def entries(self, opt_state: Any) -> list[Any]:
-        """The optimizer state's entries (parameter-shaped trees and shared scalars)."""
+        """The optimizer state's entries (parameter-shaped trees and shared scalars).
+
+        Args:
+            opt_state: An optimizer state of the split's structure.
+
+        Returns:
+            Its entries, in order.
+        """
         return self.node_def.flatten_up_to(opt_state)
 
     def shared(self, opt_state: Any) -> list[Any]:
-        """The entries every group reads (step counts, hyperparameters)."""
+        """The entries every group reads (step counts, hyperparameters).
+
+        Args:
+            opt_state: An optimizer state of the split's structure.
+
+        Returns:
+            Its scalar entries, in order.
+        """
         return [n for n, s in zip(self.entries(opt_state), self.shaped, strict=True) if not s]
 
     def slots(self, opt_state: Any, group: Group) -> list[Any]:
-        """The group's parts of the parameter-shaped entries (its moments)."""
+        """The group's parts of the parameter-shaped entries (its moments).
+
+        Args:
+            opt_state: An optimizer state of the split's structure.
+            group: A layer index, or None for the rest.
+
+        Returns:
+            For each parameter-shaped entry, its sub-tree for ``group``.
+        """
         return [
             group_tree(n, group)
             for n, s in zip(self.entries(opt_state), self.shaped, strict=True)
@@ -105,13 +137,29 @@ class LayerSplit:
         ]
 
     def sub_state(self, slots: Sequence[Any], shared: Sequence[Any]) -> Any:
-        """A group's optimizer state, from its slots and the shared entries."""
+        """A group's optimizer state, from its slots and the shared entries.
+
+        Args:
+            slots: The group's parts of the parameter-shaped entries (:meth:`slots`).
+            shared: The shared entries (:meth:`shared`).
+
+        Returns:
+            The optimizer state's container holding them (what ``tx.update`` takes for the
+            group's parameters).
+        """
         slots_it, shared_it = iter(slots), iter(shared)
         nodes = [next(slots_it) if s else next(shared_it) for s in self.shaped]
         return self.node_def.unflatten(nodes)
 
     def unsplit_state(self, sub_state: Any) -> tuple[list[Any], list[Any]]:
-        """``(slots, shared)`` of a group's optimizer state (the inverse of :meth:`sub_state`)."""
+        """``(slots, shared)`` of a group's optimizer state (the inverse of :meth:`sub_state`).
+
+        Args:
+            sub_state: A group's optimizer state.
+
+        Returns:
+            Its parameter-shaped entries and its shared entries.
+        """
         nodes = self.node_def.flatten_up_to(sub_state)
         slots = [n for n, s in zip(nodes, self.shaped, strict=True) if s]
         shared = [n for n, s in zip(nodes, self.shaped, strict=True) if not s]
@@ -119,7 +167,14 @@ class LayerSplit:
 
     # ---------------------------------------------------------------- assembling
     def assemble(self, pieces: dict[Group, Any]) -> Any:
-        """The whole parameter-shaped tree from each group's sub-tree."""
+        """The whole parameter-shaped tree from each group's sub-tree.
+
+        Args:
+            pieces: Each group's sub-tree (parameters, gradients or a moment).
+
+        Returns:
+            The tree with the parameters' structure.
+        """
         leaves: list[Any] = [None] * self.param_def.num_leaves
         for group, order in zip(self.groups, self.order, strict=True):
             for i, leaf in zip(order, jax.tree.leaves(pieces[group]), strict=True):
@@ -127,7 +182,15 @@ class LayerSplit:
         return self.param_def.unflatten(leaves)
 
     def assemble_state(self, slots: dict[Group, list[Any]], shared: Sequence[Any]) -> Any:
-        """The whole optimizer state from each group's slots and the shared entries."""
+        """The whole optimizer state from each group's slots and the shared entries.
+
+        Args:
+            slots: Each group's slots (:meth:`slots`).
+            shared: The shared entries.
+
+        Returns:
+            The optimizer state, with the split's structure.
+        """
         per_slot = [self.assemble({g: s[k] for g, s in slots.items()}) for k in range(len(self))]
         return self.sub_state(per_slot, shared)
 
@@ -187,6 +250,18 @@ def split_by_layer(
     Returns:
         ``(split, "")`` where the update of every group equals its part of the whole update;
         ``(None, reason)`` otherwise.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
+        ...                     "head": {"w": jnp.ones(3)}})
+        >>> adamw = optax.adamw(1e-2)
+        >>> split_by_layer(adamw, params, adamw.init(params))[0] is not None
+        True
+        >>> clipped = optax.chain(optax.clip_by_global_norm(1.0), adamw)
+        >>> split_by_layer(clipped, params, clipped.init(params))[1]
+        "the update of group 0 reads other groups' parameters or state"
     """
     groups = _groups_of(params)
     if not groups:
@@ -373,6 +448,25 @@ class LayerOptimizer:
     Args:
         tx: The optax transformation.
         config: The GRPO options (``max_grad_norm``, ``entropy_coeff``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> from artifex.generative_models.training.rl.state import GRPOTrainState
+        >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
+        ...                     "head": {"w": jnp.ones(3)}})
+        >>> tx = optax.sgd(0.5)
+        >>> state = GRPOTrainState(params, None, tx.init(params), jnp.array(0), None)
+        >>> split, _ = split_by_layer(tx, params, state.opt_state)
+        >>> grads = {g: jax.tree.map(jnp.ones_like, group_tree(params, g)) for g in split.groups}
+        >>> optimizer = LayerOptimizer(tx, GRPOConfig(max_grad_norm=None))
+        >>> fn = dict(optimizer.programs, prepare_apply=optimizer.prepare_apply)
+        >>> batch = GRPOBatch.zeros(1, 2, 2, 2).replace(rewards=jnp.array([1.0, 0.0]))
+        >>> (new, _, step), metrics = optimizer.run(fn, split, state, grads, jnp.array(0.0), {},
+        ...                                         batch)
+        >>> new["layers"][1]["w"].tolist(), int(step), round(float(metrics["grad_norm"]) ** 2, 4)
+        ([0.5, 0.5], 1, 7.0)
     """
 
     def __init__(self, tx: optax.GradientTransformation, config: GRPOConfig):
