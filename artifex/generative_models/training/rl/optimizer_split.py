@@ -37,8 +37,9 @@ from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.state import (
     GRPOTrainState,
+    _clip_scale,
     _finite_flags,
-    _has_reward_signal,
+    _guard_decision,
 )
 from artifex.generative_models.utils.compile_options import jit
 
@@ -480,8 +481,7 @@ class LayerOptimizer:
             grad_norm = jnp.sqrt(jnp.sum(jnp.stack(squares)))
             if config.max_grad_norm is None:
                 return grad_norm, jnp.ones((), jnp.float32)
-            scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
-            return grad_norm, scale
+            return grad_norm, _clip_scale(grad_norm, config.max_grad_norm)
 
         def check(split, grads, slots, shared, params, scale):
             new_params, new_slots, new_shared = update_function(tx, split)(
@@ -493,16 +493,9 @@ class LayerOptimizer:
         def decide(loss, metrics, grad_norm, params_oks, opt_oks, step, batch):
             params_ok = jnp.all(jnp.stack(params_oks))
             opt_ok = jnp.all(jnp.stack(opt_oks))
-            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
-            signal_ = _has_reward_signal(batch)
-            apply = ok & (signal_ | (config.entropy_coeff > 0.0))
-            f32 = jnp.float32
-            metrics = dict(metrics, grad_norm=grad_norm.astype(f32))
-            metrics["update_applied"] = apply.astype(f32)
-            metrics["finite_update"] = ok.astype(f32)
-            metrics["finite_params"] = params_ok.astype(f32)
-            metrics["finite_optimizer_state"] = opt_ok.astype(f32)
-            metrics["reward_signal"] = signal_.astype(f32)
+            apply, metrics = _guard_decision(
+                config, batch, loss, grad_norm, params_ok, opt_ok, metrics
+            )
             return apply, metrics, step + apply.astype(step.dtype)
 
         def apply(split, grads, slots, params, shared, scale, flag):

@@ -488,7 +488,7 @@ def apply_gradients(
     """
     grad_norm = optax.tree.norm(grads)
     if config.max_grad_norm is not None:
-        scale = jnp.minimum(1.0, config.max_grad_norm / jnp.maximum(grad_norm, 1e-12))
+        scale = _clip_scale(grad_norm, config.max_grad_norm)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
 
     # Jitted so that the optimizer (per-leaf work, a large part of this step's tracing) is
@@ -514,18 +514,45 @@ def apply_gradients(
     # the last bit; only a value at the very edge of overflow could be finite in one and
     # not the other.
     params_ok, opt_ok = _finite_flags(*updated())
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
-    # A batch without any reward signal (all rewards NaN) moves nothing: its only gradients
-    # would be the KL term (and Adam's momentum, weight decay) acting blindly. An entropy
-    # bonus is a signal of its own that the user asked for: then the update is applied.
-    signal = _has_reward_signal(batch)
-    apply = ok & (signal | (config.entropy_coeff > 0.0))
+    apply, metrics = _guard_decision(config, batch, loss, grad_norm, params_ok, opt_ok, metrics)
     params, opt_state = jax.lax.cond(apply, updated, lambda: (state.params, state.opt_state))
     new_state = state.replace(
         params=params,
         opt_state=opt_state,
         step=state.step + apply.astype(state.step.dtype),
     )
+    return new_state, metrics
+
+
+def _clip_scale(grad_norm: jax.Array, max_grad_norm: float) -> jax.Array:
+    """The factor that scales the gradient to a norm of at most ``max_grad_norm`` (traceable)."""
+    return jnp.minimum(1.0, max_grad_norm / jnp.maximum(grad_norm, 1e-12))
+
+
+def _guard_decision(
+    config: GRPOConfig,
+    batch: GRPOBatch,
+    loss: jax.Array,
+    grad_norm: jax.Array,
+    params_ok: jax.Array,
+    opt_ok: jax.Array,
+    metrics: dict[str, jax.Array],
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Whether the guard applies an update, and the update's metrics (traceable).
+
+    Shared by :func:`apply_gradients` and the optimizer run one layer at a time.
+
+    Returns:
+        ``(apply, metrics)``: a bool scalar, and ``metrics`` with ``grad_norm``,
+        ``update_applied``, ``finite_update``, ``finite_params``, ``finite_optimizer_state`` and
+        ``reward_signal`` added.
+    """
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
+    # A batch without any reward signal (all rewards NaN) moves nothing: its only gradients
+    # would be the KL term (and Adam's momentum, weight decay) acting blindly. An entropy
+    # bonus is a signal of its own that the user asked for: then the update is applied.
+    signal = _has_reward_signal(batch)
+    apply = ok & (signal | (config.entropy_coeff > 0.0))
     f32 = jnp.float32
     metrics = dict(metrics, grad_norm=grad_norm.astype(f32))
     metrics["update_applied"] = apply.astype(f32)
@@ -533,7 +560,7 @@ def apply_gradients(
     metrics["finite_params"] = params_ok.astype(f32)
     metrics["finite_optimizer_state"] = opt_ok.astype(f32)
     metrics["reward_signal"] = signal.astype(f32)
-    return new_state, metrics
+    return apply, metrics
 
 
 def make_grpo_log_probs(
