@@ -40,6 +40,7 @@ from artifex.generative_models.training.rl.state import (
     _clip_scale,
     _finite_flags,
     _guard_decision,
+    _parameter_shaped,
 )
 from artifex.generative_models.utils.compile_options import jit
 
@@ -268,15 +269,7 @@ def split_by_layer(
     if not groups:
         return None, "the parameters have no per-layer entries (params['layers'][i])"
     p_leaves, p_def = jax.tree.flatten(params)
-
-    def shaped(node: Any) -> bool:
-        if jax.tree.structure(node) != p_def:
-            return False
-        return all(
-            jnp.shape(x) == jnp.shape(p) and jnp.result_type(x) == jnp.result_type(p)
-            for x, p in zip(jax.tree.leaves(node), p_leaves, strict=True)
-        )
-
+    shaped = _parameter_shaped(params)
     nodes, node_def = jax.tree.flatten(opt_state, is_leaf=shaped)
     flags = tuple(shaped(n) for n in nodes)
     for node, flag in zip(nodes, flags, strict=True):

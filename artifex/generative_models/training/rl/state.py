@@ -649,17 +649,10 @@ def _finite_flags(
     ``_ROWS_FIRST``).
     """
     rows_first = _ROWS_FIRST if rows_first is None else rows_first
-    p_leaves, p_def = jax.tree.flatten(params)
+    p_leaves = jax.tree.leaves(params)
     slots: list[list[Any]] = [[] for _ in p_leaves]  # optimizer arrays shaped like parameter i
     rest: list[Any] = []  # the other optimizer arrays (step counts, ...)
-
-    def parameter_shaped(node: Any) -> bool:
-        if jax.tree.structure(node) != p_def:
-            return False
-        return all(
-            jnp.shape(x) == jnp.shape(p) and jnp.result_type(x) == jnp.result_type(p)
-            for x, p in zip(jax.tree.leaves(node), p_leaves, strict=True)
-        )
+    parameter_shaped = _parameter_shaped(params)
 
     for node in jax.tree.leaves(opt_state, is_leaf=parameter_shaped):
         if p_leaves and parameter_shaped(node):
@@ -684,6 +677,21 @@ def _finite_flags(
         params_ok.append(jnp.all(both[0]))
         opt_ok.append(jnp.all(both[1]))
     return jnp.all(jnp.stack(params_ok)), jnp.all(jnp.stack(opt_ok))
+
+
+def _parameter_shaped(params: Any) -> Callable[[Any], bool]:
+    """A test of whether a node has the structure, shapes and dtypes of ``params`` (moments)."""
+    p_leaves, p_def = jax.tree.flatten(params)
+
+    def shaped(node: Any) -> bool:
+        if jax.tree.structure(node) != p_def:
+            return False
+        return all(
+            jnp.shape(x) == jnp.shape(p) and jnp.result_type(x) == jnp.result_type(p)
+            for x, p in zip(jax.tree.leaves(node), p_leaves, strict=True)
+        )
+
+    return shaped
 
 
 def _and_pairs(x: tuple[Any, Any], y: tuple[Any, Any]) -> tuple[Any, Any]:
