@@ -44,6 +44,7 @@ from artifex.generative_models.training.rl.optimizer_split import (
     LayerOptimizer,
     LayerSplit,
     group_tree,
+    lower_programs,
     split_by_layer,
 )
 from artifex.generative_models.training.rl.rollout import Policy
@@ -307,21 +308,8 @@ class _SplitStep:
             A future whose result is ``None`` once every program is compiled (or an error).
         """
         self.wait()
-        lowered: dict[int, tuple[str, Any]] = {}  # JAX caches lowerings: one per program
-
-        def lowering(name: str, program: Any) -> Any:
-            def call(*args: Any) -> Any:
-                low = program.lower(*args)
-                lowered[id(low)] = (name, low)
-                # Without a sharding: the next program gets uncommitted arrays, as when it runs.
-                return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), low.out_info)
-
-            return call
-
         programs = dict(self._optimizer.programs, gradients=self._gradients)
-        fn = {name: lowering(name, p) for name, p in programs.items()}
-        self._run(state, batch, dict(fn, prepare_apply=lambda *args: None))
-        order = list(lowered.values())
+        order = lower_programs(self._run, programs, state, batch)
         first = [low for name, low in order if name == "gradients"]
         rest = [low for name, low in order if name != "gradients"]
         futures = []

@@ -54,6 +54,7 @@ from artifex.generative_models.training.rl.optimizer_split import (
     LayerOptimizer,
     LayerSplit,
     group_tree,
+    lower_programs,
     split_by_layer,
 )
 from artifex.generative_models.training.rl.state import GRPOTrainState, apply_gradients
@@ -540,23 +541,9 @@ class LayerwiseStep:
             error).
         """
         self.wait()
-        lowered: dict[int, tuple[str, Any]] = {}  # JAX caches lowerings: one per program
-
-        def lowering(name: str, program: Any) -> Callable[..., Any]:
-            def call(*args: Any) -> Any:
-                low = program.lower(*args)
-                lowered[id(low)] = (name, low)
-                # Without a sharding: the next program gets uncommitted arrays, as when it runs
-                # (a struct with the output's sharding lowers to another compiled program).
-                return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), low.out_info)
-
-            return call
-
         # The state and batch themselves (only their types are read, nothing runs): lowered
         # from them, the programs match the calls of the update to come.
-        programs = {name: lowering(name, p) for name, p in self._programs_by_name().items()}
-        self._run(state, batch, dict(programs, prepare_apply=lambda *args: None))
-        order = list(lowered.values())
+        order = lower_programs(self._run, self._programs_by_name(), state, batch)
         last = {name: i for i, (name, _) in enumerate(order)}  # a name's last lowering
         ready = {name: concurrent.futures.Future() for name in last}
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -625,3 +625,43 @@ def deferred_interrupt() -> Iterator[None]:
             previous(signal.SIGINT, caught[0])
         elif caught:
             raise KeyboardInterrupt
+
+
+def lower_programs(
+    run: Callable[[Any, Any, Mapping[str, Any]], Any],
+    programs: Mapping[str, Any],
+    state: Any,
+    batch: Any,
+) -> list[tuple[str, Any]]:
+    """Lowers a step made of several programs, in the order it calls them; nothing runs.
+
+    ``run(state, batch, fn)`` is the step's driver, which calls ``fn[name](*args)`` for each
+    program; here each call lowers ``programs[name]`` for its arguments and hands on the
+    shapes and dtypes of its outputs. ``fn["prepare_apply"]`` does nothing. JAX caches a
+    lowering per program and argument types, so a program called several times with the same
+    types is lowered (and listed) once per distinct lowering.
+
+    Args:
+        run: The step's driver.
+        programs: The jitted programs by the names ``run`` calls them by.
+        state: A train state (only its types are read).
+        batch: A batch (only its types are read).
+
+    Returns:
+        ``(name, lowered)`` pairs, in the order of their first call.
+    """
+    lowered: dict[int, tuple[str, Any]] = {}
+
+    def lowering(name: str, program: Any) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            low = program.lower(*args)
+            lowered[id(low)] = (name, low)
+            # Without a sharding: the next program gets uncommitted arrays, as when it runs
+            # (a struct with the output's sharding lowers to another compiled program).
+            return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), low.out_info)
+
+        return call
+
+    fn = {name: lowering(name, p) for name, p in programs.items()}
+    run(state, batch, dict(fn, prepare_apply=lambda *args: None))
+    return list(lowered.values())
