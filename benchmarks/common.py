@@ -147,6 +147,34 @@ def workload_trainer(
     return GRPOTrainer(policy, optimizer, config, reference_model=reference)
 
 
+def toy_reward_batch(out: Any, group_size: int) -> Any:
+    """The GRPO batch of one rollout (``generate``'s output), scored by the toy reward.
+
+    The reward is ``benchmarks.workloads.toy_reward`` (the fraction of even token ids), computed
+    on the host and uploaded with ``jax.device_put`` (no program to compile, as in the loop).
+
+    Args:
+        out: What ``artifex.generative_models.inference.generate`` returned.
+        group_size: Completions per prompt.
+
+    Returns:
+        A ``GRPOBatch``.
+    """
+    import numpy as np
+
+    from artifex.generative_models.training.rl import GRPOBatch
+    from benchmarks.workloads import toy_reward
+
+    return GRPOBatch(
+        prompt_ids=out.prompt_ids,
+        prompt_mask=out.prompt_mask,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        rewards=jax.device_put(toy_reward(np.asarray(jax.device_get(out.completion_ids)))),
+        group_size=group_size,
+    )
+
+
 def entry_operations(compiled: Any) -> int:
     """Operations at the top level of a compiled program's optimized HLO, bookkeeping excluded.
 

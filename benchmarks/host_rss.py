@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from artifex.generative_models.inference import bucket_length, generate
     from artifex.generative_models.training.rl import GRPOBatch
-    from benchmarks.common import workload_trainer
+    from benchmarks.common import toy_reward_batch, workload_trainer
 
     malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     print(f"allocator environment: {malloc_env or 'none'}", flush=True)
@@ -97,21 +97,14 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=n,
             eos_ids=(),
         )
-        comp = np.asarray(out.completion_ids)
+        jax.block_until_ready(out.completion_ids)
         seconds = time.perf_counter() - t
         print(
             f"step {i} rollout {seconds:.2f} s: peak {peak_gb():.2f} GB, "
             f"current {current_gb():.2f} GB",
             flush=True,
         )
-        batch = GRPOBatch(
-            prompt_ids=out.prompt_ids,
-            prompt_mask=out.prompt_mask,
-            completion_ids=out.completion_ids,
-            completion_mask=out.completion_mask,
-            rewards=jax.device_put((comp % 2 == 0).mean(axis=1).astype(np.float32)),
-            group_size=k,
-        )
+        batch = toy_reward_batch(out, k)
         t = time.perf_counter()
         metrics = trainer.train_step(batch)
         jax.block_until_ready((metrics, nnx.state(trainer.model)))

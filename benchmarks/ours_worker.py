@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from artifex.generative_models.inference import bucket_length, generate
     from artifex.generative_models.training.rl import GRPOBatch
-    from benchmarks.common import workload_trainer
+    from benchmarks.common import toy_reward_batch, workload_trainer
 
     with open(os.path.join(args.dir, "workload.json")) as fh:
         w = json.load(fh)
@@ -147,15 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         comp = np.asarray(jax.device_get(out.completion_ids))
         t1 = time.perf_counter()
-        rewards = (comp % 2 == 0).mean(axis=1).astype(np.float32)
-        batch = GRPOBatch(
-            prompt_ids=out.prompt_ids,
-            prompt_mask=out.prompt_mask,
-            completion_ids=out.completion_ids,
-            completion_mask=out.completion_mask,
-            rewards=jax.device_put(rewards),  # no program to compile, as in the loop
-            group_size=k,
-        )
+        batch = toy_reward_batch(out, k)  # rewards on the host, then device_put
         t2 = time.perf_counter()
         metrics = trainer.train_step(batch, num_microbatches=args.microbatches)
         jax.block_until_ready((metrics, nnx.state(trainer.model)))

@@ -73,8 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     from artifex.generative_models.inference import generate
-    from artifex.generative_models.training.rl import GRPOBatch
-    from benchmarks.common import entry_operations, update_cost, workload_trainer
+    from benchmarks.common import (
+        entry_operations,
+        toy_reward_batch,
+        update_cost,
+        workload_trainer,
+    )
 
     with open(os.path.join(args.dir, "workload.json")) as fh:
         w = json.load(fh)
@@ -115,15 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=n,
             eos_ids=(),
         )
-        comp = np.asarray(jax.device_get(out.completion_ids))
-        batch = GRPOBatch(
-            prompt_ids=out.prompt_ids,
-            prompt_mask=out.prompt_mask,
-            completion_ids=out.completion_ids,
-            completion_mask=out.completion_mask,
-            rewards=jnp.asarray((comp % 2 == 0).mean(axis=1).astype(np.float32)),
-            group_size=k,
-        )
+        batch = toy_reward_batch(out, k)
         jax.block_until_ready(trainer.train_step(batch))
         return batch
 
