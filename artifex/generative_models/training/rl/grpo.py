@@ -44,6 +44,7 @@ from artifex.generative_models.training.rl.optimizer_split import (
     LayerOptimizer,
     LayerSplit,
     group_tree,
+    interrupt_scope,
     lower_programs,
     split_by_layer,
 )
@@ -1015,8 +1016,11 @@ class GRPOTrainer:
         Raises:
             NonFiniteUpdateError: The step was rejected (nothing was updated).
         """
-        state, metrics = self.compiled_step(num_microbatches)(self.state, batch)
-        self.store_update(state)
+        # A Ctrl-C while the optimizer runs group by group is delivered once the new state is
+        # stored: the old arrays are donated by then.
+        with interrupt_scope():
+            state, metrics = self.compiled_step(num_microbatches)(self.state, batch)
+            self.store_update(state)
         return self.host_metrics(metrics, step=state.step)
 
     def store_update(self, state: GRPOTrainState) -> None:

@@ -53,6 +53,7 @@ from artifex.generative_models.training.logging import (
 from artifex.generative_models.training.rl.advantages import nonconstant_groups
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.objective import _reward_metrics, compute_advantages
+from artifex.generative_models.training.rl.optimizer_split import interrupt_scope
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollout import (
     Policy,
@@ -1101,27 +1102,30 @@ def train(
             rows = batch.batch_size
             update_fn = trainer.compiled_step(config.gradient_accumulation_steps)
             state = trainer.state
-            try:
-                for it in range(config.num_iterations):
-                    order = np.arange(rows)
-                    if config.num_minibatches > 1:
-                        perm_key = jax.random.fold_in(jax.random.fold_in(key, 1000), it)
-                        order = np.asarray(jax.random.permutation(perm_key, rows))
-                    for part in np.split(order, config.num_minibatches):
-                        mb = batch if config.num_minibatches == 1 else _take_rows(batch, part)
+            # A Ctrl-C while the optimizer runs group by group is delivered after the store
+            # below (the old arrays are donated by then).
+            with interrupt_scope():
+                try:
+                    for it in range(config.num_iterations):
+                        order = np.arange(rows)
                         if config.num_minibatches > 1:
-                            mb = trainer.place_batch(mb)
-                        state, step_metrics = update_fn(state, mb)
-                        updates.append(trainer.host_metrics(step_metrics, step=state.step))
-            except NonFiniteUpdateError as err:
-                msg = (
-                    f"training step {step} (update {len(updates) + 1} of "
-                    f"{config.num_iterations * config.num_minibatches}): {err}; no "
-                    "checkpoint holds this state (the last one is from an earlier step)"
-                )
-                raise NonFiniteUpdateError(msg, err.metrics) from err
-            finally:  # the last finite state (a rejected update returned the state before it)
-                trainer.store_update(state)
+                            perm_key = jax.random.fold_in(jax.random.fold_in(key, 1000), it)
+                            order = np.asarray(jax.random.permutation(perm_key, rows))
+                        for part in np.split(order, config.num_minibatches):
+                            mb = batch if config.num_minibatches == 1 else _take_rows(batch, part)
+                            if config.num_minibatches > 1:
+                                mb = trainer.place_batch(mb)
+                            state, step_metrics = update_fn(state, mb)
+                            updates.append(trainer.host_metrics(step_metrics, step=state.step))
+                except NonFiniteUpdateError as err:
+                    msg = (
+                        f"training step {step} (update {len(updates) + 1} of "
+                        f"{config.num_iterations * config.num_minibatches}): {err}; no "
+                        "checkpoint holds this state (the last one is from an earlier step)"
+                    )
+                    raise NonFiniteUpdateError(msg, err.metrics) from err
+                finally:  # the last finite state (a rejected update returned the state before it)
+                    trainer.store_update(state)
             metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
             metrics.update({k: float(v) for k, v in jax.device_get(batch_metrics).items()})
             metrics.update(ro.metrics())

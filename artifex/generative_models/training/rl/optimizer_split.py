@@ -14,7 +14,12 @@ only that group's inputs and the shared scalars, and are the same operations, in
 and with the same constants, as the group's own update. A transformation that mixes parameters
 (``optax.clip_by_global_norm`` inside the chain), treats them by their place in the whole tree
 (a mask or label function that reads the layer index), or keeps per-parameter state outside
-parameter-shaped trees is refused, and the caller keeps the one-program optimizer.
+parameter-shaped trees is refused, and the caller keeps the one-program optimizer. Constants
+are compared by value, also those inside nested programs.
+
+The groups' update programs donate the old arrays; a caller that stores the new state wraps the
+step and the store in :func:`interrupt_scope`, so that a Ctrl-C arriving while the groups run
+is delivered after the store (``GRPOTrainer`` and the training loop do).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.extend.core import Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
@@ -41,10 +46,11 @@ from artifex.generative_models.training.rl.state import (
     _finite_flags,
     _guard_decision,
     _parameter_shaped,
+    _squared_norm,
 )
 from artifex.generative_models.utils.compile_options import jit
 
-__all__ = ["LayerOptimizer", "LayerSplit", "split_by_layer"]
+__all__ = ["LayerOptimizer", "LayerSplit", "interrupt_scope", "split_by_layer"]
 
 # A group: a decoder layer's index, or None for the parameters outside ``layers``.
 Group = int | None
@@ -342,6 +348,28 @@ def split_by_layer(
     return split, ""
 
 
+def _const_text(value: Any) -> str:
+    arr = np.asarray(value)
+    return f"const{arr.dtype}{arr.shape}:{arr.tobytes().hex()}"
+
+
+def _inner_consts_text(param: Any) -> str:
+    """The values of the constants of every program inside an equation's parameter."""
+    parts: list[str] = []
+    stack = [param]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, ClosedJaxpr):
+            parts.extend(_const_text(c) for c in x.consts)
+            stack.append(x.jaxpr)
+        elif isinstance(x, Jaxpr):
+            for eqn in reversed(x.eqns):
+                stack.extend(reversed(list(eqn.params.values())))
+        elif isinstance(x, tuple | list):
+            stack.extend(reversed(x))
+    return ",".join(parts)
+
+
 class _Canonical:
     """Texts of the parts of a jaxpr that compute given outputs from given inputs.
 
@@ -355,11 +383,12 @@ class _Canonical:
         self._jaxpr = jaxpr
         self._consts: dict[Any, str] = {}
         for var, value in zip(jaxpr.constvars, closed.consts, strict=True):
-            arr = np.asarray(value)
-            self._consts[var] = f"const{arr.dtype}{arr.shape}:{arr.tobytes().hex()}"
-        # each equation's operation and parameters, printed once for all parts
+            self._consts[var] = _const_text(value)
+        # each equation's operation and parameters, printed once for all parts (a parameter
+        # that is a program prints its constants' types only: their values are added)
         self._ops = [
-            f"{e.primitive.name} {sorted((k, repr(v)) for k, v in e.params.items())}"
+            f"{e.primitive.name} "
+            f"{sorted((k, repr(v), _inner_consts_text(v)) for k, v in e.params.items())}"
             for e in jaxpr.eqns
         ]
         self._literals: dict[int, str] = {}
@@ -423,6 +452,55 @@ class _Canonical:
         return tuple(lines)
 
 
+def _signature(x: Any) -> tuple:
+    """What selects a compiled program for the argument ``x``: its type and placement."""
+    if isinstance(x, jax.Array):
+        return (jax.typeof(x), x.sharding, x.committed)
+    return (jnp.shape(x), jnp.result_type(x), type(x))
+
+
+def _buffer_keys(x: jax.Array) -> tuple:
+    """The device buffers of ``x`` (two arrays with one buffer cannot both be donated)."""
+    try:
+        return (x.unsafe_buffer_pointer(),)
+    except Exception:  # several shards, or a backend without pointers
+        try:
+            return tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+        except Exception:
+            return (id(x),)
+
+
+def _check_donations(split: LayerSplit, slots: Mapping[Group, Any], params: Mapping[Group, Any]):
+    """Raises before the first group donates if any group's arrays cannot be donated.
+
+    XLA refuses to donate a deleted buffer or one buffer twice, but only when the group's
+    program is called: by then the groups before it were updated and their old arrays deleted.
+    """
+    seen: dict[Any, Group] = {}
+    for g in split.groups:
+        for path, x in jax.tree_util.tree_flatten_with_path((params[g], slots[g]))[0]:
+            if not isinstance(x, jax.Array):
+                continue
+            where = f"group {g!r}, {'parameters' if path[0].idx == 0 else 'optimizer state'}"
+            where += jax.tree_util.keystr(path[1:])
+            if x.is_deleted():
+                msg = (
+                    f"the optimizer by layer: {where} is an array that was deleted or donated; "
+                    "nothing was updated"
+                )
+                raise ValueError(msg)
+            for key in _buffer_keys(x):
+                if key in seen:
+                    msg = (
+                        f"the optimizer by layer: {where} holds the same device buffer as an "
+                        f"array of group {seen[key]!r}, and each is donated to its update; "
+                        "nothing was updated (give each parameter its own array, or set "
+                        "GRPOConfig(optimizer_by_layer=False))"
+                    )
+                    raise ValueError(msg)
+                seen[key] = g
+
+
 # Arrays checked rows first in the per-group check (see `_finite_flags`): a group's program has
 # few arrays, and a reduction of an array to a scalar runs on one core.
 _GROUP_ROWS_FIRST = 1 << 14
@@ -467,8 +545,7 @@ class LayerOptimizer:
         self._tx = tx
 
         def grad_sq(grads):
-            leaves = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)]
-            return jnp.sum(jnp.stack(leaves)) if leaves else jnp.zeros((), jnp.float32)
+            return _squared_norm(grads)  # as apply_gradients, group by group
 
         def clip(squares):
             grad_norm = jnp.sqrt(jnp.sum(jnp.stack(squares)))
@@ -541,11 +618,8 @@ class LayerOptimizer:
         for g in split.groups:
             args = (grads[g], slots[g], params[g], shared)
             leaves = jax.tree.leaves(args)
-            key = (
-                split,
-                jax.tree.structure(args),
-                tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves),
-            )
+            # what JAX's own cache of executables tells apart: types (weak or not), placement
+            key = (split, jax.tree.structure(args), tuple(_signature(x) for x in leaves))
             if key not in self._compiled:
                 self.programs["apply"].lower(
                     split, grads[g], slots[g], params[g], shared, scale, flag
@@ -589,10 +663,12 @@ class LayerOptimizer:
         apply, metrics, step = fn["decide"](
             loss, metrics, grad_norm, params_oks, opt_oks, state.step, batch
         )
+        _check_donations(split, slots, params)
         fn["prepare_apply"](split, grads, slots, params, shared, scale, apply)
         new_params, new_slots, new_shared = {}, {}, shared
         # Each group's program donates its arrays: the dispatches below are not interrupted
-        # halfway (a Ctrl-C waits for the last of them, a few milliseconds).
+        # halfway (a Ctrl-C waits for the last of them, or, inside an interrupt_scope, for the
+        # caller to store the new state).
         with deferred_interrupt():
             for g in split.groups:
                 new_params[g], new_slots[g], group_shared = fn["apply"](
@@ -604,27 +680,85 @@ class LayerOptimizer:
         return (split.assemble(new_params), new_state, step), metrics
 
 
-@contextlib.contextmanager
-def deferred_interrupt() -> Iterator[None]:
-    """Holds back Ctrl-C (SIGINT) inside the block and raises it after; main thread only.
+# Open interrupt scopes of the main thread (`interrupt_scope`), innermost last: each holds the
+# interrupts caught while it was open and the SIGINT handler to restore (or _UNSET).
+_UNSET = object()
+_scopes: list[dict[str, Any]] = []
 
-    The optimizer's per-group programs each donate their group's arrays: an interrupt between
-    two of them would leave the model half updated, with the old arrays of the updated groups
-    deleted.
+
+def _hold_interrupts(caught: list[Any]) -> Any:
+    """Installs a SIGINT handler that records into ``caught``; returns the one it replaced.
+
+    Returns ``_UNSET`` (nothing installed) where holding back is not possible or not needed:
+    outside the main thread, where SIGINT is ignored, or where its handler was not installed
+    from Python (it could not be restored).
     """
     if threading.current_thread() is not threading.main_thread():
+        return _UNSET
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or previous == signal.SIG_IGN:
+        return _UNSET
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    return previous
+
+
+def _release_interrupts(previous: Any, caught: list[Any]) -> None:
+    """Restores ``previous`` and delivers the first interrupt held back, if any, to it."""
+    if previous is _UNSET:
+        return
+    signal.signal(signal.SIGINT, previous)
+    if not caught:
+        return
+    if callable(previous):
+        previous(signal.SIGINT, caught[0])  # Python's default handler raises KeyboardInterrupt
+    else:  # SIG_DFL: the default action, as if the signal arrived now
+        signal.raise_signal(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def interrupt_scope() -> Iterator[None]:
+    """Delivers a Ctrl-C held back by :func:`deferred_interrupt` inside it at its end instead.
+
+    A step whose optimizer runs group by group donates the old arrays before it returns the
+    new ones; the caller that stores the new state wraps the step and the store in this, so
+    that an interrupt is raised only once the new state is stored. Nothing is held back until
+    a :func:`deferred_interrupt` block starts inside (a Ctrl-C during tracing or compiling
+    still interrupts at once). Nested scopes defer to the outermost; main thread only.
+    """
+    if threading.current_thread() is not threading.main_thread() or _scopes:
         yield
         return
-    caught: list[Any] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    scope: dict[str, Any] = {"caught": [], "previous": _UNSET}
+    _scopes.append(scope)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught and callable(previous):
-            previous(signal.SIGINT, caught[0])
-        elif caught:
-            raise KeyboardInterrupt
+        _scopes.pop()
+        _release_interrupts(scope["previous"], scope["caught"])
+
+
+@contextlib.contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Holds back Ctrl-C (SIGINT) inside the block and delivers it after; main thread only.
+
+    The optimizer's per-group programs each donate their group's arrays: an interrupt between
+    two of them would leave the model half updated, with the old arrays of the updated groups
+    deleted. Inside an :func:`interrupt_scope` the interrupt is delivered when the scope ends
+    (after the caller stored the new state); otherwise when this block ends. Where SIGINT is
+    ignored, or its handler was not installed from Python, nothing is held back.
+    """
+    if _scopes:
+        scope = _scopes[0]
+        if scope["previous"] is _UNSET:
+            scope["previous"] = _hold_interrupts(scope["caught"])
+        yield
+        return
+    caught: list[Any] = []
+    previous = _hold_interrupts(caught)
+    try:
+        yield
+    finally:
+        _release_interrupts(previous, caught)
 
 
 def lower_programs(
@@ -637,9 +771,10 @@ def lower_programs(
 
     ``run(state, batch, fn)`` is the step's driver, which calls ``fn[name](*args)`` for each
     program; here each call lowers ``programs[name]`` for its arguments and hands on the
-    shapes and dtypes of its outputs. ``fn["prepare_apply"]`` does nothing. JAX caches a
-    lowering per program and argument types, so a program called several times with the same
-    types is lowered (and listed) once per distinct lowering.
+    shapes and dtypes of its outputs. ``fn["prepare_apply"]`` does nothing. Every call is
+    listed, also a program called again with the same argument types (the per-group programs
+    are called once per group); compiling such repeats hits JAX's cache of executables, so
+    compiling the whole list compiles each distinct program once.
 
     Args:
         run: The step's driver.

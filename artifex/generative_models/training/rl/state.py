@@ -486,7 +486,7 @@ def apply_gradients(
         ``(new_state, metrics)``: the state after the update, or ``state``'s parameters,
         optimizer state and step where the guard rejected it.
     """
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = jnp.sqrt(_squared_norm(grads))
     if config.max_grad_norm is not None:
         scale = _clip_scale(grad_norm, config.max_grad_norm)
         grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -522,6 +522,16 @@ def apply_gradients(
         step=state.step + apply.astype(state.step.dtype),
     )
     return new_state, metrics
+
+
+def _squared_norm(tree: Any) -> jax.Array:
+    """The squared L2 norm of all the arrays of ``tree``, accumulated in float32.
+
+    Each array is squared and summed in float32 (a bfloat16 gradient's norm is not rounded to
+    bfloat16), then the sums are added; 0 for an empty tree.
+    """
+    sums = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)]
+    return jnp.sum(jnp.stack(sums)) if sums else jnp.zeros((), jnp.float32)
 
 
 def _clip_scale(grad_norm: jax.Array, max_grad_norm: float) -> jax.Array:

@@ -43,6 +43,21 @@ def _layer_zero_frozen(params):
     )
 
 
+def _scaled_by_position():
+    """Scales each gradient by a constant of its place in the tree, inside a nested program
+    (a jaxpr prints such a program's constants by type only)."""
+
+    def update(updates, state, params=None):
+        leaves, treedef = jax.tree.flatten(updates)
+        out = []
+        for i, u in enumerate(leaves):
+            c = np.full((1,), 1.0 + i, np.float32)
+            out.append(jax.jit(lambda x, c=c: x * c)(u))
+        return treedef.unflatten(out), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 SEPARABLE = {
     "sgd": lambda: optax.sgd(0.1, momentum=0.9),
     "adam": lambda: optax.adam(1e-2),
@@ -69,6 +84,11 @@ NOT_SEPARABLE = {
     ),
     # gradient accumulation decides for all parameters at once
     "multisteps": (lambda: optax.MultiSteps(optax.adam(1e-2), 2), "reads other groups"),
+    # constants that depend on the layer's place, hidden inside nested programs
+    "scaled by position": (
+        lambda: optax.chain(_scaled_by_position(), optax.sgd(1.0)),
+        "differs from its part of the whole update",
+    ),
     # factored second moments: state arrays that are not shaped like the parameters
     "adafactor": (lambda: optax.adafactor(1e-2), "outside the parameter-shaped trees"),
 }
@@ -293,9 +313,114 @@ def test_the_split_step_has_no_single_lowering_and_the_option_is_checked():
     assert args["GRPOConfig.optimizer_by_layer"] is False
 
 
-def test_an_interrupt_during_the_per_group_updates_is_raised_after_them():
+def _deleted(tree):
+    return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and x.is_deleted()]
+
+
+def test_a_ctrl_c_during_the_per_group_updates_keeps_the_new_state():
+    # The groups donate their arrays: the interrupt must reach the caller only once the
+    # trainer stored the new state (delivered at once, the model would hold deleted arrays).
+    t = _trainer(True)
+    batch = lm_batch(seed=1).replace(ref_log_probs=None)
+    t.train_step(batch)
+    step = t.compiled_step()
+    assert type(step).__name__ == "_SplitStep"
+    apply = step._optimizer.programs["apply"]
+    calls = []
+
+    def apply_with_ctrl_c(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C during the first group's dispatch
+        return apply(*args)
+
+    expected = _trainer(True)  # the same two steps, uninterrupted
+    expected.train_step(batch)
+    expected.train_step(batch)
+    step._optimizer.programs["apply"] = apply_with_ctrl_c
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            t.train_step(batch)
+    finally:
+        step._optimizer.programs["apply"] = apply
+    assert len(calls) == LAYERS + 1  # every group ran
+    assert _deleted(nnx.state(t.model)) == [] and _deleted(nnx.state(t.optimizer)) == []
+    assert int(t.optimizer.step[...]) == 2  # the interrupted update was stored
+    got, want = flat(nnx.state(t.model, nnx.Param)), flat(nnx.state(expected.model, nnx.Param))
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert np.isfinite(t.train_step(batch)["grad_norm"])  # and the next step runs
+
+
+def test_ctrl_c_outside_an_interrupt_scope_and_an_ignored_sigint():
     reached = []
     with pytest.raises(KeyboardInterrupt), deferred_interrupt():
         signal.raise_signal(signal.SIGINT)
         reached.append("after the signal")  # the block is not cut short
     assert reached == ["after the signal"]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with deferred_interrupt():  # ignored by the application: nothing to deliver after
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_arrays_that_cannot_be_donated_are_refused_before_any_group_runs():
+    batch = lm_batch(seed=1).replace(ref_log_probs=None)
+    t = _trainer(True)
+    shared = t.model.layers[0].attn.q_proj.kernel.value
+    t.model.layers[3].attn.q_proj.kernel.value = shared  # one array in two groups
+    with pytest.raises(ValueError, match=r"group 3, parameters.*same device buffer.*group 0"):
+        t.train_step(batch)
+    assert _deleted(nnx.state(t.model)) == [] and _deleted(nnx.state(t.optimizer)) == []
+
+
+def test_the_clipping_norm_of_bfloat16_gradients_is_the_one_program_norm():
+    # both paths square and sum in float32 (the one-program step used to sum in bfloat16)
+    def make(by_layer):
+        policy = tiny_lm(LAYERS, 0, param_dtype="bfloat16")
+        optimizer = nnx.Optimizer(policy, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param)
+        config = GRPOConfig(num_generations=4, beta=0.0, optimizer_by_layer=by_layer)
+        return GRPOTrainer(policy, optimizer, config)
+
+    a, b = make(False), make(True)
+    batch = lm_batch(seed=1).replace(ref_log_probs=None)
+    ma, mb = a.train_step(batch), b.train_step(batch)
+    assert type(b.compiled_step()).__name__ == "_SplitStep"
+    assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-6)
+    fa, fb = flat(nnx.state(a.model, nnx.Param)), flat(nnx.state(b.model, nnx.Param))
+    for name, value in fa.items():
+        np.testing.assert_array_equal(fb[name], value, err_msg=name)
+
+
+def test_the_update_programs_are_compiled_before_the_groups_run_after_a_placement():
+    # committed arrays (a restored checkpoint) select other executables than fresh ones
+    t = _trainer(True)
+    batch = lm_batch(seed=1).replace(ref_log_probs=None)
+    t.train_step(batch)
+    step = t.compiled_step()
+    apply = step._optimizer.programs["apply"]
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter)
+    inside = []
+
+    def run_counted(*args):
+        counter.count, counter.active = 0, True
+        try:
+            out = apply(*args)
+        finally:
+            counter.active = False
+        inside.append(counter.count)
+        return out
+
+    run_counted.lower = apply.lower  # prepare_apply compiles through it
+    step._optimizer.programs["apply"] = run_counted
+    try:
+        t.load_state(jax.device_put(t.state, jax.devices()[0]))
+        assert jax.tree.leaves(t.state.params)[0].committed
+        t.train_step(batch)
+    finally:
+        step._optimizer.programs["apply"] = apply
+    assert inside == [0] * (LAYERS + 1)
