@@ -459,7 +459,15 @@ class LayerwiseStep:
         Returns:
             The split, or None.
         """
-        key = (jax.tree.structure(state.params), jax.tree.structure(state.opt_state))
+        # the check's answer depends on the shapes and dtypes too, not only the structure
+        key = (
+            jax.tree.structure(state.params),
+            jax.tree.structure(state.opt_state),
+            tuple(
+                (jnp.shape(x), jnp.result_type(x))
+                for x in jax.tree.leaves((state.params, state.opt_state))
+            ),
+        )
         if key not in self._splits:
             self._splits[key] = split_by_layer(self._tx, state.params, state.opt_state)
         split, self.optimizer_split_reason = self._splits[key]

@@ -724,6 +724,23 @@ def interrupt_scope() -> Iterator[None]:
     that an interrupt is raised only once the new state is stored. Nothing is held back until
     a :func:`deferred_interrupt` block starts inside (a Ctrl-C during tracing or compiling
     still interrupts at once). Nested scopes defer to the outermost; main thread only.
+
+    Returns:
+        A context manager.
+
+    Example:
+        >>> import signal
+        >>> order = []
+        >>> try:
+        ...     with interrupt_scope():
+        ...         with deferred_interrupt():  # the groups' donating updates
+        ...             signal.raise_signal(signal.SIGINT)
+        ...             order.append("updated")
+        ...         order.append("stored")  # the caller stores the new state
+        ... except KeyboardInterrupt:
+        ...     order.append("interrupted")
+        >>> order
+        ['updated', 'stored', 'interrupted']
     """
     if threading.current_thread() is not threading.main_thread() or _scopes:
         yield
