@@ -800,7 +800,7 @@ def lower_programs(
         batch: A batch (only its types are read).
 
     Returns:
-        ``(name, lowered)`` pairs, in the order of their first call.
+        ``(name, lowered)`` pairs, one per call, in the order of the calls.
     """
     lowered: dict[int, tuple[str, Any]] = {}
 
