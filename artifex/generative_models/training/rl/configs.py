@@ -247,8 +247,11 @@ class GRPOConfig:
             (:mod:`~artifex.generative_models.training.rl.optimizer_split`). Used only where
             that gives the same update: a transformation that updates each parameter from its
             own gradient and state and shared scalars (SGD, Adam, AdamW, Lion, schedules;
-            not ``optax.clip_by_global_norm`` inside the chain, ``MultiSteps`` or factored
-            states), checked on its own computation when the step is first built; a model
+            moments in another dtype, ``mu_dtype``; not ``optax.clip_by_global_norm`` inside
+            the chain, ``MultiSteps`` or factored states), checked on its own computation
+            when the step is first built and again for each state of other dtypes it is given
+            (for such a state it refuses, clipping, the optimizer and the guard run as one
+            program after the gradient program); a model
             with at least 8 decoder layers (per-layer entries in its parameters; with fewer,
             the one-program step compiles as fast); no mesh. The one-program step spends
             about half its compile on the per-array optimizer work for SmolLM2-135M

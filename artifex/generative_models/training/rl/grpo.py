@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -43,16 +44,17 @@ from artifex.generative_models.training.rl.objective import (
 from artifex.generative_models.training.rl.optimizer_split import (
     LayerOptimizer,
     LayerSplit,
+    SplitDecisions,
     group_tree,
     interrupt_scope,
     lower_programs,
-    split_by_layer,
 )
 from artifex.generative_models.training.rl.rollout import Policy
 from artifex.generative_models.training.rl.state import (
     GRPOTrainState,
     NonFiniteUpdateError,
     _is_lora_only,
+    apply_gradients,
     init_train_state,
     make_grpo_gradients,
     make_grpo_log_probs,
@@ -259,10 +261,29 @@ class _SplitStep:
     about half of its compile for SmolLM2-135M's 273 arrays (``docs/benchmarks.md``).
     """
 
-    def __init__(self, gradients: Any, optimizer: LayerOptimizer, split: LayerSplit):
+    def __init__(
+        self,
+        gradients: Any,
+        optimizer: LayerOptimizer,
+        decisions: SplitDecisions,
+        tx: optax.GradientTransformation,
+        config: GRPOConfig,
+    ):
         self._gradients = gradients
         self._optimizer = optimizer
-        self._split = split
+        self._decisions = decisions
+
+        def finish(params, opt_state, step, grads, loss, metrics, batch):
+            state = GRPOTrainState(params, None, opt_state, step, None, None)
+            new, metrics = apply_gradients(tx, config, state, batch, loss, metrics, grads)
+            return (new.params, new.opt_state, new.step), metrics
+
+        # For a state whose types the optimizer cannot be split for (``split_by_layer`` answers
+        # per structure, shapes and dtypes; a state loaded later may have others): clipping,
+        # ``tx`` and the guard over every parameter in one program, as the one-program step.
+        self._finish = jax.jit(
+            finish, donate_argnums=(0, 1, 2), compiler_options=compiler_options()
+        )
         self._pending: list[concurrent.futures.Future] = []  # compile_ahead's, in flight
 
     @staticmethod
@@ -274,7 +295,9 @@ class _SplitStep:
         loss, metrics, grads = fn["gradients"](
             (params, opt_state, step), (frozen, rng, reference), batch
         )
-        split = self._split
+        split, _ = self._decisions(params, opt_state)
+        if split is None:
+            return fn["finish"](params, opt_state, step, grads, loss, metrics, batch)
         by_group = {g: group_tree(grads, g) for g in split.groups}
         return self._optimizer.run(fn, split, state, by_group, loss, metrics, batch)
 
@@ -285,6 +308,7 @@ class _SplitStep:
         fn = dict(
             self._optimizer.programs,
             gradients=self._gradients,
+            finish=self._finish,
             prepare_apply=self._optimizer.prepare_apply,
         )
         (params, opt_state, step), metrics = self._run(state, batch, fn)
@@ -309,7 +333,7 @@ class _SplitStep:
             A future whose result is ``None`` once every program is compiled (or an error).
         """
         self.wait()
-        programs = dict(self._optimizer.programs, gradients=self._gradients)
+        programs = dict(self._optimizer.programs, gradients=self._gradients, finish=self._finish)
         order = lower_programs(self._run, programs, state, batch)
         first = [low for name, low in order if name == "gradients"]
         rest = [low for name, low in order if name != "gradients"]
@@ -550,6 +574,7 @@ class GRPOTrainer:
         self._warned_no_reference = False
         self._num_traces = 0
         self._steps: dict[int, Any] = {}
+        self._split_decisions = SplitDecisions(optimizer.tx)  # split_by_layer per state types
         self._bound = {
             "wrt": self.wrt,
             "reference_model": reference_model,
@@ -768,7 +793,9 @@ class GRPOTrainer:
             self._steps[num_microbatches] = _SplitStep(
                 jax.jit(split_step_gradients, compiler_options=compiler_options()),
                 LayerOptimizer(self.optimizer.tx, self.config),
-                self._optimizer_split(),
+                self._split_decisions,
+                self.optimizer.tx,
+                self.config,
             )
         if num_microbatches not in self._steps:
             pure = make_grpo_train_step(
@@ -809,7 +836,10 @@ class GRPOTrainer:
         Only with ``GRPOConfig.optimizer_by_layer``, without a mesh, for models of at least
         ``MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER`` decoder layers, and where
         :func:`~artifex.generative_models.training.rl.optimizer_split.split_by_layer` accepts
-        the optimizer's transformation for this state (decided once per trainer).
+        the optimizer's transformation for the trainer's state when the step is first built.
+        That chooses the kind of step; the split step then asks again for each state's types
+        (a state loaded later with other dtypes, a loop of one's own) and runs the optimizer in
+        one program for the states it cannot split.
         """
         if not hasattr(self, "_split"):
             split: LayerSplit | None = None
@@ -825,7 +855,7 @@ class GRPOTrainer:
                 )
             else:
                 state = self.state
-                split, reason = split_by_layer(self.optimizer.tx, state.params, state.opt_state)
+                split, reason = self._split_decisions(state.params, state.opt_state)
             self._split, self._split_reason = split, reason
         return self._split
 
@@ -849,8 +879,10 @@ class GRPOTrainer:
             step = self.compiled_step()
             step.optimizer_split(self.state)
             return step.optimizer_split_reason
-        self._optimizer_split()
-        return self._split_reason
+        if self._optimizer_split() is None:
+            return self._split_reason
+        state = self.state  # the split step decides for the state it is given
+        return self._split_decisions(state.params, state.opt_state)[1]
 
     # ----------------------------------------------------------------- the step
     def prepare_batch(self, batch: GRPOBatch | Mapping[str, Any]) -> GRPOBatch:

@@ -53,9 +53,9 @@ from artifex.generative_models.training.rl.objective import (
 from artifex.generative_models.training.rl.optimizer_split import (
     LayerOptimizer,
     LayerSplit,
+    SplitDecisions,
     group_tree,
     lower_programs,
-    split_by_layer,
 )
 from artifex.generative_models.training.rl.state import GRPOTrainState, apply_gradients
 from artifex.generative_models.utils.compile_options import jit
@@ -216,7 +216,7 @@ class LayerwiseStep:
         self._lora_reference = lora_reference
         self._on_trace = on_trace
         self._ready: dict[str, concurrent.futures.Future] = {}  # compile_ahead's programs
-        self._splits: dict[Any, tuple[LayerSplit | None, str]] = {}
+        self._decisions = SplitDecisions(tx)  # split_by_layer, by the state's types
         #: Why the optimizer runs as one program (empty while it runs layer by layer).
         self.optimizer_split_reason = ""
 
@@ -459,18 +459,7 @@ class LayerwiseStep:
         Returns:
             The split, or None.
         """
-        # the check's answer depends on the shapes and dtypes too, not only the structure
-        key = (
-            jax.tree.structure(state.params),
-            jax.tree.structure(state.opt_state),
-            tuple(
-                (jnp.shape(x), jnp.result_type(x))
-                for x in jax.tree.leaves((state.params, state.opt_state))
-            ),
-        )
-        if key not in self._splits:
-            self._splits[key] = split_by_layer(self._tx, state.params, state.opt_state)
-        split, self.optimizer_split_reason = self._splits[key]
+        split, self.optimizer_split_reason = self._decisions(state.params, state.opt_state)
         return split
 
     def _programs_by_name(self) -> dict[str, Any]:

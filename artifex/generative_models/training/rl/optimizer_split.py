@@ -50,7 +50,13 @@ from artifex.generative_models.training.rl.state import (
 )
 from artifex.generative_models.utils.compile_options import jit
 
-__all__ = ["LayerOptimizer", "LayerSplit", "interrupt_scope", "split_by_layer"]
+__all__ = [
+    "LayerOptimizer",
+    "LayerSplit",
+    "SplitDecisions",
+    "interrupt_scope",
+    "split_by_layer",
+]
 
 # A group: a decoder layer's index, or None for the parameters outside ``layers``.
 Group = int | None
@@ -346,6 +352,53 @@ def split_by_layer(
         if own[key] != text:
             return None, f"group {g}'s own update differs from its part of the whole update"
     return split, ""
+
+
+class SplitDecisions:
+    """:func:`split_by_layer`'s answers for one transformation, by the state's types.
+
+    The answer depends on the parameters' and the optimizer state's structure, shapes and
+    dtypes (a transformation may be separable by layer for some dtypes and not others), so a
+    step handed states of other types (``load_state``, a loop of one's own) asks again for
+    each; each answer is computed once.
+
+    Args:
+        tx: The optax transformation.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
+        ...                     "head": {"w": jnp.ones(3)}})
+        >>> tx = optax.adam(1e-2)
+        >>> decisions = SplitDecisions(tx)
+        >>> split, reason = decisions(params, tx.init(params))
+        >>> split.groups, reason
+        ((0, 1, None), '')
+    """
+
+    def __init__(self, tx: optax.GradientTransformation):
+        self._tx = tx
+        self._answers: dict[Any, tuple[LayerSplit | None, str]] = {}
+
+    def __call__(self, params: Any, opt_state: Any) -> tuple[LayerSplit | None, str]:
+        """``(split, "")``, or ``(None, reason)``, for states of these types.
+
+        Args:
+            params: The trainable parameters (arrays or ``jax.ShapeDtypeStruct``).
+            opt_state: The optimizer state for them.
+
+        Returns:
+            :func:`split_by_layer`'s answer.
+        """
+        key = (
+            jax.tree.structure(params),
+            jax.tree.structure(opt_state),
+            tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves((params, opt_state))),
+        )
+        if key not in self._answers:
+            self._answers[key] = split_by_layer(self._tx, params, opt_state)
+        return self._answers[key]
 
 
 def _const_text(value: Any) -> str:

@@ -690,14 +690,18 @@ def _finite_flags(
 
 
 def _parameter_shaped(params: Any) -> Callable[[Any], bool]:
-    """A test of whether a node has the structure, shapes and dtypes of ``params`` (moments)."""
+    """A test of whether a node has the structure and shapes of ``params`` (moments).
+
+    The dtypes may differ: moments kept in another precision than the parameters
+    (``optax.adamw(mu_dtype=jnp.bfloat16)``) are still one entry per parameter.
+    """
     p_leaves, p_def = jax.tree.flatten(params)
 
     def shaped(node: Any) -> bool:
         if jax.tree.structure(node) != p_def:
             return False
         return all(
-            jnp.shape(x) == jnp.shape(p) and jnp.result_type(x) == jnp.result_type(p)
+            jnp.shape(x) == jnp.shape(p)
             for x, p in zip(jax.tree.leaves(node), p_leaves, strict=True)
         )
 
