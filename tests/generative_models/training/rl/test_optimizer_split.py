@@ -420,6 +420,82 @@ def test_a_ctrl_c_during_the_per_group_updates_keeps_the_new_state():
     assert np.isfinite(t.train_step(batch)["grad_norm"])  # and the next step runs
 
 
+def _loop_trainer(num_layers=LAYERS):
+    from artifex.demo import demo_tokenizer
+    from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+
+    tok = demo_tokenizer()
+    config = CausalLMConfig.tiny(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=32,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_ids,
+        pad_token_id=tok.pad_id,
+    )
+    model = CausalLM(config, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    return GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4, beta=0.0)), tok
+
+
+def _run_loop(trainer, tok, **options):
+    from artifex.demo import addition_dataset
+    from artifex.generative_models.training.rl.loop import TrainConfig, train
+    from artifex.generative_models.training.rl.rewards import math_answer_reward
+    from artifex.generative_models.training.rl.rollout import RolloutConfig
+
+    data, _ = addition_dataset(seed=0, num_eval=4)
+    config = TrainConfig(prompts_per_step=2, progress=False, seed=3, **options)
+    reward = math_answer_reward(last_number_fallback=True)
+    return train(trainer, tok, data[:8], [reward], config, RolloutConfig(max_new_tokens=4))
+
+
+@pytest.mark.parametrize("handle_signals", [False, True])
+def test_a_ctrl_c_during_the_loops_per_group_updates_keeps_the_new_state(tmp_path, handle_signals):
+    # The training loop wraps its updates and the store of their state in an interrupt_scope:
+    # the interrupt reaches the caller (KeyboardInterrupt) only once the updated state is in
+    # the model (without the scope: 75 deleted arrays). With the loop's own handler the held
+    # signal records a stop: the step finishes, a checkpoint is written, the run returns.
+    expected, tok = _loop_trainer()  # the same first step, uninterrupted
+    _run_loop(expected, tok, num_steps=1)
+    t, tok = _loop_trainer()
+    step = t.compiled_step()
+    assert type(step).__name__ == "_SplitStep", t.optimizer_split_reason
+    apply = step._optimizer.programs["apply"]
+    calls = []
+
+    def apply_with_ctrl_c(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C during the first group's dispatch
+        return apply(*args)
+
+    apply_with_ctrl_c.lower = apply.lower  # compile_ahead lowers through it
+    step._optimizer.programs["apply"] = apply_with_ctrl_c
+    ckpt = str(tmp_path / "ckpt")
+    options = dict(num_steps=3, checkpoint_dir=ckpt, handle_signals=handle_signals)
+    try:
+        if handle_signals:
+            result = _run_loop(t, tok, **options)
+            assert result.interrupted == "SIGINT" and len(result.history) == 1
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                _run_loop(t, tok, **options)
+    finally:
+        step._optimizer.programs["apply"] = apply
+    assert len(calls) == LAYERS + 1  # every group ran
+    assert _deleted(nnx.state(t.model)) == [] and _deleted(nnx.state(t.optimizer)) == []
+    assert int(t.optimizer.step[...]) == 1  # the interrupted update was stored
+    got, want = flat(nnx.state(t.model, nnx.Param)), flat(nnx.state(expected.model, nnx.Param))
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 def test_ctrl_c_outside_an_interrupt_scope_and_an_ignored_sigint():
     reached = []
     with pytest.raises(KeyboardInterrupt), deferred_interrupt():
