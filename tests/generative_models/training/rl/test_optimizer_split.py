@@ -483,6 +483,9 @@ def test_a_ctrl_c_during_the_loops_per_group_updates_keeps_the_new_state(tmp_pat
         if handle_signals:
             result = _run_loop(t, tok, **options)
             assert result.interrupted == "SIGINT" and len(result.history) == 1
+            from artifex.generative_models.training.checkpointing import CheckpointManager
+
+            assert CheckpointManager(ckpt).all_steps() == [1]
         else:
             with pytest.raises(KeyboardInterrupt):
                 _run_loop(t, tok, **options)
