@@ -140,9 +140,11 @@ def _rope_tables(
 def _rope_table(bound: int, inv_freq: bytes, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """The cosines and sines of positions ``[0, bound)``: (bound, H/2) host arrays."""
     freqs = np.frombuffer(inv_freq, np.float32)
-    # Evaluated now, by XLA, even inside a trace; its own small transfer to the host.
-    with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):
-        cos, sin = _rope_table_program(bound, freqs, dtype)
+    # Evaluated now, by XLA, even inside a trace: compiled as one program and called with
+    # host arrays (under `ensure_compile_time_eval` each of its operations would be compiled
+    # and run alone, five programs); its own small transfer to the host.
+    with jax.transfer_guard("allow"):
+        cos, sin = _rope_table_program.lower(bound, freqs, dtype).compile()(freqs)
         return np.asarray(cos), np.asarray(sin)
 
 

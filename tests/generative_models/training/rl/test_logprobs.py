@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -66,6 +67,52 @@ def test_chunked_equals_naive_with_matching_gradients(chunk, seed):
 
     for a, b in zip(loss(naive), loss(chunked), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _dot_products(jaxpr):
+    """The matrix products in a jaxpr, counting those inside loop bodies and nested programs."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "dot_general"
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += _dot_products(sub)
+    return count
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_chunk_logits_are_kept_for_the_gradient_within_the_budget(keep, monkeypatch):
+    # Within the budget the backward pass reads the chunks' logits instead of computing them
+    # again: three products with the output matrix (logits, d hidden, d weight), not four.
+    from artifex.generative_models.training.rl import logprobs
+
+    k = jax.random.split(jax.random.key(4), 3)
+    h = jax.random.normal(k[0], (3, 13, 16))
+    w = jax.random.normal(k[1], (50, 16)) * 0.3
+    y = jax.random.randint(k[2], (3, 13), 0, 50)
+    size = 40 * 50 * 4  # the logits of the 39 rows, padded to 5 chunks of 8
+    monkeypatch.setattr(logprobs, "_SAVED_LOGITS_BYTES", size if keep else size - 1)
+
+    def loss(h, w):
+        lp, ent = chunked_token_log_probs(h, w, y, chunk_size=8, transposed=True)
+        return jnp.sum(lp * jnp.arange(13)) + 0.3 * jnp.sum(ent)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    assert _dot_products(jax.make_jaxpr(grad)(h, w).jaxpr) == (3 if keep else 4)
+    rng_h, rng_w = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    z = rng_h @ rng_w.T
+    # float64 reference gradient of the same loss through the softmax
+    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) + z.max(
+        -1, keepdims=True
+    )
+    p = np.exp(z - lse)
+    weight = np.broadcast_to(np.arange(13, dtype=np.float64), y.shape)[..., None]
+    onehot = np.eye(50)[np.asarray(y)]
+    ent_dz = -p * (z - (p * z).sum(-1, keepdims=True))  # d entropy / d z
+    dz = weight * (onehot - p) + 0.3 * ent_dz
+    want_h, want_w = dz @ rng_w, np.einsum("btv,btd->vd", dz, rng_h)
+    got_h, got_w = grad(h, w)
+    np.testing.assert_allclose(got_h, want_h, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(got_w, want_w, atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("chunk", [7, None])
