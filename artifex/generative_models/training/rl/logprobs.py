@@ -69,11 +69,19 @@ def token_log_probs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, j
         (-0.6931, 1.0397)
     """
     z = jnp.asarray(logits, jnp.float32)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    p = jnp.exp(z - lse[..., None])
-    entropy = lse - jnp.sum(p * z, axis=-1)
-    return picked - lse, entropy
+    # One pass of exponentials for both: with zm = z - max(z) and e = exp(zm),
+    # log p_y = zm_y - log(sum e) and H = log(sum e) - sum(e zm) / sum(e). (Computing
+    # softmax = exp(z - logsumexp(z)) for the entropy took a second pass, in the forward and
+    # the backward pass: SmolLM2-135M's output projection with its gradient took 1.66 against
+    # 1.33 s.) The shift is a constant for the gradient, as in ``jax.nn.logsumexp``.
+    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    zm = z - jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(zm)
+    total = jnp.sum(e, axis=-1)
+    log_total = jnp.log(total)
+    picked = jnp.take_along_axis(zm, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    entropy = log_total - jnp.sum(e * zm, axis=-1) / total
+    return picked - log_total, entropy
 
 
 def auto_chunk_size(vocab_size: int, *, budget_bytes: int = _CHUNK_BYTES) -> int:
