@@ -29,10 +29,13 @@ def np_log_probs(z, y):
     return np.take_along_axis(z, y[..., None], -1)[..., 0] - lse, lse - (p * z).sum(-1)
 
 
+@pytest.mark.parametrize("shift", [0.0, 1000.0])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_token_log_probs_match_numpy(seed):
+def test_token_log_probs_match_numpy(seed, shift):
+    # Shifted logits (the same distribution): the entropy is computed from the logits minus
+    # their maximum, so it does not lose digits to a large common offset.
     rng = np.random.default_rng(seed)
-    z = rng.normal(scale=3, size=(5, 7, 33)).astype(np.float32)
+    z = (rng.normal(scale=3, size=(5, 7, 33)) + shift).astype(np.float32)
     y = rng.integers(0, 33, size=(5, 7))
     lp, ent = token_log_probs(z, y)
     want_lp, want_ent = np_log_probs(z, y)
