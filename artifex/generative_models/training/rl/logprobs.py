@@ -80,7 +80,8 @@ def token_log_probs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, j
     total = jnp.sum(e, axis=-1)
     log_total = jnp.log(total)
     picked = jnp.take_along_axis(zm, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    entropy = log_total - jnp.sum(e * zm, axis=-1) / total
+    # Where e is 0 (a -inf logit, or a spread beyond float32) its term is 0, not 0 * -inf.
+    entropy = log_total - jnp.sum(e * jnp.where(e > 0, zm, 0.0), axis=-1) / total
     return picked - log_total, entropy
 
 

@@ -43,6 +43,21 @@ def test_token_log_probs_match_numpy(seed, shift):
     np.testing.assert_allclose(ent, want_ent, atol=1e-5)
 
 
+def test_masked_and_overflowing_logits_give_a_finite_entropy_and_gradient():
+    # -inf logits (masked actions) and finite logits further apart than float32 can subtract
+    # are probability 0: their entropy term is 0 (not 0 * -inf), and so is their gradient.
+    z = jnp.array([[0.0, 1.0, -jnp.inf, 2.0], [3e38, -3e38, 0.0, 1.0]], jnp.float32)
+    y = jnp.array([1, 0])
+    lp, ent = token_log_probs(z, y)
+    want_lp, want_ent = np_log_probs(np.array([[0.0, 1.0, 2.0]]), np.array([1]))  # without it
+    np.testing.assert_allclose(lp[0], want_lp[0], atol=1e-6)
+    np.testing.assert_allclose(ent[0], want_ent[0], atol=1e-6)
+    assert float(lp[1]) == 0.0 and float(ent[1]) == 0.0
+    grad = jax.grad(lambda z: jnp.sum(token_log_probs(z, y)[0] + token_log_probs(z, y)[1]))(z)
+    assert bool(jnp.all(jnp.isfinite(grad)))
+    assert float(grad[0, 2]) == 0.0
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64, None])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_chunked_equals_naive_with_matching_gradients(chunk, seed):
