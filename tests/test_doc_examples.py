@@ -10,6 +10,7 @@ import doctest
 import importlib
 import inspect
 import pkgutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,15 @@ def test_docstring_examples_run(module_name, monkeypatch):
     # Examples that read tests/fixtures use paths relative to the repository root, as a reader
     # running them from a clone would (another test may have changed this worker's directory).
     monkeypatch.chdir(ROOT)
+    # Ctrl-C as a reader's interpreter handles it (a process started in the background by a
+    # shell without job control inherits SIGINT ignored; the interrupt examples need it).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    for test in _examples(module_name):
-        runner.run(test)
+    try:
+        for test in _examples(module_name):
+            runner.run(test)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {module_name}"
 

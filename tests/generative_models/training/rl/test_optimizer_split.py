@@ -381,11 +381,20 @@ def test_the_split_step_has_no_single_lowering_and_the_option_is_checked():
     assert args["GRPOConfig.optimizer_by_layer"] is False
 
 
+@pytest.fixture
+def default_sigint():
+    """Ctrl-C as an interactive interpreter handles it: a process started in the background by
+    a shell without job control inherits SIGINT ignored, and then nothing is held back."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _deleted(tree):
     return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and x.is_deleted()]
 
 
-def test_a_ctrl_c_during_the_per_group_updates_keeps_the_new_state():
+def test_a_ctrl_c_during_the_per_group_updates_keeps_the_new_state(default_sigint):
     # The groups donate their arrays: the interrupt must reach the caller only once the
     # trainer stored the new state (delivered at once, the model would hold deleted arrays).
     t = _trainer(True)
@@ -456,7 +465,9 @@ def _run_loop(trainer, tok, **options):
 
 
 @pytest.mark.parametrize("handle_signals", [False, True])
-def test_a_ctrl_c_during_the_loops_per_group_updates_keeps_the_new_state(tmp_path, handle_signals):
+def test_a_ctrl_c_during_the_loops_per_group_updates_keeps_the_new_state(
+    tmp_path, handle_signals, default_sigint
+):
     # The training loop wraps its updates and the store of their state in an interrupt_scope:
     # the interrupt reaches the caller (KeyboardInterrupt) only once the updated state is in
     # the model (without the scope: 75 deleted arrays). With the loop's own handler the held
@@ -499,7 +510,7 @@ def test_a_ctrl_c_during_the_loops_per_group_updates_keeps_the_new_state(tmp_pat
         np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
-def test_ctrl_c_outside_an_interrupt_scope_and_an_ignored_sigint():
+def test_ctrl_c_outside_an_interrupt_scope_and_an_ignored_sigint(default_sigint):
     reached = []
     with pytest.raises(KeyboardInterrupt), deferred_interrupt():
         signal.raise_signal(signal.SIGINT)
