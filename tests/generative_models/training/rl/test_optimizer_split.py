@@ -7,6 +7,7 @@ must equal the transformation's update of the whole tree.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import jax
@@ -390,6 +391,26 @@ def default_sigint():
     signal.signal(signal.SIGINT, previous)
 
 
+@contextlib.contextmanager
+def _ctrl_c_at_the_first_group(step):
+    """Sends SIGINT while the first group's update program is dispatched; yields the calls."""
+    apply = step._optimizer.programs["apply"]
+    calls = []
+
+    def apply_with_ctrl_c(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C during the first group's dispatch
+        return apply(*args)
+
+    apply_with_ctrl_c.lower = apply.lower  # compile_ahead and prepare_apply lower through it
+    step._optimizer.programs["apply"] = apply_with_ctrl_c
+    try:
+        yield calls
+    finally:
+        step._optimizer.programs["apply"] = apply
+
+
 def _deleted(tree):
     return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and x.is_deleted()]
 
@@ -402,24 +423,11 @@ def test_a_ctrl_c_during_the_per_group_updates_keeps_the_new_state(default_sigin
     t.train_step(batch)
     step = t.compiled_step()
     assert type(step).__name__ == "_SplitStep"
-    apply = step._optimizer.programs["apply"]
-    calls = []
-
-    def apply_with_ctrl_c(*args):
-        calls.append(1)
-        if len(calls) == 1:
-            signal.raise_signal(signal.SIGINT)  # Ctrl-C during the first group's dispatch
-        return apply(*args)
-
     expected = _trainer(True)  # the same two steps, uninterrupted
     expected.train_step(batch)
     expected.train_step(batch)
-    step._optimizer.programs["apply"] = apply_with_ctrl_c
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            t.train_step(batch)
-    finally:
-        step._optimizer.programs["apply"] = apply
+    with _ctrl_c_at_the_first_group(step) as calls, pytest.raises(KeyboardInterrupt):
+        t.train_step(batch)
     assert len(calls) == LAYERS + 1  # every group ran
     assert _deleted(nnx.state(t.model)) == [] and _deleted(nnx.state(t.optimizer)) == []
     assert int(t.optimizer.step[...]) == 2  # the interrupted update was stored
@@ -477,20 +485,9 @@ def test_a_ctrl_c_during_the_loops_per_group_updates_keeps_the_new_state(
     t, tok = _loop_trainer()
     step = t.compiled_step()
     assert type(step).__name__ == "_SplitStep", t.optimizer_split_reason
-    apply = step._optimizer.programs["apply"]
-    calls = []
-
-    def apply_with_ctrl_c(*args):
-        calls.append(1)
-        if len(calls) == 1:
-            signal.raise_signal(signal.SIGINT)  # Ctrl-C during the first group's dispatch
-        return apply(*args)
-
-    apply_with_ctrl_c.lower = apply.lower  # compile_ahead lowers through it
-    step._optimizer.programs["apply"] = apply_with_ctrl_c
     ckpt = str(tmp_path / "ckpt")
     options = dict(num_steps=3, checkpoint_dir=ckpt, handle_signals=handle_signals)
-    try:
+    with _ctrl_c_at_the_first_group(step) as calls:
         if handle_signals:
             result = _run_loop(t, tok, **options)
             assert result.interrupted == "SIGINT" and len(result.history) == 1
@@ -500,8 +497,6 @@ def test_a_ctrl_c_during_the_loops_per_group_updates_keeps_the_new_state(
         else:
             with pytest.raises(KeyboardInterrupt):
                 _run_loop(t, tok, **options)
-    finally:
-        step._optimizer.programs["apply"] = apply
     assert len(calls) == LAYERS + 1  # every group ran
     assert _deleted(nnx.state(t.model)) == [] and _deleted(nnx.state(t.optimizer)) == []
     assert int(t.optimizer.step[...]) == 1  # the interrupted update was stored
