@@ -72,8 +72,9 @@ def token_log_probs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, j
     # One pass of exponentials for both: with zm = z - max(z) and e = exp(zm),
     # log p_y = zm_y - log(sum e) and H = log(sum e) - sum(e zm) / sum(e). (Computing
     # softmax = exp(z - logsumexp(z)) for the entropy took a second pass, in the forward and
-    # the backward pass: SmolLM2-135M's output projection with its gradient took 1.66 against
-    # 1.33 s.) The shift is a constant for the gradient, as in ``jax.nn.logsumexp``.
+    # the backward pass: SmolLM2-135M's output projection alone, forward 0.72 against 0.50 s,
+    # with its gradient 1.72 against 1.50 s; docs/benchmarks.md.) The shift is a constant for
+    # the gradient, as in ``jax.nn.logsumexp``.
     m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     zm = z - jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(zm)
@@ -183,7 +184,8 @@ def chunked_token_log_probs(
     y = y.reshape(-1, chunk)
 
     # Keeping the logits saves recomputing them: one of the four products of the output
-    # projection's forward and backward pass (SmolLM2-135M's: 1.9 against 2.2 s per update).
+    # projection's forward and backward pass (SmolLM2-135M's output projection with its
+    # gradient, alone: 1.76 against 2.03 s; docs/benchmarks.md).
     keep = h.shape[0] * h.shape[1] * v * 4 <= _SAVED_LOGITS_BYTES
     policy = jax.checkpoint_policies.save_only_these_names("logits") if keep else None
     body = jax.checkpoint(lambda carry, xs: (carry, block(*xs)), policy=policy)

@@ -411,6 +411,16 @@ def _ctrl_c_at_the_first_group(step):
         step._optimizer.programs["apply"] = apply
 
 
+def _assert_interrupted_update_stored(t, expected, calls, steps):
+    """Every group ran, nothing was deleted, and the model holds the uninterrupted result."""
+    assert len(calls) == LAYERS + 1
+    assert _deleted(nnx.state(t.model)) == [] and _deleted(nnx.state(t.optimizer)) == []
+    assert int(t.optimizer.step[...]) == steps  # the interrupted update was stored
+    got, want = flat(nnx.state(t.model, nnx.Param)), flat(nnx.state(expected.model, nnx.Param))
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 def _deleted(tree):
     return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and x.is_deleted()]
 
@@ -428,12 +438,7 @@ def test_a_ctrl_c_during_the_per_group_updates_keeps_the_new_state(default_sigin
     expected.train_step(batch)
     with _ctrl_c_at_the_first_group(step) as calls, pytest.raises(KeyboardInterrupt):
         t.train_step(batch)
-    assert len(calls) == LAYERS + 1  # every group ran
-    assert _deleted(nnx.state(t.model)) == [] and _deleted(nnx.state(t.optimizer)) == []
-    assert int(t.optimizer.step[...]) == 2  # the interrupted update was stored
-    got, want = flat(nnx.state(t.model, nnx.Param)), flat(nnx.state(expected.model, nnx.Param))
-    for name, value in want.items():
-        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    _assert_interrupted_update_stored(t, expected, calls, steps=2)
     assert np.isfinite(t.train_step(batch)["grad_norm"])  # and the next step runs
 
 
@@ -497,12 +502,7 @@ def test_a_ctrl_c_during_the_loops_per_group_updates_keeps_the_new_state(
         else:
             with pytest.raises(KeyboardInterrupt):
                 _run_loop(t, tok, **options)
-    assert len(calls) == LAYERS + 1  # every group ran
-    assert _deleted(nnx.state(t.model)) == [] and _deleted(nnx.state(t.optimizer)) == []
-    assert int(t.optimizer.step[...]) == 1  # the interrupted update was stored
-    got, want = flat(nnx.state(t.model, nnx.Param)), flat(nnx.state(expected.model, nnx.Param))
-    for name, value in want.items():
-        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    _assert_interrupted_update_stored(t, expected, calls, steps=1)
 
 
 def test_ctrl_c_outside_an_interrupt_scope_and_an_ignored_sigint(default_sigint):
