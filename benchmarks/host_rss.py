@@ -1,17 +1,21 @@
-"""Peak and current resident memory after each phase of a few GRPO steps, in one process.
+"""Peak and current resident memory and page faults after each phase of a few GRPO steps.
 
 Usage:
     python benchmarks/host_rss.py --dir W2_DIR [--steps 3] [--one-program-optimizer]
+    python benchmarks/host_rss.py --dir W1_DIR --no-remat          # W1 as the benchmark runs it
     MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/host_rss.py --dir W2_DIR   # glibc setting
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/host_rss.py --dir W1_DIR --no-remat
 
 Builds the trainer as the benchmark worker does (``benchmarks/common.workload_trainer``, every
 second layer recomputed), starts compiling the update before the first rollout, then runs
 ``--steps`` steps (rollout, then ``train_step``) and prints, after each rollout and each update,
 its wall time, the process's peak resident memory so far (``VmHWM``) and its current
-resident memory (``VmRSS``), in GB. The glibc environment variables of the C allocator
-(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``, ...) apply as set by the caller; the script
-prints the ones it sees. Not a clean-window measurement: for the memory a step keeps, not for
-speed claims (``benchmarks/honest.py`` and ``benchmarks/ours_worker.py`` are).
+resident memory (``VmRSS``), in GB, and the minor page faults the phase took (each one a page
+the kernel mapped and zeroed; XLA:CPU maps an update's temporaries anew for every run). The
+glibc settings of the C allocator (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_ARENA_MAX``,
+``GLIBC_TUNABLES``, ...) apply as set by the caller; the script prints the ones it sees. Not a
+clean-window measurement: for the memory a step keeps, not for speed claims
+(``benchmarks/honest.py`` and ``benchmarks/ours_worker.py`` are).
 """
 
 from __future__ import annotations
@@ -46,12 +50,24 @@ def current_gb() -> float:
     return float("nan")
 
 
+def minor_faults() -> int:
+    """The process's minor page faults so far (``/proc/self/stat``), or 0 where there is none."""
+    try:
+        with open("/proc/self/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the steps and prints one line per phase."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", required=True, help="workload directory (benchmarks/hfdir.py)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--remat-every", type=int, default=2)
+    parser.add_argument(
+        "--no-remat", action="store_true", help="keep every activation (W1's benchmark rows)"
+    )
     parser.add_argument(
         "--one-program-optimizer",
         action="store_true",
@@ -70,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     from artifex.generative_models.training.rl import GRPOBatch
     from benchmarks.common import toy_reward_batch, workload_trainer
 
-    malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    malloc_env = {
+        k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"
+    }
     print(f"allocator environment: {malloc_env or 'none'}", flush=True)
     with open(os.path.join(args.dir, "workload.json")) as fh:
         w = json.load(fh)
@@ -80,14 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     trainer = workload_trainer(
         args.dir,
         w,
-        remat=True,
-        remat_every=args.remat_every,
+        remat=not args.no_remat,
+        remat_every=1 if args.no_remat else args.remat_every,
         optimizer_by_layer=not args.one_program_optimizer,
     )
     print(f"loaded: peak {peak_gb():.2f} GB, current {current_gb():.2f} GB", flush=True)
     trainer.compile_ahead(GRPOBatch.zeros(ids.shape[0], k, bucket_length(ids.shape[1]), n))
     for i in range(args.steps):
-        t = time.perf_counter()
+        t, faults = time.perf_counter(), minor_faults()
         out = generate(
             trainer.model,
             ids,
@@ -101,17 +119,17 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - t
         print(
             f"step {i} rollout {seconds:.2f} s: peak {peak_gb():.2f} GB, "
-            f"current {current_gb():.2f} GB",
+            f"current {current_gb():.2f} GB, {minor_faults() - faults} page faults",
             flush=True,
         )
         batch = toy_reward_batch(out, k)
-        t = time.perf_counter()
+        t, faults = time.perf_counter(), minor_faults()
         metrics = trainer.train_step(batch)
         jax.block_until_ready((metrics, nnx.state(trainer.model)))
         seconds = time.perf_counter() - t
         print(
             f"step {i} update {seconds:.2f} s: peak {peak_gb():.2f} GB, "
-            f"current {current_gb():.2f} GB",
+            f"current {current_gb():.2f} GB, {minor_faults() - faults} page faults",
             flush=True,
         )
     return 0
