@@ -502,6 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
             help="JAX persistent compilation cache directory ('none' disables; default "
             "$ARTIFEX_COMPILATION_CACHE or %(default)s)",
         )
+        sub_parser.add_argument(
+            "--reuse-host-memory",
+            action="store_true",
+            help="on the CPU, let XLA reuse the memory of each program's temporaries from run "
+            "to run (faster steps, a larger resident set; see docs/benchmarks.md)",
+        )
     return parser
 
 
@@ -519,7 +525,7 @@ def _add_convert_parser(sub: Any) -> None:
         help="dtype of the dequantized weights (default: %(default)s)",
     )
     conv.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
-    conv.set_defaults(compilation_cache=None)  # nothing is compiled
+    conv.set_defaults(compilation_cache=None, reuse_host_memory=False)  # nothing is compiled
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -1231,6 +1237,14 @@ def main(argv: list[str] | None = None) -> int:
         print(_error_line(err), file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    from artifex.generative_models.utils.host_memory import reuse_host_memory
+
+    if args.reuse_host_memory and not reuse_host_memory():
+        print(
+            "artifex-grpo: --reuse-host-memory not applied (it needs glibc, the CPU, a process "
+            "in which JAX has not run yet, and ARTIFEX_REUSE_HOST_MEMORY unset)",
+            file=sys.stderr,
+        )
     enable_compilation_cache(args.compilation_cache)
     try:
         if args.command == "demo":

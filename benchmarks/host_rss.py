@@ -5,6 +5,7 @@ Usage:
     python benchmarks/host_rss.py --dir W1_DIR --no-remat          # W1 as the benchmark runs it
     MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/host_rss.py --dir W2_DIR   # glibc setting
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/host_rss.py --dir W1_DIR --no-remat
+    python benchmarks/host_rss.py --dir W1_DIR --no-remat --reuse-host-memory
 
 Builds the trainer as the benchmark worker does (``benchmarks/common.workload_trainer``, every
 second layer recomputed), starts compiling the update before the first rollout, then runs
@@ -73,9 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="GRPOConfig(optimizer_by_layer=False): the optimizer in the update's one program",
     )
+    parser.add_argument(
+        "--reuse-host-memory",
+        action="store_true",
+        help="host_memory.reuse_host_memory() first (as artifex-grpo --reuse-host-memory)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.reuse_host_memory:
+        from artifex.generative_models.utils.host_memory import reuse_host_memory
+
+        if not reuse_host_memory():
+            parser.error("--reuse-host-memory: not applied here (see reuse_host_memory)")
 
     import jax
     import jax.numpy as jnp

@@ -91,8 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compilation-cache", default="none", help="JAX persistent cache dir ('none': off)"
     )
+    parser.add_argument(
+        "--reuse-host-memory",
+        action="store_true",
+        help="host_memory.reuse_host_memory() first, as artifex-grpo does: XLA:CPU's "
+        "temporaries reuse their memory from run to run",
+    )
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
+    if args.reuse_host_memory:
+        from artifex.generative_models.utils.host_memory import reuse_host_memory
+
+        if not reuse_host_memory():
+            parser.error("--reuse-host-memory: not applied here (see reuse_host_memory)")
     from artifex.cli import enable_compilation_cache
 
     enable_compilation_cache(args.compilation_cache)
@@ -201,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer_by_layer": not args.one_program_optimizer,
         "stack_layers": args.stack_layers,
         "compile_ahead": args.compile_ahead,
+        "reuse_host_memory": args.reuse_host_memory,
         "microbatches": args.microbatches,
         "params": int(n_params),
         "load_s": load_s,

@@ -115,7 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-retries", type=int, default=10, help="extra steps for noisy ones")
     parser.add_argument("--threshold", type=float, default=0.05)
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out")
+    parser.add_argument(
+        "--reuse-host-memory",
+        action="store_true",
+        help="the process settings of ours' reuse_host_memory(), applied here the same way: "
+        "programs run in the calling thread, glibc keeps freed blocks in its heap",
+    )
     args = parser.parse_args(argv)
+    if args.reuse_host_memory:
+        import ctypes
+
+        jax.config.update("jax_cpu_enable_async_dispatch", False)  # before any computation
+        libc = ctypes.CDLL("libc.so.6")
+        if not (libc.mallopt(-4, 0) and libc.mallopt(-1, 2**31 - 1)):  # M_MMAP_MAX, M_TRIM_...
+            parser.error("--reuse-host-memory: mallopt refused")
     logging.getLogger("absl").setLevel(logging.WARNING)
     t_start = time.perf_counter()
     with open(os.path.join(args.model_dir, "prompts.json")) as fh:
@@ -295,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "system": "tunix",
         "versions": versions,
         "device": str(jax.devices()[0].device_kind),
+        "reuse_host_memory": args.reuse_host_memory,
         "params": int(n_params),
         "load_s": load_s,
         "first_step_s": steps[0]["step_s"] if steps else None,

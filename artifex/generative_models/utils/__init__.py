@@ -12,6 +12,7 @@ from artifex.generative_models.utils.atomic import (
 from artifex.generative_models.utils.host_memory import (
     release_freed_host_memory,
     release_memory_after_compilation,
+    reuse_host_memory,
 )
 from artifex.generative_models.utils.validation import (
     check_bool,
@@ -32,6 +33,7 @@ __all__ = [  # noqa: RUF022 - grouped by module, sorted within each group
     # host memory
     "release_freed_host_memory",
     "release_memory_after_compilation",
+    "reuse_host_memory",
     # validation (wrong type: TypeError; out of range: ValueError)
     "check_bool",
     "check_callable",

@@ -83,3 +83,85 @@ def test_trims_after_long_compilations_only(monkeypatch):
         np.testing.assert_allclose(out, np.sin(np.arange(7.0)) * 3.0, rtol=1e-6)
     finally:
         host_memory.release_memory_after_compilation(0.5)
+
+
+# A program whose temporaries (an 8192 x 4096 float32 product between two others, 128 MiB) exceed
+# what a glibc thread arena can hold: run twice, the second run's minor page faults are printed.
+_REUSE_PROGRAM = """
+import sys
+from artifex.generative_models.utils.host_memory import reuse_host_memory
+applied = reuse_host_memory() if sys.argv[1] == "1" else None
+again = reuse_host_memory() if sys.argv[1] == "1" else None
+import jax, jax.numpy as jnp
+from jax._src import xla_bridge
+
+def faults():
+    with open("/proc/self/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[7])
+
+f = jax.jit(lambda x, y, w: ((x @ y) @ w).sum())
+x, y, w = jnp.full((8192, 64), 0.5), jnp.full((64, 4096), 0.25), jnp.ones((4096, 8))
+first = float(f(x, y, w))
+before = faults()
+second = float(f(x, y, w))
+print(applied, again, xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value, first, second, faults() - before)
+"""
+
+
+def _run_reuse_program(reuse: bool, **env: str):
+    import os
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _REUSE_PROGRAM, "1" if reuse else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+        check=True,
+    ).stdout.split()
+    return out[0], out[1], out[2], float(out[3]), float(out[4]), int(out[5])
+
+
+@glibc
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/stat")
+def test_reused_host_memory_keeps_a_programs_temporaries_mapped_between_runs():
+    expected = 8192 * 4096 * 8 * (64 * 0.5 * 0.25)
+    applied, again, asynchronous, first, second, faults = _run_reuse_program(True)
+    assert (applied, again, asynchronous) == ("True", "True", "False")
+    assert first == second == pytest.approx(expected, rel=1e-5)
+    assert faults < 2_000  # the 128 MiB block comes back from the heap, already mapped
+    _, _, asynchronous, first, _, faults = _run_reuse_program(False)
+    assert asynchronous == "True" and first == pytest.approx(expected, rel=1e-5)
+    assert faults > 16_000  # by default: mapped anew, each 4 KiB page faulted in again
+    applied, _, asynchronous, _, _, _ = _run_reuse_program(True, ARTIFEX_REUSE_HOST_MEMORY="0")
+    assert (applied, asynchronous) == ("False", "True")
+
+
+def test_reuse_host_memory_refuses_once_jax_has_run():
+    jnp.ones(2).block_until_ready()  # this process's CPU client exists
+    from jax._src import xla_bridge
+
+    before = xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value
+    if host_memory._reusing:  # applied earlier in this process: it stays in effect
+        assert host_memory.reuse_host_memory() is host_memory._reusing[0]
+    else:
+        assert host_memory.reuse_host_memory() is False
+    assert xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value == before
+
+
+def test_the_cli_says_when_it_cannot_reuse_host_memory(capsys, tmp_path):
+    from artifex.cli import build_parser, main
+
+    jnp.ones(2).block_until_ready()
+    if host_memory._reusing:
+        pytest.skip("applied earlier in this process")
+    assert build_parser().parse_args(["demo", "--reuse-host-memory"]).reuse_host_memory is True
+    assert build_parser().parse_args(["demo"]).reuse_host_memory is False
+    missing = str(tmp_path / "no-model")
+    status = main(
+        ["train", "--model", missing, "--data", missing, "--reward", "math", "--reuse-host-memory"]
+    )
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "--reuse-host-memory not applied" in err
