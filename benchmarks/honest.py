@@ -11,7 +11,9 @@ model.safetensors, tokenizer, prompts.json, workload.json) that every system loa
 ``GRPOTrainer(model=DIR)``), Tunix with its own safetensors loader. Each system runs in its own
 process, in the order ours, TRL, Tunix, ours (W1 then runs ours twice more on one empty JAX
 persistent compilation cache, one process filling it and one reading it, for the first step of
-a second run; W2: ours, TRL, ours, then ours and TRL with
+a second run, then ours and Tunix with the process settings of
+``host_memory.reuse_host_memory()``, ``--reuse-host-memory``; W2: ours, TRL, ours, ours with
+those settings, then ours and TRL with
 bfloat16 parameters, ours recomputing every layer, ours without remat and ours with the
 decoder layers stored stacked and scanned in the update, ``CausalLM.stack_layers()`` with
 ``GRPOConfig(scan_layers=True)``, and ours with the update run as per-layer programs,
@@ -27,7 +29,8 @@ run, before and after, in clean windows too.
 
 Rows: median seconds per whole step with the spread (min-max) over the clean windows, generation
 and training parts, first step (compilation included), peak resident memory of the process
-(VmHWM), clean windows / windows run, and ours over the faster peer run in the same dtype.
+(VmHWM), clean windows / windows run, and ours over the faster peer run in the same dtype and
+with the same host-memory settings (the peer's default run where it has no such run).
 """
 
 from __future__ import annotations
@@ -161,12 +164,13 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
             "First step, s | Peak RSS | Clean windows | Ours / faster peer |"
         )
         lines.append("|---|---|---|---|---|---|---|---|")
-        # Each row of ours is compared with the faster peer run in its own dtype.
-        fastest: dict[str, float] = {}
+        # Each row of ours is compared with the faster peer run in its own dtype and with the
+        # same host-memory settings (reuse_host_memory; a peer without such a run: its default).
+        fastest: dict[tuple[str, bool], float] = {}
         for r in runs["runs"]:
             if r.get("system") in PEERS and "seconds" in r and not r.get("exit"):
-                dtype = r.get("dtype", "float32")
-                fastest[dtype] = min(fastest.get(dtype, math.inf), r["seconds"]["median"])
+                key = (r.get("dtype", "float32"), bool(r.get("reuse_host_memory")))
+                fastest[key] = min(fastest.get(key, math.inf), r["seconds"]["median"])
         for r in runs["runs"]:
             label = r.get("label", r.get("system", "?"))
             if "error" in r:
@@ -174,7 +178,10 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
                 continue
             step = r.get("seconds")
             ratio = ""
-            peer = fastest.get(r.get("dtype", "float32"))
+            dtype = r.get("dtype", "float32")
+            peer = fastest.get((dtype, bool(r.get("reuse_host_memory")))) or fastest.get(
+                (dtype, False)
+            )
             if r["system"] == "ours" and peer and step:
                 ratio = f"{step['median'] / peer:.2f}x"
             clean = f"{r['clean_windows']}/{r['windows']}"
@@ -301,6 +308,19 @@ def main(argv: list[str] | None = None) -> int:
             fill += cached[cached.index("--threshold") :]
             order.append(("ours", fill, ours_env, "ours, filling an empty compilation cache"))
             order.append(("ours", cached, ours_env, "ours, second run (compilation cache)"))
+        if "ours" in systems and "tunix" in peer_names:
+            # The process settings of reuse_host_memory() (artifex-grpo --reuse-host-memory):
+            # ours and Tunix alike, both JAX on XLA:CPU, so the ratio compares like with like
+            reuse = "--reuse-host-memory"
+            name, script, default, _ = PEERS["tunix"]
+            python = os.environ.get("ARTIFEX_TUNIX_PYTHON", default)
+            cmd = [python, os.path.join(HERE, "peers", script), "--model-dir", wdir, *wins, reuse]
+            order.append(("ours", [*ours_cmd, reuse], ours_env, f"ours, reusing host memory{tag}"))
+            order.append(("tunix", cmd, peer_env, f"{name}, reusing host memory"))
+        if "ours" in systems and wname == "w2":
+            # no peer row of the same kind: TRL runs on PyTorch's allocator (see the docs)
+            label = f"ours, reusing host memory{tag}"
+            order.append(("ours", [*ours_cmd, "--reuse-host-memory"], ours_env, label))
         if "ours" in systems and wname == "w2" and not args.no_bf16:
             order.append(("ours", [*ours_cmd, "--dtype", "bfloat16"], ours_env, f"ours, bf16{tag}"))
             if "trl" in peer_names:  # the bf16 row's peer: TRL with bf16 parameters
