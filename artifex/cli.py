@@ -1241,8 +1241,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.reuse_host_memory and not reuse_host_memory():
         print(
-            "artifex-grpo: --reuse-host-memory not applied (it needs glibc, the CPU, a process "
-            "in which JAX has not run yet, and ARTIFEX_REUSE_HOST_MEMORY unset)",
+            "artifex-grpo: --reuse-host-memory not applied (it needs glibc, a process in which "
+            "JAX has not run yet, no GPU or TPU plugin installed unless JAX_PLATFORMS=cpu, and "
+            "ARTIFEX_REUSE_HOST_MEMORY not 0)",
             file=sys.stderr,
         )
     enable_compilation_cache(args.compilation_cache)

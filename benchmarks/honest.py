@@ -178,12 +178,12 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
                 continue
             step = r.get("seconds")
             ratio = ""
-            dtype = r.get("dtype", "float32")
-            peer = fastest.get((dtype, bool(r.get("reuse_host_memory")))) or fastest.get(
-                (dtype, False)
-            )
+            dtype, reuse = r.get("dtype", "float32"), bool(r.get("reuse_host_memory"))
+            peer, note = fastest.get((dtype, reuse)), ""
+            if peer is None and reuse:  # no peer run with the same settings: its default run
+                peer, note = fastest.get((dtype, False)), " (peer at its defaults)"
             if r["system"] == "ours" and peer and step:
-                ratio = f"{step['median'] / peer:.2f}x"
+                ratio = f"{step['median'] / peer:.2f}x{note}"
             clean = f"{r['clean_windows']}/{r['windows']}"
             if not r.get("all_clean"):
                 clean += f" NOISY (other CPU up to {100 * r['other_cpu_max']:.0f}%)"

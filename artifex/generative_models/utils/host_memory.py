@@ -154,13 +154,17 @@ def _backends_initialized() -> bool:
 
 def _accelerator_plugin_installed() -> bool:
     """Whether JAX may pick a GPU or TPU here (a plugin installed, ``JAX_PLATFORMS`` not cpu)."""
+    import importlib.metadata
     import importlib.util
 
     platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
     if platforms == "cpu":
         return False
-    names = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
-    return any(importlib.util.find_spec(name) is not None for name in names)
+    # JAX finds its plugins as entry points and in the jax_plugins namespace package; libtpu
+    # ships without either.
+    if importlib.metadata.entry_points(group="jax_plugins"):
+        return True
+    return any(importlib.util.find_spec(name) is not None for name in ("jax_plugins", "libtpu"))
 
 
 def reuse_host_memory() -> bool:
@@ -181,29 +185,47 @@ def reuse_host_memory() -> bool:
     ahead of single-device CPU programs (a call returns when its program has run).
 
     Must be called before JAX runs anything on the CPU (the dispatch mode is fixed when JAX
-    creates its CPU client); ``artifex-grpo`` calls it first. Does nothing on other C
-    libraries, with ``ARTIFEX_REUSE_HOST_MEMORY=0``, once JAX's backends are initialized, or
-    where a GPU or TPU plugin is installed (unless ``JAX_PLATFORMS=cpu``).
+    creates its CPU client); ``artifex-grpo ... --reuse-host-memory`` calls it first. Does
+    nothing on other C libraries, with ``ARTIFEX_REUSE_HOST_MEMORY=0``, once JAX's backends are
+    initialized, or where a GPU or TPU plugin is installed (unless ``JAX_PLATFORMS=cpu``).
 
     Returns:
         Whether both settings are in effect (``True`` again on later calls once applied).
 
+    Raises:
+        ValueError: ``ARTIFEX_REUSE_HOST_MEMORY`` is set to something other than
+            ``0``/``1``/``false``/``true``/``no``/``yes``/``off``/``on``.
+
     Example:
-        >>> reuse_host_memory() in (True, False)
+        >>> import jax.numpy as jnp
+        >>> _ = jnp.zeros(1).block_until_ready()  # JAX has run in this process: too late
+        >>> reuse_host_memory() in (True, False)  # True only where applied before
         True
     """
     if _reusing:
         return _reusing[0]
-    if os.environ.get(REUSE_ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+    value = os.environ.get(REUSE_ENV_VAR, "1").strip().lower()
+    if value not in ("0", "false", "no", "off", "1", "true", "yes", "on"):
+        msg = (
+            f"{REUSE_ENV_VAR} must be one of 0/1/false/true/no/yes/off/on, got "
+            f"{os.environ[REUSE_ENV_VAR]!r}"
+        )
+        raise ValueError(msg)
+    if value in ("0", "false", "no", "off"):
         return False
     opt = _mallopt()
     if opt is None or _backends_initialized():
         return False
     if _accelerator_plugin_installed():
         return False
-    import jax
+    # Both mallopt calls, then the dispatch mode only where both took (no half application).
+    results = [opt(_M_MMAP_MAX, 0), opt(_M_TRIM_THRESHOLD, 2**31 - 1)]
+    applied = all(bool(r) for r in results)
+    if applied:
+        import jax
 
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
-    applied = bool(opt(_M_MMAP_MAX, 0)) and bool(opt(_M_TRIM_THRESHOLD, 2**31 - 1))
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    elif results[0]:  # glibc's default back (DEFAULT_MMAP_MAX)
+        opt(_M_MMAP_MAX, 65536)
     _reusing.append(applied)
     return applied

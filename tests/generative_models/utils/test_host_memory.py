@@ -165,3 +165,36 @@ def test_the_cli_says_when_it_cannot_reuse_host_memory(capsys, tmp_path):
     assert status == 2
     err = capsys.readouterr().err
     assert "--reuse-host-memory not applied" in err
+
+
+def test_reuse_host_memory_checks_its_environment_variable(monkeypatch):
+    monkeypatch.setattr(host_memory, "_reusing", [])
+    monkeypatch.setenv(host_memory.REUSE_ENV_VAR, "maybe")
+    with pytest.raises(ValueError, match=r"ARTIFEX_REUSE_HOST_MEMORY must be one of .*'maybe'"):
+        host_memory.reuse_host_memory()
+    monkeypatch.setenv(host_memory.REUSE_ENV_VAR, "off")
+    assert host_memory.reuse_host_memory() is False
+    assert host_memory._reusing == []
+
+
+def test_a_refused_mallopt_leaves_dispatch_and_allocator_as_they_were(monkeypatch):
+    from jax._src import xla_bridge
+
+    calls = []
+
+    def mallopt(param, value):
+        calls.append((param, value))
+        return 0 if param == host_memory._M_TRIM_THRESHOLD else 1
+
+    monkeypatch.setattr(host_memory, "_reusing", [])
+    monkeypatch.delenv(host_memory.REUSE_ENV_VAR, raising=False)
+    monkeypatch.setattr(host_memory, "_mallopt", lambda: mallopt)
+    monkeypatch.setattr(host_memory, "_backends_initialized", lambda: False)
+    monkeypatch.setattr(host_memory, "_accelerator_plugin_installed", lambda: False)
+    before = xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value
+    assert host_memory.reuse_host_memory() is False
+    assert xla_bridge._CPU_ENABLE_ASYNC_DISPATCH.value == before
+    mmap_max, trim = host_memory._M_MMAP_MAX, host_memory._M_TRIM_THRESHOLD
+    assert calls == [(mmap_max, 0), (trim, 2**31 - 1), (mmap_max, 65536)]  # the default back
+    assert host_memory.reuse_host_memory() is False  # remembered, nothing called again
+    assert len(calls) == 3
