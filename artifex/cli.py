@@ -1239,7 +1239,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from artifex.generative_models.utils.host_memory import reuse_host_memory
 
-    if args.reuse_host_memory and not reuse_host_memory():
+    try:
+        reusing = reuse_host_memory() if args.reuse_host_memory else None
+    except ValueError as err:  # a bad ARTIFEX_REUSE_HOST_MEMORY value
+        if args.debug:
+            raise
+        print(_error_line(err), file=sys.stderr)
+        return 2
+    if reusing is False:
         print(
             "artifex-grpo: --reuse-host-memory not applied (it needs glibc, a process in which "
             "JAX has not run yet, no GPU or TPU plugin installed unless JAX_PLATFORMS=cpu, and "

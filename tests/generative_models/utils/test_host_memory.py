@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax
@@ -165,6 +166,16 @@ def test_the_cli_says_when_it_cannot_reuse_host_memory(capsys, tmp_path):
     assert status == 2
     err = capsys.readouterr().err
     assert "--reuse-host-memory not applied" in err
+    # A bad value of the environment variable: one line, status 2, before anything runs.
+    os.environ[host_memory.REUSE_ENV_VAR] = "sometimes"
+    try:
+        status = main(["demo", "--steps", "1", "--reuse-host-memory"])
+    finally:
+        del os.environ[host_memory.REUSE_ENV_VAR]
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "ARTIFEX_REUSE_HOST_MEMORY must be one of" in err and "'sometimes'" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_reuse_host_memory_checks_its_environment_variable(monkeypatch):
