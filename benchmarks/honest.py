@@ -308,19 +308,17 @@ def main(argv: list[str] | None = None) -> int:
             fill += cached[cached.index("--threshold") :]
             order.append(("ours", fill, ours_env, "ours, filling an empty compilation cache"))
             order.append(("ours", cached, ours_env, "ours, second run (compilation cache)"))
-        if "ours" in systems and "tunix" in peer_names:
-            # The process settings of reuse_host_memory() (artifex-grpo --reuse-host-memory):
-            # ours and Tunix alike, both JAX on XLA:CPU, so the ratio compares like with like
+        if "ours" in systems:
+            # The process settings of reuse_host_memory() (artifex-grpo --reuse-host-memory),
+            # for ours and Tunix alike (both JAX on XLA:CPU); TRL, on PyTorch's allocator, has
+            # no setting of that kind, and such a row of ours is compared with its default run
             reuse = "--reuse-host-memory"
-            name, script, default, _ = PEERS["tunix"]
-            python = os.environ.get("ARTIFEX_TUNIX_PYTHON", default)
-            cmd = [python, os.path.join(HERE, "peers", script), "--model-dir", wdir, *wins, reuse]
             order.append(("ours", [*ours_cmd, reuse], ours_env, f"ours, reusing host memory{tag}"))
-            order.append(("tunix", cmd, peer_env, f"{name}, reusing host memory"))
-        if "ours" in systems and wname == "w2":
-            # no peer row of the same kind: TRL runs on PyTorch's allocator (see the docs)
-            label = f"ours, reusing host memory{tag}"
-            order.append(("ours", [*ours_cmd, "--reuse-host-memory"], ours_env, label))
+            if "tunix" in peer_names:
+                name, script, default, _ = PEERS["tunix"]
+                python = os.environ.get("ARTIFEX_TUNIX_PYTHON", default)
+                cmd = [python, os.path.join(HERE, "peers", script), "--model-dir", wdir, *wins]
+                order.append(("tunix", [*cmd, reuse], peer_env, f"{name}, reusing host memory"))
         if "ours" in systems and wname == "w2" and not args.no_bf16:
             order.append(("ours", [*ours_cmd, "--dtype", "bfloat16"], ours_env, f"ours, bf16{tag}"))
             if "trl" in peer_names:  # the bf16 row's peer: TRL with bf16 parameters

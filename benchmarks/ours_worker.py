@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reuse-host-memory",
         action="store_true",
-        help="host_memory.reuse_host_memory() first, as artifex-grpo does: XLA:CPU's "
-        "temporaries reuse their memory from run to run",
+        help="host_memory.reuse_host_memory() first, as artifex-grpo --reuse-host-memory "
+        "does: XLA:CPU's temporaries reuse their memory from run to run",
     )
     args = parser.parse_args(argv)
     t_start = time.perf_counter()

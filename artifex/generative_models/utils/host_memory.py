@@ -177,8 +177,8 @@ def reuse_host_memory() -> bool:
     This makes a program run in the calling thread (``jax_cpu_enable_async_dispatch=False``;
     single-device programs only) and has glibc serve every block from its heap and keep what
     is freed (``mallopt``: no mappings for large blocks, no automatic trim), so the next run
-    finds its pages mapped. Measured on the 2-core CPU machine (``docs/benchmarks.md``): W1's
-    update 0.40 against 0.49 s, its rollout 0.21 against 0.25 s.
+    finds its pages mapped. Measured on the 2-core CPU machine (``docs/benchmarks.md``, "Page
+    faults"): W1's update 0.41-0.42 against 0.49-0.50 s, its rollout 0.23 against 0.25 s.
 
     The process then keeps what it freed until :func:`release_freed_host_memory` (called after
     every long compilation, :func:`release_memory_after_compilation`). Python no longer runs
