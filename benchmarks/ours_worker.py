@@ -78,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--microbatches",
         type=int,
-        default=1,
+        default=None,
         help="train_step(num_microbatches=N): accumulate the gradient over N row slices of the "
-        "batch (still one update)",
+        "batch (still one update); default: the trainer's choice (auto_microbatches: on the "
+        "CPU, slices of at least 512 token positions)",
     )
     parser.add_argument(
         "--no-compile-ahead",
@@ -213,7 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         "stack_layers": args.stack_layers,
         "compile_ahead": args.compile_ahead,
         "reuse_host_memory": args.reuse_host_memory,
-        "microbatches": args.microbatches,
+        "microbatches": (
+            args.microbatches
+            if args.microbatches is not None
+            else trainer.auto_microbatches(trainer.prepare_batch(last["batch"]))
+        ),
+        "microbatches_auto": args.microbatches is None,
         "params": int(n_params),
         "load_s": load_s,
         "first_step_s": first_step_s,

@@ -73,9 +73,11 @@ from artifex.generative_models.utils.compile_options import compiler_options, ji
 from artifex.generative_models.utils.host_memory import release_memory_after_compilation
 
 __all__ = [
+    "MIN_MICROBATCH_TOKENS",
     "GRPOTrainer",
     "NonFiniteUpdateError",
     "as_grpo_batch",
+    "auto_num_microbatches",
     "compute_advantages",
     "grpo_objective",
     "make_grpo_loss",
@@ -120,6 +122,87 @@ def _check_token_range(batch: GRPOBatch, vocab_size: int | None) -> None:
                 "the tokenizer matches the model"
             )
             raise ValueError(msg)
+
+
+# On the CPU the update runs, by default, in the most microbatches of whole prompt groups that
+# keep at least this many token positions each (see ``auto_num_microbatches``).
+MIN_MICROBATCH_TOKENS = 512
+
+
+def auto_num_microbatches(
+    rows: int,
+    group_size: int,
+    prompt_width: int,
+    completion_width: int,
+    *,
+    shared_prompts: bool = True,
+    min_tokens: int = MIN_MICROBATCH_TOKENS,
+) -> int:
+    """The most microbatches of a batch's rows that keep ``min_tokens`` token positions each.
+
+    A microbatch is a slice of whole prompt groups when the prompts are shared (so each group's
+    prompt is still encoded once), any equal slice of rows otherwise; its token positions are
+    ``r * completion_width + (r / group_size) * prompt_width`` for ``r`` rows with shared
+    prompts, ``r * (prompt_width + completion_width)`` without. Splitting changes nothing in
+    the update (advantages and the loss normalizer come from the whole batch) but the size of
+    the step's temporaries, which on the CPU are mapped anew, page by page, at every run of the
+    step: on W1 (``docs/benchmarks.md``: 32 rows of 32 + 96 tokens) 4 microbatches of 832
+    positions took the step's temporaries from 0.46 to about 0.12 GB and the update from 0.48
+    to 0.42 s, while 8 of 416 positions were slower again (matrix products of too few rows).
+
+    Args:
+        rows: The batch's rows.
+        group_size: Rows per prompt group.
+        prompt_width: Prompt tokens per row (the padded width).
+        completion_width: Completion tokens per row (the padded width).
+        shared_prompts: Whether the rows of a group share their prompt (encoded once).
+        min_tokens: The fewest token positions a microbatch may have.
+
+    Returns:
+        The number of microbatches, >= 1 (1 when even two would be too small).
+
+    Raises:
+        ValueError: If an argument is not an int >= 1 (``prompt_width``: >= 0), or
+            ``group_size`` does not divide ``rows`` with ``shared_prompts``.
+
+    Example:
+        >>> auto_num_microbatches(32, 4, 32, 96)  # W1: 4 slices of 2 groups, 832 positions
+        4
+        >>> auto_num_microbatches(16, 4, 64, 64)  # W2's shape: 2 slices of 640 positions
+        2
+        >>> auto_num_microbatches(8, 4, 16, 32)   # 320 positions in all: one piece
+        1
+    """
+    for name, value, least in (
+        ("rows", rows, 1),
+        ("group_size", group_size, 1),
+        ("prompt_width", prompt_width, 0),
+        ("completion_width", completion_width, 1),
+        ("min_tokens", min_tokens, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+            msg = f"auto_num_microbatches: {name} must be an int >= {least}, got {value!r}"
+            raise ValueError(msg)
+    if shared_prompts and rows % group_size:
+        msg = (
+            f"auto_num_microbatches: group_size={group_size} must divide rows={rows} when the "
+            "prompts are shared"
+        )
+        raise ValueError(msg)
+    best = 1
+    for m in range(2, rows + 1):
+        if rows % m:
+            continue
+        r = rows // m
+        if shared_prompts:
+            if r % group_size:
+                continue
+            tokens = r * completion_width + (r // group_size) * prompt_width
+        else:
+            tokens = r * (prompt_width + completion_width)
+        if tokens >= min_tokens:
+            best = m
+    return best
 
 
 def _check_microbatches(num_microbatches: Any, rows: int) -> None:
@@ -573,6 +656,7 @@ class GRPOTrainer:
         self._lora_reference = reference_model is None and _is_lora_only(model, self.wrt)
         self._warned_no_reference = False
         self._num_traces = 0
+        self._auto_eligible: bool | None = None  # auto_microbatches' model and device test
         self._steps: dict[int, Any] = {}
         self._split_decisions = SplitDecisions(optimizer.tx)  # split_by_layer per state types
         self._bound = {
@@ -941,8 +1025,73 @@ class GRPOTrainer:
         """
         return self._score(self.prepare_batch(batch))
 
+    def auto_microbatches(self, batch: GRPOBatch) -> int:
+        """The microbatches an update of ``batch`` runs in when ``num_microbatches`` is not given.
+
+        For a causal LM with float32 trainable parameters on one CPU device (no mesh):
+        :func:`auto_num_microbatches` of the batch's shape, the most slices of whole prompt
+        groups of at least :data:`MIN_MICROBATCH_TOKENS` token positions each. The update is
+        the same (advantages and the loss normalizer come from the whole batch); its
+        temporaries, mapped anew by XLA:CPU at every run, are smaller. 1 otherwise: on an
+        accelerator (a pooled allocator and larger matrix products), on a mesh, for a model
+        that is not a causal LM, with lower-precision parameters (the slices' gradients would
+        be summed in that precision), with ``layerwise_update`` (already one layer at a time),
+        with ``top_entropy_quantile < 1`` (a further forward pass per slice) and for groups of
+        different sizes (``group_ids``).
+
+        Args:
+            batch: A :class:`GRPOBatch` (only its shapes and static fields are read; a
+                ``jax.eval_shape`` of one will do).
+
+        Returns:
+            The number of microbatches, >= 1, dividing the batch's rows.
+
+        Example:
+            >>> import optax
+            >>> from flax import nnx
+            >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+            >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+            >>> cfg = CausalLMConfig(vocab_size=32, hidden_size=8, intermediate_size=16,
+            ...                      num_layers=1, num_heads=2)
+            >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
+            >>> trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
+            ...                       GRPOConfig(num_generations=4, beta=0.0))
+            >>> batch = trainer.prepare_batch(GRPOBatch.zeros(8, 4, 32, 96))  # W1's shape
+            >>> batch.shared_prompts, trainer.auto_microbatches(batch)  # on the CPU
+            (True, 4)
+        """
+        if self._auto_eligible is None:
+            leaves = [x for x in jax.tree.leaves(self.params) if hasattr(x, "dtype")]
+            platforms = {d.platform for x in leaves[:1] for d in x.devices()}
+            self._auto_eligible = (
+                bool(leaves)
+                and platforms == {"cpu"}
+                and self.mesh is None
+                and _vocab_size(self.model) is not None
+                and all(
+                    x.dtype == jnp.float32 for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)
+                )
+            )
+        if (
+            not self._auto_eligible
+            or self.config.layerwise_update
+            or self.config.top_entropy_quantile < 1.0
+            or batch.group_ids is not None
+            or len(batch.prompt_ids.shape) != 2
+            or len(batch.completion_ids.shape) != 2
+            or batch.batch_size % batch.group_size
+        ):
+            return 1
+        return auto_num_microbatches(
+            batch.batch_size,
+            batch.group_size,
+            int(batch.prompt_ids.shape[1]),
+            int(batch.completion_ids.shape[1]),
+            shared_prompts=batch.shared_prompts,
+        )
+
     def train_step(
-        self, batch: GRPOBatch | Mapping[str, Any], *, num_microbatches: int = 1
+        self, batch: GRPOBatch | Mapping[str, Any], *, num_microbatches: int | None = None
     ) -> dict[str, float]:
         """One GRPO update on ``batch``.
 
@@ -953,6 +1102,8 @@ class GRPOTrainer:
             num_microbatches: Accumulate gradients over this many equal row slices of the batch
                 inside the compiled step (a ``lax.scan``): the update is the full-batch update
                 (advantages and loss normalization use the whole batch) with less peak memory.
+                ``None`` (the default): :meth:`auto_microbatches` (on the CPU, slices of at
+                least 512 token positions; elsewhere 1).
 
         Returns:
             Metrics as Python floats: those of :func:`grpo_objective` plus ``grad_norm``
@@ -965,6 +1116,8 @@ class GRPOTrainer:
                 optimizer state; nothing was updated.
         """
         batch = self.prepare_batch(batch)
+        if num_microbatches is None:
+            num_microbatches = self.auto_microbatches(batch)
         _check_microbatches(num_microbatches, batch.batch_size)
         if (
             self.config.beta > 0.0
@@ -981,7 +1134,7 @@ class GRPOTrainer:
         return self.apply_prepared(batch, num_microbatches=num_microbatches)
 
     def compile_ahead(
-        self, batch: GRPOBatch | Mapping[str, Any], *, num_microbatches: int = 1
+        self, batch: GRPOBatch | Mapping[str, Any], *, num_microbatches: int | None = None
     ) -> concurrent.futures.Future:
         """Compiles the step for batches like ``batch`` in a background thread, and returns.
 
@@ -1029,10 +1182,14 @@ class GRPOTrainer:
             (None, 1)
         """
         batch = self.prepare_batch(batch)
+        if num_microbatches is None:
+            num_microbatches = self.auto_microbatches(batch)
         _check_microbatches(num_microbatches, batch.batch_size)
         return self.compiled_step(num_microbatches).compile_ahead(self.state, batch)
 
-    def apply_prepared(self, batch: GRPOBatch, *, num_microbatches: int = 1) -> dict[str, float]:
+    def apply_prepared(
+        self, batch: GRPOBatch, *, num_microbatches: int | None = None
+    ) -> dict[str, float]:
         """One GRPO update on a batch that is already checked (no host validation).
 
         For batches the library built itself (the rollout) or that went through
@@ -1040,7 +1197,8 @@ class GRPOTrainer:
 
         Args:
             batch: A prepared :class:`GRPOBatch` of arrays (on the trainer's mesh, if any).
-            num_microbatches: As for :meth:`train_step` (must divide the rows).
+            num_microbatches: As for :meth:`train_step` (must divide the rows; ``None``:
+                :meth:`auto_microbatches`).
 
         Returns:
             The step's metrics as Python floats, as for :meth:`train_step`.
@@ -1048,6 +1206,8 @@ class GRPOTrainer:
         Raises:
             NonFiniteUpdateError: The step was rejected (nothing was updated).
         """
+        if num_microbatches is None:
+            num_microbatches = self.auto_microbatches(batch)
         # A Ctrl-C while the optimizer runs group by group is delivered once the new state is
         # stored: the old arrays are donated by then.
         with interrupt_scope():

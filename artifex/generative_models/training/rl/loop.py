@@ -105,7 +105,9 @@ class TrainConfig:
         num_minibatches: Optimizer updates per pass, each on an equal slice of the batch rows
             (shuffled per pass); advantages are computed on the whole batch first.
         gradient_accumulation_steps: Microbatches accumulated into each update inside the
-            compiled step (same update, less memory).
+            compiled step (same update, less memory). ``None`` (the default): the trainer's
+            choice for the update's rows (``GRPOTrainer.auto_microbatches``: on the CPU,
+            slices of at least 512 token positions; elsewhere 1).
         shuffle: Shuffle the dataset each epoch (deterministically from ``seed``).
         seed: Seeds the data order and every PRNG key of the run.
         dynamic_sampling: Drop groups whose rewards are all equal and refill from further
@@ -150,7 +152,7 @@ class TrainConfig:
     prompts_per_step: int = 8
     num_iterations: int = 1
     num_minibatches: int = 1
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int | None = None
     shuffle: bool = True
     seed: int = 0
     dynamic_sampling: bool = False
@@ -197,6 +199,8 @@ class TrainConfig:
             "gradient_accumulation_steps",
             "keep_checkpoints",
         ):
+            if name == "gradient_accumulation_steps" and self.gradient_accumulation_steps is None:
+                continue
             _positive_int(name, getattr(self, name))
         for name in (
             "max_resample_rounds",
@@ -825,7 +829,8 @@ def _compile_first_update(
     example = example.replace(advantages=jnp.zeros((example.batch_size,), jnp.float32))
     if cfg.num_minibatches > 1:
         example = _take_rows(example, np.arange(example.batch_size // cfg.num_minibatches))
-    step = trainer.compiled_step(cfg.gradient_accumulation_steps)
+    steps = cfg.gradient_accumulation_steps or trainer.auto_microbatches(example)
+    step = trainer.compiled_step(steps)
     step.compile_ahead(trainer.state, trainer.place_batch(example))
 
 
@@ -920,7 +925,9 @@ def train(
     policy = trainer.policy()
     rows_per_batch = config.prompts_per_step * policy.config.num_generations
     per_update = rows_per_batch // config.num_minibatches
-    if rows_per_batch % config.num_minibatches or per_update % config.gradient_accumulation_steps:
+    if rows_per_batch % config.num_minibatches or per_update % (
+        config.gradient_accumulation_steps or 1
+    ):
         msg = (
             f"the {rows_per_batch} rows of a generation batch (prompts_per_step * "
             f"num_generations) must split into num_minibatches={config.num_minibatches} "
@@ -1100,7 +1107,14 @@ def train(
             # rollout. The batch was built here: no host validation before the compiled step.
             updates: list[dict[str, float]] = []
             rows = batch.batch_size
-            update_fn = trainer.compiled_step(config.gradient_accumulation_steps)
+            steps = config.gradient_accumulation_steps
+            if steps is None:  # the trainer's choice for one minibatch's rows
+                part = rows // config.num_minibatches
+                like = batch
+                if config.num_minibatches > 1:
+                    like = jax.eval_shape(lambda b, n=part: _take_rows(b, np.arange(n)), batch)
+                steps = trainer.auto_microbatches(like)
+            update_fn = trainer.compiled_step(steps)
             state = trainer.state
             # A Ctrl-C while the optimizer runs group by group is delivered after the store
             # below (the old arrays are donated by then).

@@ -87,14 +87,16 @@ def _prompts(rng, num, width, filled, vocab):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("cfg", "num_prompts", "k", "p", "n", "same_bucket", "next_bucket"),
+    ("cfg", "num_prompts", "k", "p", "n", "same_bucket", "next_bucket", "slices"),
     [
-        (W1_MODEL, 8, 4, 32, 96, (20, 32), 33),  # bucket 32, then 64
-        (W2_MODEL_2_LAYERS, 4, 4, 48, 64, (40, 64), 65),  # bucket 64, then 128
+        (W1_MODEL, 8, 4, 32, 96, (20, 32), 33, 4),  # bucket 32, then 64
+        (W2_MODEL_2_LAYERS, 4, 4, 48, 64, (40, 64), 65, 2),  # bucket 64, then 128
     ],
     ids=["W1", "W2-2-layers"],
 )
-def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_bucket, next_bucket):
+def test_one_compile_per_shape_bucket(
+    counter, cfg, num_prompts, k, p, n, same_bucket, next_bucket, slices
+):
     model = CausalLM(cfg, rngs=nnx.Rngs(0))
     reference = CausalLM(cfg, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-5), wrt=nnx.Param)
@@ -104,12 +106,18 @@ def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_b
     rng = np.random.default_rng(0)
     keys = iter(jax.random.split(jax.random.key(0), 32))
     gen_before = sampling._generate._cache_size()
+    # The update train_step runs: in the trainer's own number of microbatches for these shapes
+    # (on the CPU W1's 32 rows run as 4 slices, W2's 16 as 2), the same in both buckets.
+    for width in (p, next_bucket):
+        like = GRPOBatch.zeros(num_prompts, k, sampling.bucket_length(width), n)
+        assert trainer.auto_microbatches(trainer.prepare_batch(like)) == slices
+    update = trainer.compiled_step(slices)
 
     ids, mask = _prompts(rng, num_prompts, p, p, cfg.vocab_size)
     comp = _step(trainer, ids, mask, next(keys), k, n)  # first step: compiles
     assert comp.shape == (num_prompts * k, n)
     assert sampling._generate._cache_size() == gen_before + 1
-    assert trainer.compiled_step()._cache_size() == 1
+    assert update._cache_size() == 1
 
     counter.count, counter.active = 0, True
     try:
@@ -127,7 +135,7 @@ def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_b
             ids, mask = _prompts(rng, num_prompts, width, min(width, p) // 2, cfg.vocab_size)
             _step(trainer, ids, mask, next(keys), k, n)
         assert sampling._generate._cache_size() == gen_before + 1
-        assert trainer.compiled_step()._cache_size() == 1
+        assert update._cache_size() == 1
         assert counter.count <= 2 * len(same_bucket), f"{counter.count} compilations"
         # A width seen before compiles nothing, not even the padding.
         seen = counter.count
@@ -140,7 +148,7 @@ def test_one_compile_per_shape_bucket(counter, cfg, num_prompts, k, p, n, same_b
             ids, mask = _prompts(rng, num_prompts, next_bucket, next_bucket, cfg.vocab_size)
             _step(trainer, ids, mask, next(keys), k, n)
         assert sampling._generate._cache_size() == gen_before + 2
-        assert trainer.compiled_step()._cache_size() == 2
+        assert update._cache_size() == 2
     finally:
         counter.active = False
 
