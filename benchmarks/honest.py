@@ -167,8 +167,12 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
         # Each row of ours is compared with the faster peer run in its own dtype and with the
         # same host-memory settings (reuse_host_memory; a peer without such a run: its default).
         fastest: dict[tuple[str, bool], float] = {}
+        sliced_peer = math.inf  # the faster peer run with its update in micro-batches
         for r in runs["runs"]:
             if r.get("system") in PEERS and "seconds" in r and not r.get("exit"):
+                if r.get("train_micro_batch"):
+                    sliced_peer = min(sliced_peer, r["seconds"]["median"])
+                    continue
                 key = (r.get("dtype", "float32"), bool(r.get("reuse_host_memory")))
                 fastest[key] = min(fastest.get(key, math.inf), r["seconds"]["median"])
         for r in runs["runs"]:
@@ -220,6 +224,21 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
                     f"({100 * host / r['seconds']['median']:.1f}% of the step)."
                 )
                 break
+        if sliced_peer < math.inf:
+            mine = [
+                f"{r['label']} {r['seconds']['median'] / sliced_peer:.2f}x"
+                for r in runs["runs"]
+                if r.get("system") == "ours"
+                and "seconds" in r
+                and not r.get("reuse_host_memory")
+                and r.get("microbatches", 1) > 1
+            ]
+            if mine:
+                lines.append("")
+                lines.append(
+                    "Against the faster peer row with its update in micro-batches "
+                    f"({_ms(sliced_peer)} ms), as ours runs it by default: " + ", ".join(mine) + "."
+                )
         lines.append("")
     return lines
 
@@ -319,6 +338,19 @@ def main(argv: list[str] | None = None) -> int:
                 python = os.environ.get("ARTIFEX_TUNIX_PYTHON", default)
                 cmd = [python, os.path.join(HERE, "peers", script), "--model-dir", wdir, *wins]
                 order.append(("tunix", [*cmd, reuse], peer_env, f"{name}, reusing host memory"))
+        if "tunix" in peer_names and "ours" in systems:
+            # Ours slices the update on the CPU by default (GRPOTrainer.auto_microbatches: W1 in
+            # 4 slices of 2 prompts); Tunix can too (RLTrainingConfig.train_micro_batch_size),
+            # not by default. These rows show what the same setting does for Tunix; the main
+            # ratio stays against Tunix at its defaults, a line below gives the other one.
+            name, script, default, _ = PEERS["tunix"]
+            python = os.environ.get("ARTIFEX_TUNIX_PYTHON", default)
+            cmd = [python, os.path.join(HERE, "peers", script), "--model-dir", wdir, *wins]
+            for prompts in (2, 4):
+                label = f"{name}, training micro-batches of {prompts} prompts"
+                order.append(
+                    ("tunix", [*cmd, "--train-micro-batch", str(prompts)], peer_env, label)
+                )
         if "ours" in systems and wname == "w2" and not args.no_bf16:
             order.append(("ours", [*ours_cmd, "--dtype", "bfloat16"], ours_env, f"ours, bf16{tag}"))
             if "trl" in peer_names:  # the bf16 row's peer: TRL with bf16 parameters

@@ -121,7 +121,20 @@ def main(argv: list[str] | None = None) -> int:
         help="the process settings of ours' reuse_host_memory(), applied here the same way: "
         "programs run in the calling thread, glibc keeps freed blocks in its heap",
     )
+    parser.add_argument(
+        "--train-micro-batch",
+        type=int,
+        default=None,
+        help="RLTrainingConfig(train_micro_batch_size=N): the update accumulates the gradient "
+        "over micro-batches of N prompts (their G completions each), still one optimizer update "
+        "per step; generation and the reference forward stay whole (rollout and log-prob "
+        "micro-batches of all the prompts)",
+    )
     args = parser.parse_args(argv)
+    if args.train_micro_batch is not None and (
+        args.train_micro_batch < 1 or NUM_PROMPTS % args.train_micro_batch
+    ):
+        parser.error(f"--train-micro-batch must divide the {NUM_PROMPTS} prompts")
     if args.reuse_host_memory:
         import ctypes
 
@@ -165,6 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
             actor_optimizer=optax.adamw(1e-5),
+            **(
+                {}
+                if args.train_micro_batch is None
+                else {
+                    "mini_batch_size": NUM_PROMPTS,
+                    "train_micro_batch_size": args.train_micro_batch,
+                    "rollout_micro_batch_size": NUM_PROMPTS,
+                    "compute_logps_micro_batch_size": NUM_PROMPTS,
+                }
+            ),
             eval_every_n_steps=10**9,
             max_steps=max_steps,
             checkpoint_root_directory=None,
@@ -309,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions,
         "device": str(jax.devices()[0].device_kind),
         "reuse_host_memory": args.reuse_host_memory,
+        "train_micro_batch": args.train_micro_batch,
         "params": int(n_params),
         "load_s": load_s,
         "first_step_s": steps[0]["step_s"] if steps else None,
