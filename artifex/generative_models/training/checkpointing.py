@@ -147,7 +147,9 @@ def training_fingerprint(config: Any, params: Any, **extra: Any) -> dict[str, An
     Returns:
         A JSON-able dict: the config, the trainable parameter shapes and ``extra``. A restore
         compares all of it except the config's ``EXECUTION_ONLY_FIELDS`` (``remat``,
-        ``remat_every``, ``scan_layers``), which change memory and speed, not the values.
+        ``remat_every``, ``scan_layers``) and, in an ``extra`` entry ``loop``, its
+        ``EXECUTION_ONLY_LOOP_FIELDS`` (``gradient_accumulation_steps``), which change memory
+        and speed, not the values.
 
     Example:
         >>> from flax import nnx
@@ -207,14 +209,21 @@ def _from_saveable(flat: Mapping[str, Any], target: Any) -> Any:
 #: computes: a run may resume from a checkpoint written with other values (or before the field
 #: existed), for example with more layers rematerialized after running out of memory.
 EXECUTION_ONLY_FIELDS = ("remat", "remat_every", "scan_layers")
+# The loop's settings that change how an update is computed, not its values: recorded in the
+# fingerprint, not compared (``gradient_accumulation_steps``: the update does not depend on
+# the split, and ``None``, the trainer's own choice, may pick another on another device).
+EXECUTION_ONLY_LOOP_FIELDS = ("gradient_accumulation_steps",)
 
 
 def _comparable(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
-    """``fingerprint`` without the execution-only fields of its ``grpo_config``."""
+    """``fingerprint`` without the execution-only fields of its ``grpo_config`` and loop."""
     out = dict(fingerprint)
     config = out.get("grpo_config")
     if isinstance(config, Mapping):
         out["grpo_config"] = {k: v for k, v in config.items() if k not in EXECUTION_ONLY_FIELDS}
+    loop = out.get("loop")
+    if isinstance(loop, Mapping):
+        out["loop"] = {k: v for k, v in loop.items() if k not in EXECUTION_ONLY_LOOP_FIELDS}
     return out
 
 

@@ -109,6 +109,32 @@ def test_incompatible_resume_is_an_error_and_writes_nothing(tmp_path):
     assert sorted(os.listdir(ckpt)) == before
 
 
+def test_a_resume_may_split_its_updates_differently(tmp_path):
+    """``gradient_accumulation_steps`` changes how an update is computed, not its value: a run
+    checkpointed with 2 microbatches resumes with the trainer's own choice (``None``)."""
+    ckpt = str(tmp_path / "ckpt")
+    settings = {**LOOP, "num_iterations": 1, "num_minibatches": 1}
+    first, tok = make_trainer()
+    train(
+        first,
+        tok,
+        TRAIN,
+        [REWARD],
+        TrainConfig(num_steps=1, checkpoint_dir=ckpt, gradient_accumulation_steps=2, **settings),
+        ROLLOUT,
+    )
+    resumed, tok = make_trainer()
+    result = train(
+        resumed,
+        tok,
+        TRAIN,
+        [REWARD],
+        TrainConfig(num_steps=2, checkpoint_dir=ckpt, **settings),
+        ROLLOUT,
+    )
+    assert result.start_step == 1 and len(result.history) == 1
+
+
 def test_checkpoints_keep_the_last_n(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     trainer, tok = make_trainer()
