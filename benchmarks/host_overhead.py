@@ -44,6 +44,12 @@ from artifex.generative_models.training.rl.rewards import math_answer_reward
 from artifex.generative_models.training.rl.rollout import RolloutConfig, rollout
 
 
+def _slices(trainer: GRPOTrainer, batch) -> int:
+    """The microbatches the loop's update runs in (the trainer's choice; 1 before there was one)."""
+    choose = getattr(trainer, "auto_microbatches", None)
+    return 1 if choose is None else choose(batch)
+
+
 def compiled_update_seconds(trainer: GRPOTrainer, batch, repeats: int) -> float:
     """Median wall time of the compiled update alone on ``batch``.
 
@@ -52,7 +58,7 @@ def compiled_update_seconds(trainer: GRPOTrainer, batch, repeats: int) -> float:
     """
     if hasattr(trainer, "compiled_step"):  # the functional train state
         batch = trainer.place_batch(batch)
-        step = trainer.compiled_step()
+        step = trainer.compiled_step(_slices(trainer, batch))
         carry = [jax.tree.map(jnp.copy, trainer.state)]  # own buffers (the step donates)
 
         def call():
@@ -99,8 +105,8 @@ def direct_host_seconds(trainer: GRPOTrainer, batch, repeats: int) -> dict[str, 
             metrics = jax.device_get(loop_lib._batch_metrics(b))
             return trainer.apply_prepared(b), metrics
 
-        step = trainer.compiled_step()
         placed = trainer.place_batch(batch)
+        step = trainer.compiled_step(_slices(trainer, placed))
         carry = [jax.tree.map(jnp.copy, trainer.state)]  # own buffers: both paths donate
 
         def bare():

@@ -5,7 +5,8 @@
 
 ``DIR`` is a workload directory (``benchmarks/hfdir.py``). Builds the trainer as
 ``benchmarks/ours_worker.py`` does, runs one step, then prints, for the compiled update
-(``GRPOTrainer.compiled_step()``: reference forward, policy forward + backward, AdamW),
+(``GRPOTrainer.compiled_step(n)``, in the trainer's own ``n`` microbatches: reference
+forward, policy forward + backward, AdamW),
 XLA's FLOPs and
 bytes accessed and the buffer sizes (arguments, outputs, temporaries, aliased = donated), next
 to the bytes of the parameters, the AdamW moments and the reference, and the process's peak
@@ -125,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
 
     batch = step()
     rss_step = cleanwin.peak_rss_bytes()
-    # the batch as train_step runs it (prompts shared within groups, encoded once per group)
+    # the batch as train_step runs it (prompts shared within groups, encoded once per group),
+    # in the trainer's own number of microbatches (GRPOTrainer.auto_microbatches)
     prepared = trainer.prepare_batch(batch)
+    slices = trainer.auto_microbatches(prepared)
     if args.trace:
         with jax.profiler.trace(args.trace):
             step()
@@ -137,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     ):
         jax.clear_caches()  # compiled again: neither the jit cache nor an earlier compile
         t0, c0 = time.perf_counter(), _cpu_seconds()
+        like = prepared.replace(shared_prompts=shared)
         compiled = (
-            trainer.compiled_step()
-            .lower(trainer.state, prepared.replace(shared_prompts=shared))
+            trainer.compiled_step(trainer.auto_microbatches(like))
+            .lower(trainer.state, like)
             .compile()
         )
         executables[name] = compiled
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     # state, which is handed back to the trainer after each run.
     runs, run_cpu = [], []
     for _ in range(2):
-        dynamic, fixed = type(trainer.compiled_step())._parts(trainer.state)
+        dynamic, fixed = type(trainer.compiled_step(slices))._parts(trainer.state)
         t0, c0 = time.perf_counter(), _cpu_seconds()
         (params, opt_state, count), metrics = executables["shared"](dynamic, fixed, prepared)
         jax.block_until_ready(metrics)
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": jax.devices()[0].device_kind,
         **sizes,
         "update": update,
+        "microbatches": slices,
         "compiles": compiles,
         "peak_rss_after_load_bytes": rss_loaded,
         "peak_rss_after_first_step_bytes": rss_step,
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{w['name']} ({args.dtype}, {result['device']}): "
         f"params {sizes['params_bytes'] / gb:.2f} GB, AdamW {sizes['optimizer_bytes'] / gb:.2f} GB,"
-        f" reference {sizes['reference_bytes'] / gb:.2f} GB; update: "
+        f" reference {sizes['reference_bytes'] / gb:.2f} GB; update ({slices} microbatches): "
         f"{update['flops'] / 1e9:.1f} GFLOP, {update['bytes_accessed'] / gb:.2f} GB accessed, "
         f"args {u['argument_bytes']:.2f} GB, outputs {u['output_bytes']:.2f} GB (aliased "
         f"{u['alias_bytes']:.2f} GB), temporaries {u['temp_bytes']:.2f} GB; peak RSS after load "

@@ -327,8 +327,9 @@ class GRPOBatch:
     ) -> GRPOBatch:
         """A batch of zeros in the sampler's layout: the shape of GRPO batches to come.
 
-        ``num_prompts * group_size`` rows, each prompt repeated ``group_size`` times (so the
-        prompts are encoded once per group), full masks, int32 ids, float32 rewards: what
+        ``num_prompts * group_size`` rows, each prompt repeated ``group_size`` times and marked
+        so (``shared_prompts=True``: the prompts are encoded once per group), full masks, int32
+        ids, float32 rewards: what
         :meth:`~artifex.generative_models.training.rl.grpo.GRPOTrainer.compile_ahead` needs to
         compile the update for the sampler's batches before the first one exists. Pass the
         prompt width the sampler pads to
@@ -351,6 +352,8 @@ class GRPOBatch:
             >>> batch = GRPOBatch.zeros(2, 4, prompt_length=16, completion_length=8)
             >>> batch.prompt_ids.shape, batch.completion_mask.shape, batch.group_size
             ((8, 16), (8, 8), 4)
+            >>> batch.shared_prompts
+            True
         """
         for name, value in (
             ("num_prompts", num_prompts),
@@ -367,6 +370,7 @@ class GRPOBatch:
             completion_mask=jnp.ones((rows, completion_length), jnp.int32),
             rewards=jnp.zeros((rows,), jnp.float32),
             group_size=group_size,
+            shared_prompts=True,
         )
 
     # ------------------------------------------------------------------ conversions

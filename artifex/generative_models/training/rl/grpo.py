@@ -147,7 +147,7 @@ def auto_num_microbatches(
     the update (advantages and the loss normalizer come from the whole batch) but the size of
     the step's temporaries, which on the CPU are mapped anew, page by page, at every run of the
     step: on W1 (``docs/benchmarks.md``: 32 rows of 32 + 96 tokens) 4 microbatches of 832
-    positions took the step's temporaries from 0.46 to about 0.12 GB and the update from 0.48
+    positions took the step's temporaries from 0.46 to 0.15 GB and the update from 0.48
     to 0.42 s, while 8 of 416 positions were slower again (matrix products of too few rows).
 
     Args:
@@ -657,6 +657,7 @@ class GRPOTrainer:
         self._warned_no_reference = False
         self._num_traces = 0
         self._auto_eligible: bool | None = None  # auto_microbatches' model and device test
+        self._custom_log_prob_fn = log_prob_fn is not None
         self._steps: dict[int, Any] = {}
         self._split_decisions = SplitDecisions(optimizer.tx)  # split_by_layer per state types
         self._bound = {
@@ -1034,10 +1035,12 @@ class GRPOTrainer:
         the same (advantages and the loss normalizer come from the whole batch); its
         temporaries, mapped anew by XLA:CPU at every run, are smaller. 1 otherwise: on an
         accelerator (a pooled allocator and larger matrix products), on a mesh, for a model
-        that is not a causal LM, with lower-precision parameters (the slices' gradients would
-        be summed in that precision), with ``layerwise_update`` (already one layer at a time),
-        with ``top_entropy_quantile < 1`` (a further forward pass per slice) and for groups of
-        different sizes (``group_ids``).
+        that is not a causal LM, with a custom ``log_prob_fn`` (it may not treat rows
+        independently), with lower-precision parameters (the slices' gradients would be
+        summed in that precision), with ``layerwise_update`` (already one layer at a time),
+        with ``top_entropy_quantile < 1`` (a further forward pass per slice), for groups of
+        different sizes (``group_ids``) and for rows that are not whole groups. The parameters'
+        device and dtype are read once, at the first call.
 
         Args:
             batch: A :class:`GRPOBatch` (only its shapes and static fields are read; a
@@ -1068,6 +1071,7 @@ class GRPOTrainer:
                 and platforms == {"cpu"}
                 and self.mesh is None
                 and _vocab_size(self.model) is not None
+                and not self._custom_log_prob_fn
                 and all(
                     x.dtype == jnp.float32 for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)
                 )

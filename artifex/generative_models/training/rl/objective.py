@@ -281,6 +281,9 @@ def _sampler_metrics(
         "sampler_ratio_min": jnp.min(jnp.where(unit > 0, weights, big)),
         "sampler_ratio_max": jnp.max(jnp.where(unit > 0, weights, -big)),
         "sampler_corrected_fraction": losses.masked_mean(outside, unit),
+        # the denominators of the means above, to combine microbatches' metrics exactly
+        "sampler_scored_tokens": jnp.sum(scored),
+        "sampler_units": jnp.sum(unit),
     }
 
 
@@ -408,7 +411,16 @@ def grpo_objective(
     return total, metrics
 
 
-_SUMMED = ("policy_loss", "kl", "kl_penalty", "entropy", "total_loss", "num_tokens")
+_SUMMED = (
+    "policy_loss",
+    "kl",
+    "kl_penalty",
+    "entropy",
+    "total_loss",
+    "num_tokens",
+    "sampler_scored_tokens",
+    "sampler_units",
+)
 _TOKEN_WEIGHTED = (
     "approx_kl",
     "clip_fraction_low",
@@ -416,9 +428,14 @@ _TOKEN_WEIGHTED = (
     "clip_fraction",
     "high_entropy_fraction",
     "vespo_weight_mean",
-    "sampler_kl",
-    "sampler_logp_diff_mean",
 )
+# Means over other units than the completion tokens, weighted by their own counts.
+_WEIGHTED_BY = {
+    "sampler_kl": "sampler_scored_tokens",
+    "sampler_logp_diff_mean": "sampler_scored_tokens",
+    "sampler_ratio_mean": "sampler_units",
+    "sampler_corrected_fraction": "sampler_units",
+}
 _MAXED = ("sampler_ratio_max", "sampler_logp_diff_max")
 _MINNED = ("sampler_ratio_min",)
 
@@ -458,15 +475,16 @@ def _combine_micro_metrics(
     stacked: dict[str, jax.Array], config: GRPOConfig | None = None
 ) -> dict[str, jax.Array]:
     """Metrics of the whole batch from per-microbatch metrics stacked on axis 0."""
+    del config  # every weight is a metric of its own now
     out = {}
     tokens = stacked["num_tokens"]
-    token_weighted = _TOKEN_WEIGHTED
-    if config is not None and config.sampler_correction_level == "token":
-        token_weighted = (*token_weighted, "sampler_ratio_mean", "sampler_corrected_fraction")
     for name, values in stacked.items():
         if name in _SUMMED:
             out[name] = jnp.sum(values)
-        elif name in token_weighted:
+        elif name in _WEIGHTED_BY and _WEIGHTED_BY[name] in stacked:
+            weight = stacked[_WEIGHTED_BY[name]]
+            out[name] = jnp.sum(values * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+        elif name in _TOKEN_WEIGHTED:
             out[name] = jnp.sum(values * tokens) / jnp.maximum(jnp.sum(tokens), 1.0)
         elif name in _MAXED:
             out[name] = jnp.max(values)

@@ -234,3 +234,41 @@ def test_the_loop_compiles_ahead_and_runs_the_trainers_choice(minibatches):
     rows_per_update = 128 // minibatches
     want = auto_num_microbatches(rows_per_update, 4, width, 24, shared_prompts=minibatches == 1)
     assert slices == want > 1
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_slices_report_the_sampler_metrics_of_the_whole_batch(level):
+    """The sampler means have their own denominators (tokens the sampler scored; tokens or
+    completions): slices are combined by them, so the metrics equal the whole batch's even
+    with unscored tokens and an empty row."""
+    rng = np.random.default_rng(1)
+    batch = _lm_batch(8, 16, 48)
+    mask = np.asarray(batch.completion_mask).copy()
+    mask[3] = 0  # an empty row
+    mask[:, 30:] = rng.random((32, 18)) < 0.5
+    sampler = -rng.random((32, 48)) * 3 - 1
+    sampler[rng.random((32, 48)) < 0.1] = np.nan  # tokens the sampler could not score
+    batch = batch.replace(
+        completion_mask=jnp.asarray(mask, jnp.int32),
+        sampler_log_probs=jnp.asarray(sampler, jnp.float32),
+    )
+    cfg = GRPOConfig(
+        num_generations=4,
+        beta=0.0,
+        sampler_correction="truncate",
+        sampler_correction_level=level,
+    )
+    sliced, whole = _trainer(cfg), _trainer(cfg)
+    assert sliced.auto_microbatches(sliced.prepare_batch(batch)) == 2
+    got, want = sliced.train_step(batch), whole.train_step(batch, num_microbatches=1)
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    assert want["sampler_scored_tokens"] < want["num_tokens"]  # some tokens were not scored
+
+
+def test_a_custom_log_prob_fn_runs_in_one_piece():
+    from artifex.generative_models.training.rl import causal_lm_log_probs_fn
+
+    trainer = _trainer(log_prob_fn=causal_lm_log_probs_fn())
+    assert trainer.auto_microbatches(trainer.prepare_batch(_lm_batch(8, 16, 48))) == 1
