@@ -16,9 +16,11 @@ from artifex.generative_models.training.rl.advantages import (
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.grpo import (
+    MIN_MICROBATCH_TOKENS,
     GRPOTrainer,
     NonFiniteUpdateError,
     as_grpo_batch,
+    auto_num_microbatches,
     compute_advantages,
     grpo_objective,
     make_grpo_loss,
@@ -108,6 +110,7 @@ from artifex.generative_models.training.rl.tools import (
 )
 
 __all__ = [
+    "MIN_MICROBATCH_TOKENS",
     "CombinedRewards",
     "Completions",
     "DataIterator",
@@ -140,6 +143,7 @@ __all__ = [
     "approx_kl_old",
     "as_grpo_batch",
     "auto_chunk_size",
+    "auto_num_microbatches",
     "categorical_log_probs",
     "causal_lm_log_probs",
     "causal_lm_log_probs_fn",
