@@ -1111,8 +1111,10 @@ def train(
             if steps is None:  # the trainer's choice for one minibatch's rows
                 part = rows // config.num_minibatches
                 like = batch
-                if config.num_minibatches > 1:
-                    like = jax.eval_shape(lambda b, n=part: _take_rows(b, np.arange(n)), batch)
+                if config.num_minibatches > 1:  # _take_rows' shapes, without tracing it
+                    like = jax.tree.map(
+                        lambda x, n=part: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), batch
+                    ).replace(shared_prompts=False)
                 steps = trainer.auto_microbatches(like)
             update_fn = trainer.compiled_step(steps)
             state = trainer.state

@@ -471,11 +471,8 @@ def split_microbatches(batch: GRPOBatch, num_microbatches: int) -> GRPOBatch:
     return jax.tree.map(lambda x: x.reshape(a, b // a, *x.shape[1:]), batch)
 
 
-def _combine_micro_metrics(
-    stacked: dict[str, jax.Array], config: GRPOConfig | None = None
-) -> dict[str, jax.Array]:
+def _combine_micro_metrics(stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Metrics of the whole batch from per-microbatch metrics stacked on axis 0."""
-    del config  # every weight is a metric of its own now
     out = {}
     tokens = stacked["num_tokens"]
     for name, values in stacked.items():

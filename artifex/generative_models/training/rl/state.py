@@ -450,7 +450,7 @@ def make_grpo_gradients(
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             grads, (micro_loss, micro_metrics) = jax.lax.scan(accumulate, zeros, (micro, micro_adv))
             loss = jnp.sum(micro_loss)
-            metrics = _combine_micro_metrics(micro_metrics, config)
+            metrics = _combine_micro_metrics(micro_metrics)
         if not precomputed:  # a loop that precomputes advantages reports these once per batch
             metrics.update(_reward_metrics(batch, advantages))
         return loss, metrics, grads
