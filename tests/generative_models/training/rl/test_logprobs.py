@@ -177,6 +177,55 @@ def test_tied_models_score_with_the_embedding_as_stored():
     assert f"f32[{d},{v}]" not in hlo
 
 
+def _scan_unrolls(jaxpr):
+    """The ``unroll`` parameter of every scan in a jaxpr, nested programs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.append(eqn.params["unroll"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _scan_unrolls(sub)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("rows", "keep", "unrolled"),
+    [(24, True, True), (32, True, True), (40, True, False), (24, False, False)],
+)
+def test_a_few_kept_chunks_run_unrolled_with_the_loops_values(rows, keep, unrolled, monkeypatch):
+    # At most _MAX_UNROLLED_CHUNKS chunks whose logits are kept: the scan is unrolled (one
+    # buffer per chunk's logits); more chunks, or recomputed logits: a loop. Either way the
+    # log-probs, entropies and both gradients are those of the loop.
+    from artifex.generative_models.training.rl import logprobs
+
+    k = jax.random.split(jax.random.key(7), 3)
+    h = jax.random.normal(k[0], (rows, 16))
+    w = jax.random.normal(k[1], (50, 16)) * 0.3
+    y = jax.random.randint(k[2], (rows,), 0, 50)
+    size = rows * 50 * 4
+    monkeypatch.setattr(logprobs, "_SAVED_LOGITS_BYTES", size if keep else size - 1)
+
+    def gradient():  # a new function each time: traced with the module's current limits
+        def run(h, w):
+            lp, ent = chunked_token_log_probs(h, w, y, chunk_size=8, transposed=True)
+            return jnp.sum(lp * jnp.arange(rows)) + 0.3 * jnp.sum(ent), (lp, ent)
+
+        return jax.value_and_grad(run, argnums=(0, 1), has_aux=True)
+
+    unrolls = _scan_unrolls(jax.make_jaxpr(gradient())(h, w).jaxpr)
+    assert unrolls and all((u == rows // 8) if unrolled else (u == 1) for u in unrolls)
+    (_, got), got_grads = jax.jit(gradient())(h, w)
+    monkeypatch.setattr(logprobs, "_MAX_UNROLLED_CHUNKS", 0)  # always a loop
+    assert all(u == 1 for u in _scan_unrolls(jax.make_jaxpr(gradient())(h, w).jaxpr))
+    (_, want), want_grads = jax.jit(gradient())(h, w)
+    for a, b in zip((*got, *got_grads), (*want, *want_grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+    # and the values are the naive ones
+    lp, ent = np_log_probs(np.asarray(h @ w.T), np.asarray(y))
+    np.testing.assert_allclose(got[0], lp, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got[1], ent, atol=1e-5, rtol=1e-5)
+
+
 def test_auto_chunk_size_bounds_the_logits_block():
     for v in (4096, 32_000, 151_936):
         c = auto_chunk_size(v)
