@@ -132,7 +132,7 @@ def chunked_token_log_probs(
     take at most 256 MiB of float32 (SmolLM2-135M's 1,024 completion tokens: 192 MiB); above
     that each chunk's are recomputed in the backward pass, so that peak memory holds one
     chunk's logits instead of all of them, for one more product with the output matrix. A
-    scan of at most four chunks whose logits are kept is unrolled (faster, the same peak).
+    scan of at most four chunks whose logits are kept is unrolled (faster, as much kept).
     The values are the same either way.
 
     Args:
@@ -195,10 +195,10 @@ def chunked_token_log_probs(
     body = jax.checkpoint(lambda carry, xs: (carry, block(*xs)), policy=policy)
     # A few chunks whose logits are kept run unrolled: each chunk's logits then go to a buffer
     # of their own, where the loop zero-fills one stacked buffer for all of them, copies each
-    # chunk's in and slices it out again in the backward pass. The same products and peak
-    # (all the logits are kept either way); W1's update 2.5% faster, W2's 2.8%
-    # (benchmarks/unrolled_chunks.py, docs/benchmarks.md). A long loop stays a loop (one
-    # copy of the body to compile).
+    # chunk's in and slices it out again in the backward pass. The same products, and all
+    # the logits are kept either way (the update's temporaries: W1 +16 MB, W2 -26 MB); W1's
+    # update 2.8% faster, W2's 3.8% (benchmarks/unrolled_chunks.py, docs/benchmarks.md). A
+    # long loop stays a loop (one copy of the body to compile).
     unroll = keep and h.shape[0] <= _MAX_UNROLLED_CHUNKS
     _, (logp, ent) = jax.lax.scan(body, None, (h, y), unroll=unroll)
     return logp.reshape(-1)[:n].reshape(lead), ent.reshape(-1)[:n].reshape(lead)
