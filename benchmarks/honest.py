@@ -25,12 +25,16 @@ not, as Tunix (``RematConfig.NONE``). Every process
 times its steps as windows and measures the CPU that other processes used in each window
 (``benchmarks/cleanwin.py``); windows above the threshold (5%) are re-run, up to ``--max-retries``
 more, and a row whose windows never got clean says so. The fp32 matmul peak is measured in the same
-run, before and after, in clean windows too.
+run, before and after, in clean windows too, and briefly again just before every row (two clean
+windows): the machine's speed can change within minutes without any other process showing on
+its CPU (a neighbour on the host), and that column shows the state each row ran in.
 
 Rows: median seconds per whole step with the spread (min-max) over the clean windows, generation
 and training parts, first step (compilation included), peak resident memory of the process
-(VmHWM), clean windows / windows run, and ours over the faster peer run in the same dtype and
-with the same host-memory settings (the peer's default run where it has no such run).
+(VmHWM), clean windows / windows run, the matmul peak measured just before the row, and ours over
+the faster peer run in the same dtype and with the same host-memory settings (the peer's default
+run where it has no such run). The training part's FLOP/s are given against the peaks before
+and after the runs and against the one just before the row.
 """
 
 from __future__ import annotations
@@ -161,9 +165,10 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
         lines.append("")
         lines.append(
             "| System | Whole step, ms median (min-max) | Generation, ms | After generation, ms | "
-            "First step, s | Peak RSS | Clean windows | Ours / faster peer |"
+            "First step, s | Peak RSS | Clean windows | Matmul peak just before, GFLOP/s | "
+            "Ours / faster peer |"
         )
-        lines.append("|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         # Each row of ours is compared with the faster peer run in its own dtype and with the
         # same host-memory settings (reuse_host_memory; a peer without such a run: its default).
         fastest: dict[tuple[str, bool], float] = {}
@@ -178,7 +183,7 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
         for r in runs["runs"]:
             label = r.get("label", r.get("system", "?"))
             if "error" in r:
-                lines.append(f"| {label} | {r['error']} | | | | | | |")
+                lines.append(f"| {label} | {r['error']} | | | | | | | |")
                 continue
             step = r.get("seconds")
             ratio = ""
@@ -194,10 +199,14 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
             problems = r.get("check", {}).get("problems") or []
             if problems:
                 clean += f"; CHECKS FAILED: {problems[0]}"
+            probe = r.get("peak_before_row") or {}
+            machine = f"{probe['gflops']:.0f}" if "gflops" in probe else ""
+            if probe and not probe.get("all_clean"):
+                machine += " (noisy)"
             lines.append(
                 f"| {label} | {_spread(step)} | {_spread(r.get('generation_s'))} | "
                 f"{_spread(r.get('after_generation_s'))} | {r.get('first_step_s') or 0:.1f} | "
-                f"{_gb(r.get('peak_rss_bytes'))} | {clean} | {ratio} |"
+                f"{_gb(r.get('peak_rss_bytes'))} | {clean} | {machine} | {ratio} |"
             )
         for r in runs["runs"]:
             if r.get("system") == "ours" and r.get("train_flops") and "training_s" in r:
@@ -214,6 +223,12 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
                     share += (
                         f" before the runs, {100 * achieved / (peak_after['gflops'] * 1e9):.0f}% "
                         "of the peak after them"
+                    )
+                probe = r.get("peak_before_row") or {}
+                if "gflops" in probe:
+                    share += (
+                        f", {100 * achieved / (probe['gflops'] * 1e9):.0f}% of the peak measured "
+                        "just before the row"
                     )
                 lines.append(
                     f"{r['label']}: training part {r['train_flops'] / 1e9:.1f} GFLOP (XLA cost "
@@ -377,9 +392,12 @@ def main(argv: list[str] | None = None) -> int:
             if not os.path.exists(cmd[0]):
                 res = {"system": system, "error": f"not installed ({cmd[0]})"}
             else:
+                # The machine's speed just before the row (two clean windows, under a second)
+                probe = matmul_peak(2, args.max_retries, args.threshold)
                 print(f"[{wname}] {label}: {' '.join(cmd)}", flush=True)
                 res = run_child(cmd, env, args.timeout)
                 res.setdefault("system", system)
+                res["peak_before_row"] = probe
             res["label"] = label
             runs.append(res)
             print(f"[{wname}] {label}: {json.dumps(res)[:600]}", flush=True)
