@@ -178,11 +178,12 @@ def test_tied_models_score_with_the_embedding_as_stored():
 
 
 def _scan_unrolls(jaxpr):
-    """The ``unroll`` parameter of every scan in a jaxpr, nested programs included."""
+    """How many iterations every scan in a jaxpr unrolls (its length when fully), nested too."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
-            found.append(eqn.params["unroll"])
+            unroll = eqn.params["unroll"]
+            found.append(eqn.params["length"] if unroll is True else int(unroll))
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             found += _scan_unrolls(sub)
     return found
