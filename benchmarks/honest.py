@@ -331,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
             order.append((p, cmd, peer_env, name))
         if "ours" in systems and peer_names:
             order.append(("ours", ours_cmd, ours_env, f"ours (last{tag})"))
+        if "ours" in systems and wname == "w1":
+            # The sampler decodes W1's prompts in concurrent row groups by default on the CPU
+            # (generate's auto_row_groups: one group per core for small models); this row
+            # decodes them in one run, to show what the groups bring in the same run
+            label = "ours, sampler in one run (row_groups=1)"
+            order.append(("ours", [*ours_cmd, "--row-groups", "1"], ours_env, label))
         cache_dir = None
         if "ours" in systems and wname == "w1" and not args.no_cache_rows:
             # The first step of a second run of the same shapes, as `artifex-grpo` runs it: the

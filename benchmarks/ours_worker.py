@@ -84,6 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         "CPU, slices of at least 512 token positions)",
     )
     parser.add_argument(
+        "--row-groups",
+        type=int,
+        default=None,
+        help="generate(row_groups=N): decode the prompts as N groups at the same time on host "
+        "threads; default: the sampler's choice (auto_row_groups: on the CPU, for small "
+        "models, one group per core)",
+    )
+    parser.add_argument(
         "--no-compile-ahead",
         dest="compile_ahead",
         action="store_false",
@@ -114,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from flax import nnx
 
-    from artifex.generative_models.inference import bucket_length, generate
+    from artifex.generative_models.inference import auto_row_groups, bucket_length, generate
     from artifex.generative_models.training.rl import GRPOBatch
     from benchmarks.common import toy_reward_batch, workload_trainer
 
@@ -156,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             num_generations=k,
             max_new_tokens=n,
             eos_ids=(),  # no early stop: every completion is n tokens
+            row_groups=args.row_groups,
         )
         comp = np.asarray(jax.device_get(out.completion_ids))
         t1 = time.perf_counter()
@@ -220,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
             else trainer.auto_microbatches(trainer.prepare_batch(last["batch"]))
         ),
         "microbatches_auto": args.microbatches is None,
+        "row_groups": (
+            args.row_groups
+            if args.row_groups is not None
+            else auto_row_groups(policy, int(prompt_ids.shape[0]))
+        ),
         "params": int(n_params),
         "load_s": load_s,
         "first_step_s": first_step_s,

@@ -25,7 +25,11 @@ References:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
+import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,8 +43,10 @@ from artifex.generative_models.utils.validation import check_float, check_int
 
 __all__ = [
     "DEFAULT_PROMPT_BUCKETS",
+    "ROW_GROUP_MAX_WEIGHT_BYTES",
     "Sampler",
     "SamplerOutput",
+    "auto_row_groups",
     "bucket_length",
     "check_fits_positions",
     "generate",
@@ -48,6 +54,12 @@ __all__ = [
 ]
 
 DEFAULT_PROMPT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+#: :func:`auto_row_groups` splits the rows only for models whose largest weight matrix (one
+#: layer's, for layers stored stacked) is at most this many bytes: products that XLA:CPU runs
+#: on one core. Measured on a 2-core CPU (``docs/benchmarks.md``, "Decoding in concurrent row
+#: groups"): 2-40% shorter generations up to a 5 MB matrix, no gain from 12.6 MB on.
+ROW_GROUP_MAX_WEIGHT_BYTES = 8 * 2**20
 
 
 @jax.tree_util.register_dataclass
@@ -147,6 +159,8 @@ def sample_logits(
     top_k: int | None = None,
     top_p: float | jax.Array | None = None,
     greedy: bool = False,
+    batch_rows: int | None = None,
+    row_offset: int | jax.Array = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row and returns it with its log-prob under the sampling distribution.
 
@@ -157,6 +171,16 @@ def sample_logits(
         top_k: Keep only the ``top_k`` largest logits (static), or ``None``.
         top_p: Nucleus mass in (0, 1], or ``None`` for no nucleus truncation.
         greedy: Take the argmax instead of sampling (static).
+        batch_rows: For ``logits`` that are rows ``row_offset .. row_offset + R`` of a batch of
+            ``batch_rows`` rows (static; ``None``: ``R``, the whole batch): the rows draw the
+            random numbers they would draw in that batch, so a batch sampled in slices
+            samples as it would whole.
+        row_offset: The first row's index in that batch. A traced offset is not checked: it
+            must lie in ``[0, batch_rows - R]``.
+
+    Raises:
+        ValueError: ``batch_rows`` smaller than ``R``, or a concrete ``row_offset`` outside
+            ``[0, batch_rows - R]``.
 
     Returns:
         ``(tokens (R,) int32, log_probs (R,) float32)``.
@@ -171,6 +195,8 @@ def sample_logits(
         >>> tokens.tolist(), logp.tolist()
         ([1, 0], [0.0, 0.0])
     """
+    if batch_rows is not None:
+        _check_row_slice(int(np.shape(logits)[0]), batch_rows, row_offset)
     z = jnp.asarray(logits, jnp.float32) / jnp.asarray(temperature, jnp.float32)
     if greedy:
         token = _argmax(z)
@@ -194,9 +220,30 @@ def sample_logits(
     # Inverse-CDF sampling: one uniform per row (instead of a Gumbel draw per vocabulary entry,
     # which costs a random hash per entry at every step).
     tiny = jnp.finfo(jnp.float32).tiny  # u > 0, so leading zero-probability tokens are skipped
-    uniform = jax.random.uniform(key, (z.shape[0], 1), jnp.float32, minval=tiny)
+    n_rows = z.shape[0]
+    total = n_rows if batch_rows is None else batch_rows
+    uniform = jax.random.uniform(key, (total, 1), jnp.float32, minval=tiny)
+    if total != n_rows:
+        uniform = jax.lax.dynamic_slice_in_dim(uniform, jnp.asarray(row_offset, jnp.int32), n_rows)
     token = _inverse_cdf(jnp.exp(logp), uniform)
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _check_row_slice(rows: int, batch_rows: int, row_offset: int | jax.Array) -> None:
+    """Raises unless ``rows`` rows from ``row_offset`` fit a batch of ``batch_rows`` rows."""
+    check_int("batch_rows", batch_rows, minimum=rows)
+    if isinstance(row_offset, jax.core.Tracer):
+        return
+    offset = np.asarray(row_offset)
+    if offset.shape or not np.issubdtype(offset.dtype, np.integer):
+        msg = f"row_offset must be an integer scalar, got {row_offset!r}"
+        raise TypeError(msg)
+    if not 0 <= int(offset) <= batch_rows - rows:
+        msg = (
+            f"row_offset must be in [0, {batch_rows - rows}] for {rows} rows of a batch of "
+            f"{batch_rows}, got {int(offset)}"
+        )
+        raise ValueError(msg)
 
 
 def _inverse_cdf(probs: jax.Array, uniform: jax.Array, block: int = 64) -> jax.Array:
@@ -243,6 +290,7 @@ def _inverse_cdf(probs: jax.Array, uniform: jax.Array, block: int = 64) -> jax.A
         "eos_ids",
         "pad_id",
         "share_prefill",
+        "batch_rows",
     ),
 )
 def _generate(
@@ -253,6 +301,7 @@ def _generate(
     key: jax.Array,
     temperature: jax.Array,
     top_p: jax.Array,
+    row_offset: jax.Array,
     *,
     num_generations: int,
     max_new_tokens: int,
@@ -262,7 +311,10 @@ def _generate(
     eos_ids: tuple[int, ...],
     pad_id: int,
     share_prefill: bool,
+    batch_rows: int,
 ) -> SamplerOutput:
+    # ``prompt_ids`` may be one group of a batch of ``batch_rows`` rows (see ``generate``'s
+    # ``row_groups``), whose first row is row ``row_offset`` of the batch.
     model = nnx.merge(graphdef, state)
     # Scanned layers: stack the layer weights once, outside the decode loop (no copy when the
     # model stores them stacked). Unrolled layers stored stacked arrive sliced per layer
@@ -299,6 +351,8 @@ def _generate(
             top_k=top_k,
             top_p=top_p if use_top_p else None,
             greedy=greedy,
+            batch_rows=None if batch_rows == rows else batch_rows,
+            row_offset=row_offset,
         )
 
     def record(carry: dict[str, Any], token: jax.Array, logp: jax.Array, step: jax.Array):
@@ -348,6 +402,96 @@ def _generate(
         truncated=~carry["done"],
         lengths=jnp.sum(mask, axis=-1, dtype=jnp.int32),
     )
+
+
+def auto_row_groups(model: nnx.Module, num_prompts: int) -> int:
+    """The row groups :func:`generate` runs ``num_prompts`` prompts in when not told.
+
+    More than one only for a model on the CPU, in one process, whose largest weight matrix
+    (per layer, for layers stored stacked) is at most :data:`ROW_GROUP_MAX_WEIGHT_BYTES`:
+    there XLA:CPU runs each decoding product on one core, and groups decoded at the same time
+    on host threads use the others. Then the most groups, at most one per CPU core this process
+    may run on, that divide ``num_prompts`` into equal groups. Larger products already use
+    every core, and groups would only read the weights once more each.
+
+    Args:
+        model: The model to sample from.
+        num_prompts: The prompts of the batch (``B``).
+
+    Returns:
+        A divisor of ``num_prompts``, >= 1.
+
+    Example:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                         num_layers=1, num_heads=2)
+        >>> model = CausalLM(config, rngs=nnx.Rngs(0))
+        >>> groups = auto_row_groups(model, 8)  # on the CPU: one group per core, up to 8
+        >>> groups >= 1 and 8 % groups == 0
+        True
+        >>> auto_row_groups(model, 1)
+        1
+    """
+    check_int("num_prompts", num_prompts, minimum=1)
+    if jax.process_count() != 1:
+        return 1
+    stacked = bool(getattr(model, "layers_stacked", False))
+    largest = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        if not (hasattr(x, "devices") and jnp.issubdtype(x.dtype, jnp.inexact)):
+            continue
+        if {d.platform for d in x.devices()} != {"cpu"}:
+            return 1
+        size = x.nbytes
+        if stacked and x.ndim and path and getattr(path[0], "key", None) == "layers":
+            size //= max(int(x.shape[0]), 1)  # one layer of a stacked weight
+        largest = max(largest, size)
+    if not largest or largest > ROW_GROUP_MAX_WEIGHT_BYTES:
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(g for g in range(1, min(cores, num_prompts) + 1) if num_prompts % g == 0)
+
+
+def _on_one_device(*trees: Any) -> bool:
+    """Every array in ``trees`` on one and the same device, in a single process."""
+    if jax.process_count() != 1:
+        return False
+    devices: set[Any] = set()
+    for x in jax.tree.leaves(trees):
+        if isinstance(x, jax.Array):
+            devices |= set(x.devices())
+            if len(devices) > 1:
+                return False
+    return True
+
+
+_ROW_GROUP_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_ROW_GROUP_WORKERS = 0
+_ROW_GROUP_LOCK = threading.Lock()
+
+
+def _row_group_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A process-wide pool of at least ``workers`` threads for :func:`generate`'s row groups."""
+    global _ROW_GROUP_POOL, _ROW_GROUP_WORKERS
+    with _ROW_GROUP_LOCK:
+        if _ROW_GROUP_POOL is None or workers > _ROW_GROUP_WORKERS:
+            old = _ROW_GROUP_POOL
+            _ROW_GROUP_POOL = concurrent.futures.ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix="artifex-row-group"
+            )
+            _ROW_GROUP_WORKERS = workers
+            if old is not None:
+                old.shutdown(wait=False)  # its running tasks finish; new ones go to the new pool
+        return _ROW_GROUP_POOL
+
+
+@jit
+def _concat_rows(outs: list[SamplerOutput]) -> SamplerOutput:
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outs)
 
 
 def _local_rows(x: Any) -> np.ndarray:
@@ -484,6 +628,7 @@ def generate(
     pad_id: int | None = None,
     prompt_buckets: Sequence[int] | None = DEFAULT_PROMPT_BUCKETS,
     share_prefill: bool = True,
+    row_groups: int | None = None,
 ) -> SamplerOutput:
     """Generates ``num_generations`` completions for each left-padded prompt.
 
@@ -506,6 +651,13 @@ def generate(
         prompt_buckets: Prompt widths to pad to (``None``: no bucketing).
         share_prefill: Prefill each prompt once and share its cache with its generations (the
             default); ``False`` prefills every row (for benchmarks).
+        row_groups: Run the prompts as this many equal groups, each a run of the same compiled
+            program on a host thread of its own, at the same time. Each row draws the random
+            numbers it draws in one run of the whole batch, so the tokens are those of one run
+            (up to the rounding of matrix products over fewer rows). For small models on the
+            CPU, whose decoding products XLA:CPU runs on one core each, this keeps the other
+            cores busy. ``None`` (the default): :func:`auto_row_groups`. Must divide ``B``;
+            more than one group needs the prompts and the model on one device of one process.
 
     Returns:
         A :class:`SamplerOutput` with ``B * K`` rows, prompt-major.
@@ -513,8 +665,9 @@ def generate(
     Raises:
         ValueError: An empty prompt row, a prompt too long for the model's positions plus
             ``max_new_tokens``, ``num_generations < 1``, ``top_p`` outside (0, 1], a negative
-            temperature, ``top_k < 1``, mismatched shapes, or prompt token ids outside the
-            model's vocabulary.
+            temperature, ``top_k < 1``, mismatched shapes, prompt token ids outside the
+            model's vocabulary, or ``row_groups`` that does not divide ``B`` or asks for
+            groups of prompts held on several devices or processes.
         TypeError: Non-integer ``prompt_ids``, or an argument of the wrong type
             (``num_generations=2.0``, ``temperature="1"``).
 
@@ -555,6 +708,10 @@ def generate(
     check_int("top_k", top_k, minimum=1, allow_none=True)
     check_float("top_p", top_p, greater_than=0.0, maximum=1.0)
     check_float("temperature", temperature, minimum=0.0)
+    check_int("row_groups", row_groups, minimum=1, allow_none=True)
+    if row_groups is not None and ids.shape[0] % row_groups:
+        msg = f"row_groups must divide the number of prompts {ids.shape[0]}, got {row_groups}"
+        raise ValueError(msg)
     config = getattr(model, "config", None)
     check_fits_positions(model, int(lengths.max()), max_new_tokens)
     vocab = getattr(config, "vocab_size", None)
@@ -597,15 +754,25 @@ def generate(
         dev_ids = jnp.pad(dev_ids, ((0, 0), (extra, 0)), constant_values=pad_id)
         dev_mask = jnp.pad(dev_mask, ((0, 0), (extra, 0)))
     graphdef, state = _per_layer_split(model)
+    one_device = _on_one_device(state, dev_ids, dev_mask)
+    if row_groups is None:
+        groups = auto_row_groups(model, ids.shape[0]) if one_device else 1
+    elif row_groups > 1 and not one_device:
+        msg = (
+            f"row_groups={row_groups} needs the prompts and the model on one device of one "
+            "process; these span several (leave row_groups=None, or 1)"
+        )
+        raise ValueError(msg)
+    else:
+        groups = row_groups
     greedy = temperature == 0
-    return _generate(
+    run = functools.partial(
+        _generate,
         graphdef,
         state,
-        dev_ids,
-        dev_mask,
-        key,
-        jnp.asarray(1.0 if greedy else temperature, jnp.float32),
-        jnp.asarray(top_p, jnp.float32),
+        key=key,
+        temperature=jnp.asarray(1.0 if greedy else temperature, jnp.float32),
+        top_p=jnp.asarray(top_p, jnp.float32),
         num_generations=int(num_generations),
         max_new_tokens=int(max_new_tokens),
         top_k=top_k,
@@ -614,7 +781,24 @@ def generate(
         eos_ids=eos,
         pad_id=int(pad_id),
         share_prefill=share_prefill,
+        batch_rows=int(ids.shape[0]) * int(num_generations),
     )
+    if groups == 1:
+        return run(prompt_ids=dev_ids, prompt_mask=dev_mask, row_offset=np.int32(0))
+    per = ids.shape[0] // groups
+    parts = [
+        dict(
+            prompt_ids=dev_ids[g * per : (g + 1) * per],
+            prompt_mask=dev_mask[g * per : (g + 1) * per],
+            row_offset=np.int32(g * per * num_generations),
+        )
+        for g in range(groups)
+    ]
+    # The first group runs on this thread, the others on the pool's; the first call of a shape
+    # compiles once (JAX lets concurrent callers wait for one compilation).
+    pending = [_row_group_pool(groups - 1).submit(run, **part) for part in parts[1:]]
+    outs = [run(**parts[0])] + [f.result() for f in pending]
+    return _concat_rows(outs)
 
 
 class Sampler:
@@ -633,6 +817,8 @@ class Sampler:
         eos_ids: End-of-sequence ids (default: the model config's).
         pad_id: Filler after EOS (default: the model config's pad id).
         prompt_buckets: Prompt widths to pad to.
+        row_groups: Groups of prompts decoded at the same time (``None``:
+            :func:`auto_row_groups`; see :func:`generate`).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -662,6 +848,7 @@ class Sampler:
         eos_ids: Sequence[int] | int | None = None,
         pad_id: int | None = None,
         prompt_buckets: Sequence[int] | None = DEFAULT_PROMPT_BUCKETS,
+        row_groups: int | None = None,
     ):
         self.model = model
         self.settings = dict(
@@ -673,6 +860,7 @@ class Sampler:
             eos_ids=eos_ids,
             pad_id=pad_id,
             prompt_buckets=prompt_buckets,
+            row_groups=row_groups,
         )
 
     def __call__(

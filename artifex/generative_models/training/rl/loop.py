@@ -935,6 +935,19 @@ def train(
             "equal microbatches"
         )
         raise ValueError(msg)
+    if rollout_fn is None and rcfg.row_groups is not None:
+        if config.prompts_per_step % rcfg.row_groups:
+            msg = (
+                f"RolloutConfig.row_groups={rcfg.row_groups} must divide the prompts of a step "
+                f"(TrainConfig.prompts_per_step={config.prompts_per_step})"
+            )
+            raise ValueError(msg)
+        if rcfg.row_groups > 1 and policy.mesh is not None:
+            msg = (
+                f"RolloutConfig.row_groups={rcfg.row_groups} needs the prompts on one device; "
+                "on a mesh the rows are already spread over its devices (leave it None or 1)"
+            )
+            raise ValueError(msg)
     length = policy.config.max_completion_length
     if rollout_fn is None and length is not None and length != rcfg.max_new_tokens:
         msg = (

@@ -174,6 +174,9 @@ class RolloutConfig:
         old_log_probs: Where old log-probs come from when they are needed: ``"sampler"``,
             ``"recompute"`` (a forward pass of the training graph), or ``"auto"`` (the sampler's
             when its distribution is the one the loss scores, else recompute).
+        row_groups: Groups of prompts the sampler decodes at the same time on host threads
+            (``None``: ``auto_row_groups``, which splits only for small models on the CPU; 1:
+            one run). See ``generate``.
 
     Example:
         >>> config = RolloutConfig(max_new_tokens=16, top_p=0.95)
@@ -191,6 +194,7 @@ class RolloutConfig:
     prompt_column: str = "prompt"
     max_prompt_length: int | None = None
     old_log_probs: OldLogProbs = "auto"
+    row_groups: int | None = None
 
     def __post_init__(self) -> None:
         f = "RolloutConfig."
@@ -200,6 +204,7 @@ class RolloutConfig:
         check_str(f + "prompt_column", self.prompt_column)
         check_int(f + "max_prompt_length", self.max_prompt_length, minimum=1, allow_none=True)
         check_choice(f + "old_log_probs", self.old_log_probs, ("auto", "sampler", "recompute"))
+        check_int(f + "row_groups", self.row_groups, minimum=1, allow_none=True)
 
 
 @dataclasses.dataclass
@@ -464,6 +469,7 @@ def sample_completions(
         top_p=config.top_p,
         eos_ids=tokenizer.eos_ids,
         pad_id=tokenizer.pad_id,
+        row_groups=config.row_groups,
     )
     if across:
         # Each process decodes (and the caller scores) only its own rows.

@@ -304,6 +304,15 @@ def test_one_completion_length_setting():
         train(trainer, tok, TRAIN, [REWARD], TrainConfig(num_steps=1, **LOOP), ROLLOUT)
 
 
+def test_row_groups_that_do_not_divide_the_prompts_fail_before_the_first_step():
+    trainer, tok = make_trainer()
+    rollout = RolloutConfig(max_new_tokens=4, row_groups=3)
+    with pytest.raises(ValueError, match=r"row_groups=3 must divide .*prompts_per_step=4\)"):
+        train(trainer, tok, TRAIN, [REWARD], TrainConfig(num_steps=1, **LOOP), rollout)
+    with pytest.raises(ValueError, match="RolloutConfig.row_groups must be an int >= 1"):
+        RolloutConfig(row_groups=0)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "error"),
     [("num_steps", 0, ValueError), ("num_steps", 2.0, TypeError), ("seed", -1, ValueError)],
