@@ -24,7 +24,7 @@ from artifex.generative_models.inference.multiturn import (
 )
 from artifex.generative_models.inference.sampling import (
     DEFAULT_PROMPT_BUCKETS,
-    ROW_GROUP_MAX_WEIGHT_BYTES,
+    ROW_GROUP_MAX_MATRIX_SIZE,
     Sampler,
     SamplerOutput,
     auto_row_groups,
@@ -36,9 +36,9 @@ from artifex.generative_models.inference.sampling import (
 __all__ = [
     "DEFAULT_APPEND_BUCKETS",
     "DEFAULT_PROMPT_BUCKETS",
+    "ROW_GROUP_MAX_MATRIX_SIZE",
     "FlowSampler",
     "FlowTrajectory",
-    "ROW_GROUP_MAX_WEIGHT_BYTES",
     "SDEConfig",
     "Sampler",
     "SamplerOutput",

@@ -43,7 +43,7 @@ from artifex.generative_models.utils.validation import check_float, check_int
 
 __all__ = [
     "DEFAULT_PROMPT_BUCKETS",
-    "ROW_GROUP_MAX_WEIGHT_BYTES",
+    "ROW_GROUP_MAX_MATRIX_SIZE",
     "Sampler",
     "SamplerOutput",
     "auto_row_groups",
@@ -56,10 +56,11 @@ __all__ = [
 DEFAULT_PROMPT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 #: :func:`auto_row_groups` splits the rows only for models whose largest weight matrix (one
-#: layer's, for layers stored stacked) is at most this many bytes: products that XLA:CPU runs
-#: on one core. Measured on a 2-core CPU (``docs/benchmarks.md``, "Decoding in concurrent row
-#: groups"): 2-40% shorter generations up to a 5 MB matrix, no gain from 12.6 MB on.
-ROW_GROUP_MAX_WEIGHT_BYTES = 8 * 2**20
+#: layer's, for layers stored stacked) has at most this many elements: products that XLA:CPU
+#: runs on one core. Measured on a 2-core CPU (``docs/benchmarks.md``, "Decoding in concurrent
+#: row groups"): shorter generations up to 1.3 M elements (float32 and bfloat16), none from
+#: 3.1 M on.
+ROW_GROUP_MAX_MATRIX_SIZE = 2**21
 
 
 @jax.tree_util.register_dataclass
@@ -408,11 +409,11 @@ def auto_row_groups(model: nnx.Module, num_prompts: int) -> int:
     """The row groups :func:`generate` runs ``num_prompts`` prompts in when not told.
 
     More than one only for a model on the CPU, in one process, whose largest weight matrix
-    (per layer, for layers stored stacked) is at most :data:`ROW_GROUP_MAX_WEIGHT_BYTES`:
-    there XLA:CPU runs each decoding product on one core, and groups decoded at the same time
-    on host threads use the others. Then the most groups, at most one per CPU core this process
-    may run on, that divide ``num_prompts`` into equal groups. Larger products already use
-    every core, and groups would only read the weights once more each.
+    (per layer, for layers stored stacked) has at most :data:`ROW_GROUP_MAX_MATRIX_SIZE`
+    elements: there XLA:CPU runs each decoding product on one core, and groups decoded at the
+    same time on host threads use the others. Then the most groups, at most one per CPU core
+    this process may run on, that divide ``num_prompts`` into equal groups. Larger products
+    already use every core, and groups would only read the weights once more each.
 
     Args:
         model: The model to sample from.
@@ -443,11 +444,11 @@ def auto_row_groups(model: nnx.Module, num_prompts: int) -> int:
             continue
         if {d.platform for d in x.devices()} != {"cpu"}:
             return 1
-        size = x.nbytes
+        size = x.size
         if stacked and x.ndim and path and getattr(path[0], "key", None) == "layers":
             size //= max(int(x.shape[0]), 1)  # one layer of a stacked weight
         largest = max(largest, size)
-    if not largest or largest > ROW_GROUP_MAX_WEIGHT_BYTES:
+    if not largest or largest > ROW_GROUP_MAX_MATRIX_SIZE:
         return 1
     try:
         cores = len(os.sched_getaffinity(0))

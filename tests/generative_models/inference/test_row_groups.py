@@ -176,11 +176,11 @@ def test_auto_row_groups_only_for_small_weight_matrices(monkeypatch):
         vocab_size=16, hidden_size=32, intermediate_size=256, num_layers=4, num_heads=2
     )
     m = CausalLM(cfg, rngs=nnx.Rngs(0))
-    largest = 32 * 256 * 4  # one MLP matrix in float32
-    monkeypatch.setattr(sampling, "ROW_GROUP_MAX_WEIGHT_BYTES", largest)
+    largest = 32 * 256  # one MLP matrix's elements
+    monkeypatch.setattr(sampling, "ROW_GROUP_MAX_MATRIX_SIZE", largest)
     assert auto_row_groups(m, 4) == 2
-    monkeypatch.setattr(sampling, "ROW_GROUP_MAX_WEIGHT_BYTES", largest - 1)
+    monkeypatch.setattr(sampling, "ROW_GROUP_MAX_MATRIX_SIZE", largest - 1)
     assert auto_row_groups(m, 4) == 1
     # Layers stored stacked are sliced one layer at a time by the sampler: one layer counts.
-    monkeypatch.setattr(sampling, "ROW_GROUP_MAX_WEIGHT_BYTES", largest)
+    monkeypatch.setattr(sampling, "ROW_GROUP_MAX_MATRIX_SIZE", largest)
     assert auto_row_groups(m.stack_layers(), 4) == 2

@@ -309,7 +309,7 @@ def test_row_groups_that_do_not_divide_the_prompts_fail_before_the_first_step():
     rollout = RolloutConfig(max_new_tokens=4, row_groups=3)
     with pytest.raises(ValueError, match=r"row_groups=3 must divide .*prompts_per_step=4\)"):
         train(trainer, tok, TRAIN, [REWARD], TrainConfig(num_steps=1, **LOOP), rollout)
-    with pytest.raises(ValueError, match="RolloutConfig.row_groups must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"RolloutConfig\.row_groups must be an int >= 1"):
         RolloutConfig(row_groups=0)
 
 
