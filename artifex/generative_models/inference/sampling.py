@@ -782,7 +782,7 @@ def generate(
         eos_ids=eos,
         pad_id=int(pad_id),
         share_prefill=share_prefill,
-        batch_rows=int(ids.shape[0]) * int(num_generations),
+        batch_rows=int(dev_ids.shape[0]) * int(num_generations),  # global rows
     )
     if groups == 1:
         return run(prompt_ids=dev_ids, prompt_mask=dev_mask, row_offset=np.int32(0))
