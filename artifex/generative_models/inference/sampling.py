@@ -470,24 +470,29 @@ def _on_one_device(*trees: Any) -> bool:
     return True
 
 
-_ROW_GROUP_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_ROW_GROUP_WORKERS = 0
+# The row groups' worker threads: (pool, its number of workers, the process that made it).
+_ROW_GROUP_POOL: tuple[concurrent.futures.ThreadPoolExecutor, int, int] | None = None
 _ROW_GROUP_LOCK = threading.Lock()
 
 
 def _row_group_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """A process-wide pool of at least ``workers`` threads for :func:`generate`'s row groups."""
-    global _ROW_GROUP_POOL, _ROW_GROUP_WORKERS
+    """A process-wide pool of at least ``workers`` threads for :func:`generate`'s row groups.
+
+    Made anew in a forked child, whose copy of the parent's pool has no threads.
+    """
+    global _ROW_GROUP_POOL
     with _ROW_GROUP_LOCK:
-        if _ROW_GROUP_POOL is None or workers > _ROW_GROUP_WORKERS:
-            old = _ROW_GROUP_POOL
-            _ROW_GROUP_POOL = concurrent.futures.ThreadPoolExecutor(
+        held = _ROW_GROUP_POOL
+        if held is None or held[1] < workers or held[2] != os.getpid():
+            pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=workers, thread_name_prefix="artifex-row-group"
             )
-            _ROW_GROUP_WORKERS = workers
-            if old is not None:
-                old.shutdown(wait=False)  # its running tasks finish; new ones go to the new pool
-        return _ROW_GROUP_POOL
+            _ROW_GROUP_POOL = (pool, workers, os.getpid())
+            if held is not None and held[2] == os.getpid():
+                held[0].shutdown(
+                    wait=False
+                )  # its running tasks finish; new ones go to the new pool
+        return _ROW_GROUP_POOL[0]
 
 
 @jit

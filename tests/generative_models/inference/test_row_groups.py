@@ -184,3 +184,16 @@ def test_auto_row_groups_only_for_small_weight_matrices(monkeypatch):
     # Layers stored stacked are sliced one layer at a time by the sampler: one layer counts.
     monkeypatch.setattr(sampling, "ROW_GROUP_MAX_MATRIX_SIZE", largest)
     assert auto_row_groups(m.stack_layers(), 4) == 2
+
+
+def test_the_worker_pool_grows_and_is_made_anew_in_a_forked_child(monkeypatch):
+    monkeypatch.setattr(sampling, "_ROW_GROUP_POOL", None)
+    one = sampling._row_group_pool(1)
+    assert sampling._row_group_pool(1) is one
+    three = sampling._row_group_pool(3)
+    assert three is not one and three._max_workers == 3
+    assert sampling._row_group_pool(2) is three  # large enough: kept
+    pid = sampling.os.getpid()
+    monkeypatch.setattr(sampling.os, "getpid", lambda: pid + 1)  # as in a forked child
+    child = sampling._row_group_pool(1)
+    assert child is not three and child.submit(lambda: 7).result(timeout=10) == 7
