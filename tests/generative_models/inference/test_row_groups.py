@@ -13,25 +13,14 @@ from flax import nnx
 from artifex.generative_models.inference import sampling
 from artifex.generative_models.inference.sampling import auto_row_groups, generate, sample_logits
 from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+from tests.generative_models.inference.test_sampling import model, np_logsoftmax
 
-
-@pytest.fixture(scope="module")
-def model():
-    cfg = CausalLMConfig.tiny(
-        vocab_size=64, hidden_size=64, intermediate_size=128, max_position_embeddings=64
-    )
-    return CausalLM(cfg, rngs=nnx.Rngs(0))
+__all__ = ["model"]  # the tiny model fixture of the sampler's tests, used here too
 
 
 def prompts():
     ids = np.array([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5], [0, 0, 0, 0, 9], [0, 8, 7, 6, 5]], np.int32)
     return ids, (ids != 0).astype(np.int32)
-
-
-def np_logsoftmax(z):
-    z = z.astype(np.float64)
-    z = z - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
 # ------------------------------------------------------------------ sample_logits on row slices
