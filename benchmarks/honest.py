@@ -157,6 +157,23 @@ def _gb(b: float | None) -> str:
     return "n/a" if not b else f"{b / 1e9:.2f} GB"
 
 
+def _shares(achieved: float, row: dict, peak: dict, peak_after: dict | None) -> str:
+    """``achieved`` FLOP/s as shares of the peaks before and after the runs and before ``row``."""
+    share = f"{100 * achieved / (peak['gflops'] * 1e9):.0f}% of the matmul peak"
+    if peak_after is not None:
+        share += (
+            f" before the runs, {100 * achieved / (peak_after['gflops'] * 1e9):.0f}% "
+            "of the peak after them"
+        )
+    probe = row.get("peak_before_row") or {}
+    if "gflops" in probe:
+        share += (
+            f", {100 * achieved / (probe['gflops'] * 1e9):.0f}% of the peak measured "
+            "just before the row"
+        )
+    return share
+
+
 def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str]:
     """Markdown lines for every workload's rows (FLOP/s against both peaks when given)."""
     lines = []
@@ -208,37 +225,50 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
                 f"{_spread(r.get('after_generation_s'))} | {r.get('first_step_s') or 0:.1f} | "
                 f"{_gb(r.get('peak_rss_bytes'))} | {clean} | {machine} | {ratio} |"
             )
-        for r in runs["runs"]:
-            if r.get("system") == "ours" and r.get("train_flops") and "training_s" in r:
-                achieved = r["train_flops"] / r["training_s"]["median"]
-                # Each window's whole step is its generation + host + training parts; the median
-                # of its host parts, not a difference of three medians (which can be negative).
-                host = (r.get("host_s") or {}).get("median")
-                if host is None:
-                    host = r["seconds"]["median"] - r["generation_s"]["median"]
-                    host -= r["training_s"]["median"]
+        first = next(
+            (
+                r
+                for r in runs["runs"]
+                if r.get("system") == "ours" and r.get("train_flops") and "training_s" in r
+            ),
+            None,
+        )
+        if first is not None:
+            achieved = first["train_flops"] / first["training_s"]["median"]
+            # Each window's whole step is its generation + host + training parts; the median
+            # of its host parts, not a difference of three medians (which can be negative).
+            host = (first.get("host_s") or {}).get("median")
+            if host is None:
+                host = first["seconds"]["median"] - first["generation_s"]["median"]
+                host -= first["training_s"]["median"]
+            lines.append("")
+            lines.append(
+                f"{first['label']}: training part {first['train_flops'] / 1e9:.1f} GFLOP (XLA "
+                f"cost analysis, log-probs in one piece) at {achieved / 1e9:.0f} GFLOP/s = "
+                f"{_shares(achieved, first, peak, peak_after)}; "
+                f"generation {first['generated_tokens'] / first['generation_s']['median']:.0f} "
+                f"tok/s; host overhead {1e3 * host:.0f} ms "
+                f"({100 * host / first['seconds']['median']:.1f}% of the step)."
+            )
+            # Our last row runs the same update (the same command without the cost analysis):
+            # its share too, since the machine's speed moves between the rows.
+            last = next(
+                (
+                    r
+                    for r in runs["runs"]
+                    if r.get("system") == "ours"
+                    and r.get("label", "").startswith("ours (last")
+                    and "training_s" in r
+                ),
+                None,
+            )
+            if last is not None:
+                achieved = first["train_flops"] / last["training_s"]["median"]
                 lines.append("")
-                share = f"{100 * achieved / (peak['gflops'] * 1e9):.0f}% of the matmul peak"
-                if peak_after is not None:
-                    share += (
-                        f" before the runs, {100 * achieved / (peak_after['gflops'] * 1e9):.0f}% "
-                        "of the peak after them"
-                    )
-                probe = r.get("peak_before_row") or {}
-                if "gflops" in probe:
-                    share += (
-                        f", {100 * achieved / (probe['gflops'] * 1e9):.0f}% of the peak measured "
-                        "just before the row"
-                    )
                 lines.append(
-                    f"{r['label']}: training part {r['train_flops'] / 1e9:.1f} GFLOP (XLA cost "
-                    f"analysis, log-probs in one piece) at {achieved / 1e9:.0f} GFLOP/s = "
-                    f"{share}; "
-                    f"generation {r['generated_tokens'] / r['generation_s']['median']:.0f} tok/s; "
-                    f"host overhead {1e3 * host:.0f} ms "
-                    f"({100 * host / r['seconds']['median']:.1f}% of the step)."
+                    f"{last['label']}: the same update at {achieved / 1e9:.0f} GFLOP/s = "
+                    f"{_shares(achieved, last, peak, peak_after)}."
                 )
-                break
         if sliced_peer < math.inf:
             mine = [
                 f"{r['label']} {r['seconds']['median'] / sliced_peer:.2f}x"
@@ -256,6 +286,55 @@ def table(results: dict, peak: dict, peak_after: dict | None = None) -> list[str
                 )
         lines.append("")
     return lines
+
+
+def render(
+    command: str,
+    started: datetime.datetime | None,
+    mach: str,
+    peak: dict,
+    peak_after: dict,
+    results: dict,
+    threshold: float,
+) -> str:
+    """The header (command, date, machine, matmul peaks) and the tables of a run's records."""
+    noisy = not peak["all_clean"] or any(
+        not r.get("all_clean", True) for w in results.values() for r in w["runs"]
+    )
+    when = f"{started:%Y-%m-%d %H:%M} UTC" if started else "date not recorded"
+    header = [
+        f"Command: `{command.strip()}`; {when}; machine: {mach}.",
+        "",
+        f"fp32 matmul peak (2048^3, best clean window): {peak['gflops']:.0f} GFLOP/s before the "
+        f"runs, {peak_after['gflops']:.0f} GFLOP/s after "
+        f"({peak['clean_windows']}/{peak['windows']} and "
+        f"{peak_after['clean_windows']}/{peak_after['windows']} windows clean).",
+        "",
+    ]
+    if noisy:
+        header += [
+            "**NOISY**: some windows could not be made clean (other processes used more than "
+            f"{100 * threshold:.0f}% of the CPU in every try); these numbers must be "
+            "re-measured on a quiet machine.",
+            "",
+        ]
+    return "\n".join(header + table(results, peak, peak_after))
+
+
+def write_docs(text: str) -> None:
+    """Replaces the table between the markers of ``docs/benchmarks.md`` with ``text``."""
+    path = os.path.join(ROOT, "docs", "benchmarks.md")
+    with open(path) as fh:
+        doc = fh.read()
+    if DOCS_BEGIN not in doc or DOCS_END not in doc:
+        msg = f"{path}: markers {DOCS_BEGIN} / {DOCS_END} not found"
+        raise ValueError(msg)
+    a = doc.index(DOCS_BEGIN) + len(DOCS_BEGIN)
+    b = doc.index(DOCS_END)
+    with open(path + ".tmp", "w") as fh:
+        fh.write(doc[:a] + "\n" + text + "\n" + doc[b:])
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,7 +356,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--json", default="", help="also write every record here")
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument(
+        "--from-json",
+        default="",
+        help="measure nothing: print (and with --write-docs, write) the table of the records "
+        "that an earlier run wrote with --json",
+    )
     args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as fh:
+            rec = json.load(fh)
+        started = rec.get("started")
+        text = render(
+            rec.get("command") or f"(the records in {args.from_json})",
+            datetime.datetime.fromisoformat(started) if started else None,
+            rec["machine"],
+            rec["peak"],
+            rec["peak_after"],
+            rec["results"],
+            rec.get("threshold", args.threshold),
+        )
+        print(text, flush=True)
+        if args.write_docs:
+            write_docs(text)
+        return 0
     if args.quick:
         args.windows, args.max_retries = 2, 2
     systems = args.systems.split(",")
@@ -415,47 +517,25 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/" + " ".join(
         [os.path.basename(__file__), *(a for a in (argv or sys.argv[1:]) if a != "--write-docs")]
     )
-    noisy = not peak["all_clean"] or any(
-        not r.get("all_clean", True) for w in results.values() for r in w["runs"]
-    )
-    header = [
-        f"Command: `{command.strip()}`; {started:%Y-%m-%d %H:%M} UTC; machine: {mach}.",
-        "",
-        f"fp32 matmul peak (2048^3, best clean window): {peak['gflops']:.0f} GFLOP/s before the "
-        f"runs, {peak_after['gflops']:.0f} GFLOP/s after "
-        f"({peak['clean_windows']}/{peak['windows']} and "
-        f"{peak_after['clean_windows']}/{peak_after['windows']} windows clean).",
-        "",
-    ]
-    if noisy:
-        header += [
-            "**NOISY**: some windows could not be made clean (other processes used more than "
-            f"{100 * args.threshold:.0f}% of the CPU in every try); these numbers must be "
-            "re-measured on a quiet machine.",
-            "",
-        ]
-    lines = header + table(results, peak, peak_after)
-    text = "\n".join(lines)
+    text = render(command, started, mach, peak, peak_after, results, args.threshold)
     print("\n" + text, flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(
-                {"machine": mach, "peak": peak, "peak_after": peak_after, "results": results},
+                {
+                    "command": command.strip(),
+                    "started": started.isoformat(),
+                    "threshold": args.threshold,
+                    "machine": mach,
+                    "peak": peak,
+                    "peak_after": peak_after,
+                    "results": results,
+                },
                 fh,
                 indent=2,
             )
     if args.write_docs:
-        path = os.path.join(ROOT, "docs", "benchmarks.md")
-        with open(path) as fh:
-            doc = fh.read()
-        if DOCS_BEGIN not in doc or DOCS_END not in doc:
-            msg = f"{path}: markers {DOCS_BEGIN} / {DOCS_END} not found"
-            raise ValueError(msg)
-        a = doc.index(DOCS_BEGIN) + len(DOCS_BEGIN)
-        b = doc.index(DOCS_END)
-        with open(path, "w") as fh:
-            fh.write(doc[:a] + "\n" + text + "\n" + doc[b:])
-        print(f"wrote {path}", flush=True)
+        write_docs(text)
     return 0
 
 
