@@ -489,9 +489,8 @@ def _row_group_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
             )
             _ROW_GROUP_POOL = (pool, workers, os.getpid())
             if held is not None and held[2] == os.getpid():
-                held[0].shutdown(
-                    wait=False
-                )  # its running tasks finish; new ones go to the new pool
+                # Its running tasks finish; new ones go to the new pool.
+                held[0].shutdown(wait=False)
         return _ROW_GROUP_POOL[0]
 
 
