@@ -358,14 +358,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument(
         "--from-json",
-        default="",
+        default=None,
         help="measure nothing: print (and with --write-docs, write) the table of the records "
         "that an earlier run wrote with --json",
     )
     args = parser.parse_args(argv)
-    if args.from_json:
-        with open(args.from_json) as fh:
-            rec = json.load(fh)
+    if args.from_json is not None:
+        measuring = [
+            a.option_strings[0]
+            for a in parser._actions
+            if a.dest not in ("help", "from_json", "write_docs")
+            and getattr(args, a.dest) != a.default
+        ]
+        if measuring:
+            parser.error(f"--from-json measures nothing: {', '.join(measuring)} has no effect")
+        try:
+            with open(args.from_json) as fh:
+                rec = json.load(fh)
+        except (OSError, ValueError) as err:
+            parser.error(f"--from-json {args.from_json!r}: cannot read the records ({err})")
+        need = ("machine", "peak", "peak_after", "results")
+        if not isinstance(rec, dict) or any(k not in rec for k in need):
+            parser.error(
+                f"--from-json {args.from_json!r}: expected an object with the keys {need} "
+                "(as honest.py --json writes), got "
+                + (f"the keys {sorted(rec)}" if isinstance(rec, dict) else type(rec).__name__)
+            )
         started = rec.get("started")
         text = render(
             rec.get("command") or f"(the records in {args.from_json})",

@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -176,12 +176,14 @@ def sample_logits(
             ``batch_rows`` rows (static; ``None``: ``R``, the whole batch): the rows draw the
             random numbers they would draw in that batch, so a batch sampled in slices
             samples as it would whole.
-        row_offset: The first row's index in that batch. A traced offset is not checked: it
-            must lie in ``[0, batch_rows - R]``.
+        row_offset: The first row's index in that batch (0 without ``batch_rows``). A traced
+            offset must be an integer scalar; its value is not checked and must lie in
+            ``[0, batch_rows - R]``.
 
     Raises:
         ValueError: ``batch_rows`` smaller than ``R``, or a concrete ``row_offset`` outside
-            ``[0, batch_rows - R]``.
+            ``[0, batch_rows - R]`` (other than 0 without ``batch_rows``).
+        TypeError: A ``row_offset`` that is not an integer scalar.
 
     Returns:
         ``(tokens (R,) int32, log_probs (R,) float32)``.
@@ -196,8 +198,8 @@ def sample_logits(
         >>> tokens.tolist(), logp.tolist()
         ([1, 0], [0.0, 0.0])
     """
-    if batch_rows is not None:
-        _check_row_slice(int(np.shape(logits)[0]), batch_rows, row_offset)
+    rows = int(np.shape(logits)[0])
+    _check_row_slice(rows, rows if batch_rows is None else batch_rows, row_offset)
     z = jnp.asarray(logits, jnp.float32) / jnp.asarray(temperature, jnp.float32)
     if greedy:
         token = _argmax(z)
@@ -233,7 +235,10 @@ def sample_logits(
 def _check_row_slice(rows: int, batch_rows: int, row_offset: int | jax.Array) -> None:
     """Raises unless ``rows`` rows from ``row_offset`` fit a batch of ``batch_rows`` rows."""
     check_int("batch_rows", batch_rows, minimum=rows)
-    if isinstance(row_offset, jax.core.Tracer):
+    if isinstance(row_offset, jax.core.Tracer):  # its value is not known: its type is
+        if row_offset.shape or not jnp.issubdtype(row_offset.dtype, jnp.integer):
+            msg = f"row_offset must be an integer scalar, got a traced {row_offset.aval}"
+            raise TypeError(msg)
         return
     offset = np.asarray(row_offset)
     if offset.shape or not np.issubdtype(offset.dtype, np.integer):
@@ -408,7 +413,7 @@ def _generate(
 def auto_row_groups(model: nnx.Module, num_prompts: int) -> int:
     """The row groups :func:`generate` runs ``num_prompts`` prompts in when not told.
 
-    More than one only for a model on the CPU, in one process, whose largest weight matrix
+    More than one only for a model on one CPU device, in one process, whose largest weight matrix
     (per layer, for layers stored stacked) has at most :data:`ROW_GROUP_MAX_MATRIX_SIZE`
     elements: there XLA:CPU runs each decoding product on one core, and groups decoded at the
     same time on host threads use the others. Then the most groups, at most one per CPU core
@@ -439,11 +444,13 @@ def auto_row_groups(model: nnx.Module, num_prompts: int) -> int:
         return 1
     stacked = bool(getattr(model, "layers_stacked", False))
     largest = 0
+    devices: set[Any] = set()
     for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
         if not (hasattr(x, "devices") and jnp.issubdtype(x.dtype, jnp.inexact)):
             continue
-        if {d.platform for d in x.devices()} != {"cpu"}:
-            return 1
+        devices |= set(x.devices())
+        if len(devices) > 1 or {d.platform for d in devices} != {"cpu"}:
+            return 1  # on an accelerator, or spread over several devices
         size = x.size
         if stacked and x.ndim and path and getattr(path[0], "key", None) == "layers":
             size //= max(int(x.shape[0]), 1)  # one layer of a stacked weight
@@ -458,12 +465,16 @@ def auto_row_groups(model: nnx.Module, num_prompts: int) -> int:
 
 
 def _on_one_device(*trees: Any) -> bool:
-    """Every array in ``trees`` on one and the same device, in a single process."""
+    """The arrays in ``trees`` run on one device, in a single process.
+
+    Only the arrays committed to devices count: an uncommitted one (made without a device, as
+    ``jnp.asarray`` of host data) goes where the committed ones are.
+    """
     if jax.process_count() != 1:
         return False
     devices: set[Any] = set()
     for x in jax.tree.leaves(trees):
-        if isinstance(x, jax.Array):
+        if isinstance(x, jax.Array) and (x.committed or len(x.devices()) > 1):
             devices |= set(x.devices())
             if len(devices) > 1:
                 return False
@@ -475,15 +486,18 @@ _ROW_GROUP_POOL: tuple[concurrent.futures.ThreadPoolExecutor, int, int] | None =
 _ROW_GROUP_LOCK = threading.Lock()
 
 
-def _row_group_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """A process-wide pool of at least ``workers`` threads for :func:`generate`'s row groups.
+def _run_row_groups(run: Callable[..., Any], parts: list[dict[str, Any]]) -> list[Any]:
+    """``run(**part)`` for every part: the first on this thread, the others on the pool's.
 
-    Made anew in a forked child, whose copy of the parent's pool has no threads.
+    Waits for every group before it returns or raises; an error of one group is raised with
+    the others' errors as notes.
     """
     global _ROW_GROUP_POOL
-    with _ROW_GROUP_LOCK:
+    workers = len(parts) - 1
+    with _ROW_GROUP_LOCK:  # submitted under the lock: no other call shuts this pool down first
         held = _ROW_GROUP_POOL
         if held is None or held[1] < workers or held[2] != os.getpid():
+            # A forked child's copy of the parent's pool has no threads: made anew there.
             pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=workers, thread_name_prefix="artifex-row-group"
             )
@@ -491,7 +505,23 @@ def _row_group_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
             if held is not None and held[2] == os.getpid():
                 # Its running tasks finish; new ones go to the new pool.
                 held[0].shutdown(wait=False)
-        return _ROW_GROUP_POOL[0]
+        pending = [_ROW_GROUP_POOL[0].submit(run, **part) for part in parts[1:]]
+    outs: list[Any] = []
+    errors: list[BaseException] = []
+    try:
+        outs.append(run(**parts[0]))
+    except Exception as err:
+        errors.append(err)
+    for future in pending:
+        try:
+            outs.append(future.result())
+        except Exception as err:
+            errors.append(err)
+    if errors:
+        for other in errors[1:]:
+            errors[0].add_note(f"another row group failed too: {type(other).__name__}: {other}")
+        raise errors[0]
+    return outs
 
 
 @jit
@@ -758,18 +788,20 @@ def generate(
         extra = width - ids.shape[1]
         dev_ids = jnp.pad(dev_ids, ((0, 0), (extra, 0)), constant_values=pad_id)
         dev_mask = jnp.pad(dev_mask, ((0, 0), (extra, 0)))
-    graphdef, state = _per_layer_split(model)
-    one_device = _on_one_device(state, dev_ids, dev_mask)
+    # Checked before `_per_layer_split` slices stacked layers (nothing runs for a refusal).
+    one_device = _on_one_device(nnx.state(model), dev_ids, dev_mask)
     if row_groups is None:
         groups = auto_row_groups(model, ids.shape[0]) if one_device else 1
     elif row_groups > 1 and not one_device:
         msg = (
             f"row_groups={row_groups} needs the prompts and the model on one device of one "
-            "process; these span several (leave row_groups=None, or 1)"
+            "process; they are placed on several devices or processes (leave row_groups=None, "
+            "or 1)"
         )
         raise ValueError(msg)
     else:
         groups = row_groups
+    graphdef, state = _per_layer_split(model)
     greedy = temperature == 0
     run = functools.partial(
         _generate,
@@ -799,11 +831,9 @@ def generate(
         )
         for g in range(groups)
     ]
-    # The first group runs on this thread, the others on the pool's; the first call of a shape
-    # compiles once (JAX lets concurrent callers wait for one compilation).
-    pending = [_row_group_pool(groups - 1).submit(run, **part) for part in parts[1:]]
-    outs = [run(**parts[0])] + [f.result() for f in pending]
-    return _concat_rows(outs)
+    # The first call of a shape compiles once (JAX lets concurrent callers wait for one
+    # compilation).
+    return _concat_rows(_run_row_groups(run, parts))
 
 
 class Sampler:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,10 @@ def test_row_slices_draw_what_the_whole_batch_draws(kw):
         np.testing.assert_array_equal(lp, logp[off : off + 4])
         t, lp = sliced(logits[off : off + 4], jnp.int32(off))
         np.testing.assert_array_equal(t, tokens[off : off + 4])
+    with pytest.raises(TypeError, match="row_offset must be an integer scalar, got a traced"):
+        jax.jit(lambda z, off: sample_logits(z, key, batch_rows=12, row_offset=off, **kw))(
+            logits[:4], jnp.float32(4.0)
+        )
     # A slice that does not say where it sits draws the first rows' numbers: other tokens.
     other = [sample_logits(logits[off : off + 4], key, **kw)[0] for off in (4, 8)]
     assert any(
@@ -53,6 +58,8 @@ def test_row_slices_draw_what_the_whole_batch_draws(kw):
         (dict(batch_rows=8, row_offset=-1), ValueError, "row_offset must be in"),
         (dict(batch_rows=8, row_offset=1.5), TypeError, "row_offset must be an integer"),
         (dict(batch_rows=8.0), TypeError, "batch_rows must be an int"),
+        (dict(row_offset=4), ValueError, r"row_offset must be in \[0, 0\]"),  # no batch_rows
+        (dict(row_offset="x", greedy=True), TypeError, "row_offset must be an integer"),
     ],
 )
 def test_bad_row_slices_are_refused(kw, err, match):
@@ -149,6 +156,25 @@ def test_prompts_over_several_devices_run_as_one_group(model):
         generate(model, ids_d, mask_d, row_groups=2, **kw)
 
 
+def test_a_model_on_another_device_takes_host_prompts_in_groups(model):
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices (the test configuration forces 8 CPU devices)")
+    moved = CausalLM(model.config, rngs=nnx.Rngs(0))
+    nnx.update(moved, jax.device_put(nnx.state(moved), jax.devices()[1]))
+    ids, mask = prompts()  # host arrays: uploaded without a device, they follow the model
+    kw = dict(key=jax.random.key(6), num_generations=2, max_new_tokens=4, eos_ids=())
+    out = generate(moved, ids, mask, row_groups=2, **kw)
+    one = generate(model, ids, mask, row_groups=1, **kw)
+    np.testing.assert_array_equal(out.completion_ids, one.completion_ids)
+    assert out.completion_ids.devices() == {jax.devices()[1]}
+    # The model spread over two devices: no groups by default.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    spread = CausalLM(model.config, rngs=nnx.Rngs(0))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    nnx.update(spread, jax.device_put(nnx.state(spread), replicated))
+    assert auto_row_groups(spread, 4) == 1
+
+
 # ------------------------------------------------------------------ auto_row_groups
 def test_auto_row_groups_one_per_core_dividing_the_prompts(model, monkeypatch):
     monkeypatch.setattr(sampling.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
@@ -177,12 +203,33 @@ def test_auto_row_groups_only_for_small_weight_matrices(monkeypatch):
 
 def test_the_worker_pool_grows_and_is_made_anew_in_a_forked_child(monkeypatch):
     monkeypatch.setattr(sampling, "_ROW_GROUP_POOL", None)
-    one = sampling._row_group_pool(1)
-    assert sampling._row_group_pool(1) is one
-    three = sampling._row_group_pool(3)
+    parts = [dict(x=i) for i in range(4)]
+    assert sampling._run_row_groups(lambda x: x * 10, parts[:2]) == [0, 10]
+    one = sampling._ROW_GROUP_POOL[0]
+    sampling._run_row_groups(lambda x: x, parts[:2])
+    assert sampling._ROW_GROUP_POOL[0] is one
+    assert sampling._run_row_groups(lambda x: x, parts) == [0, 1, 2, 3]  # 3 workers: grown
+    three = sampling._ROW_GROUP_POOL[0]
     assert three is not one and three._max_workers == 3
-    assert sampling._row_group_pool(2) is three  # large enough: kept
     pid = sampling.os.getpid()
     monkeypatch.setattr(sampling.os, "getpid", lambda: pid + 1)  # as in a forked child
-    child = sampling._row_group_pool(1)
-    assert child is not three and child.submit(lambda: 7).result(timeout=10) == 7
+    assert sampling._run_row_groups(lambda x: x, parts[:2]) == [0, 1]
+    assert sampling._ROW_GROUP_POOL[0] is not three
+
+
+def test_a_failing_group_raises_after_every_group_has_finished():
+    finished = threading.Event()
+
+    def run(x):
+        if x == 0:
+            raise ValueError("group zero")
+        if x == 1:
+            time.sleep(0.2)
+            finished.set()
+            return x
+        raise RuntimeError("group two")
+
+    with pytest.raises(ValueError, match="group zero") as info:
+        sampling._run_row_groups(run, [dict(x=0), dict(x=1), dict(x=2)])
+    assert finished.is_set()  # the other groups ran to their end before the error came
+    assert any("RuntimeError: group two" in note for note in info.value.__notes__)

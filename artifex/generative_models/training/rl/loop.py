@@ -76,9 +76,11 @@ if TYPE_CHECKING:  # annotations only: the trainer's module sits above the loop
 _log = logging.getLogger(__name__)
 
 __all__ = [
+    "EVAL_BATCH_SIZE",
     "DataIterator",
     "TrainConfig",
     "TrainResult",
+    "check_eval_row_groups",
     "check_tokenizer_fits",
     "check_writable_dir",
     "concat_batches",
@@ -396,6 +398,10 @@ def _take_rows(batch: GRPOBatch, rows: np.ndarray) -> GRPOBatch:
 
 
 # ------------------------------------------------------------------------------ evaluation
+#: Prompts per generation call of :func:`evaluate` (and so of the training loop's evaluation).
+EVAL_BATCH_SIZE = 64
+
+
 def evaluate(
     policy: Policy | SupportsPolicy,
     tokenizer: Any,
@@ -404,7 +410,7 @@ def evaluate(
     rollout_config: RolloutConfig,
     *,
     pass_threshold: float = 1.0,
-    batch_size: int = 64,
+    batch_size: int = EVAL_BATCH_SIZE,
     placement: Any = None,
 ) -> dict[str, float]:
     """Greedy pass@1 and mean reward on held-out rows.
@@ -445,6 +451,7 @@ def evaluate(
         {'eval/pass@1': 1.0, 'eval/reward_mean': 1.0}
     """
     policy = as_policy(policy)
+    check_eval_row_groups(rollout_config, len(rows), batch_size)
     model, mesh = policy.model, policy.mesh
     if placement is not None:
         model, mesh = placement.sampler_model(policy.model), placement.mesh
@@ -468,6 +475,36 @@ def evaluate(
         values = reward_fn(sampled.prompts, sampled.completions, **sampled.columns)
         scores += [float("nan") if v is None else float(v) for v in values]
     return _pass_metrics(np.asarray(scores, np.float64), pass_threshold)
+
+
+def check_eval_row_groups(rollout_config: RolloutConfig, num_rows: int, batch_size: int) -> None:
+    """Raises unless ``RolloutConfig.row_groups`` divides every batch :func:`evaluate` samples.
+
+    Args:
+        rollout_config: The rollout settings (``row_groups=None`` passes).
+        num_rows: Evaluation rows.
+        batch_size: Prompts per generation call.
+
+    Raises:
+        ValueError: Naming the setting and the batch sizes.
+
+    Example:
+        >>> check_eval_row_groups(RolloutConfig(row_groups=2), 130, 64)  # 64, 64 and 2
+        >>> check_eval_row_groups(RolloutConfig(row_groups=2), 67, 64)  # 64 and 3
+        Traceback (most recent call last):
+            ...
+        ValueError: RolloutConfig.row_groups=2 must divide every evaluation batch: ...
+    """
+    groups = rollout_config.row_groups
+    if groups is None or groups == 1 or num_rows == 0:
+        return
+    sizes = sorted({min(batch_size, num_rows), num_rows % batch_size} - {0}, reverse=True)
+    if any(size % groups for size in sizes):
+        msg = (
+            f"RolloutConfig.row_groups={groups} must divide every evaluation batch: {num_rows} "
+            f"evaluation rows in batches of {batch_size} give batches of {sizes}"
+        )
+        raise ValueError(msg)
 
 
 def _pass_metrics(s: np.ndarray, pass_threshold: float) -> dict[str, float]:
@@ -942,12 +979,16 @@ def train(
                 f"(TrainConfig.prompts_per_step={config.prompts_per_step})"
             )
             raise ValueError(msg)
-        if rcfg.row_groups > 1 and policy.mesh is not None:
+        sampling_mesh = policy.mesh if rollout_placement is None else rollout_placement.mesh
+        if rcfg.row_groups > 1 and sampling_mesh is not None and sampling_mesh.devices.size > 1:
             msg = (
                 f"RolloutConfig.row_groups={rcfg.row_groups} needs the prompts on one device; "
-                "on a mesh the rows are already spread over its devices (leave it None or 1)"
+                f"the rollout samples on a mesh of {sampling_mesh.devices.size} devices, which "
+                "spreads the rows over them already (leave it None or 1)"
             )
             raise ValueError(msg)
+    if eval_dataset is not None and evaluate_fn is None:
+        check_eval_row_groups(rcfg, len(eval_dataset), EVAL_BATCH_SIZE)
     length = policy.config.max_completion_length
     if rollout_fn is None and length is not None and length != rcfg.max_new_tokens:
         msg = (

@@ -311,6 +311,14 @@ def test_row_groups_that_do_not_divide_the_prompts_fail_before_the_first_step():
         train(trainer, tok, TRAIN, [REWARD], TrainConfig(num_steps=1, **LOOP), rollout)
     with pytest.raises(ValueError, match=r"RolloutConfig\.row_groups must be an int >= 1"):
         RolloutConfig(row_groups=0)
+    # The evaluation's batches too: 3 held-out rows, row_groups=2.
+    rollout = RolloutConfig(max_new_tokens=4, row_groups=2)
+    cfg = TrainConfig(num_steps=1, eval_every=1, **LOOP)
+    with pytest.raises(
+        ValueError, match=r"3 evaluation rows in batches of 64 give batches of \[3\]"
+    ):
+        train(trainer, tok, TRAIN, [REWARD], cfg, rollout, eval_dataset=EVAL[:3])
+    assert trainer.state.step == 0  # nothing ran
 
 
 @pytest.mark.parametrize(
