@@ -198,8 +198,8 @@ def sample_logits(
         >>> tokens.tolist(), logp.tolist()
         ([1, 0], [0.0, 0.0])
     """
-    rows = int(np.shape(logits)[0])
-    _check_row_slice(rows, rows if batch_rows is None else batch_rows, row_offset)
+    n_rows = int(np.shape(logits)[0])
+    _check_row_slice(n_rows, n_rows if batch_rows is None else batch_rows, row_offset)
     z = jnp.asarray(logits, jnp.float32) / jnp.asarray(temperature, jnp.float32)
     if greedy:
         token = _argmax(z)
@@ -216,14 +216,13 @@ def sample_logits(
         before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
         keep_sorted = before < jnp.asarray(top_p, jnp.float32)
         keep_sorted = keep_sorted.at[:, 0].set(True)
-        rows = jnp.arange(z.shape[0])[:, None]
-        keep = jnp.zeros(z.shape, jnp.bool_).at[rows, order].set(keep_sorted)
+        row_ids = jnp.arange(z.shape[0])[:, None]
+        keep = jnp.zeros(z.shape, jnp.bool_).at[row_ids, order].set(keep_sorted)
         z = jnp.where(keep, z, neg)
     logp = jax.nn.log_softmax(z, axis=-1)
     # Inverse-CDF sampling: one uniform per row (instead of a Gumbel draw per vocabulary entry,
     # which costs a random hash per entry at every step).
     tiny = jnp.finfo(jnp.float32).tiny  # u > 0, so leading zero-probability tokens are skipped
-    n_rows = z.shape[0]
     total = n_rows if batch_rows is None else batch_rows
     uniform = jax.random.uniform(key, (total, 1), jnp.float32, minval=tiny)
     if total != n_rows:
