@@ -74,8 +74,9 @@ class GroupStats:
         count: Number of valid (non-NaN) rewards in the group, ``(B,)`` float32.
         centered: ``r - mean`` for valid rows and 0 for missing ones, ``(B,)``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import group_stats
         >>> s = group_stats(jnp.array([1.0, 3.0, 2.0, 2.0]), 2)
         >>> s.mean.tolist(), s.centered.tolist()
         ([2.0, 2.0, 2.0, 2.0], [-1.0, 1.0, 0.0, 0.0])
@@ -156,8 +157,9 @@ def group_stats(rewards: jax.Array, group_size: int, *, ddof: int = 1) -> GroupS
     Raises:
         ValueError: If ``B`` is not a multiple of ``group_size``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import group_stats
         >>> s = group_stats(jnp.array([1.0, 3.0, 0.0, jnp.nan]), 2, ddof=0)
         >>> s.mean.tolist(), s.std.tolist(), s.count.tolist()
         ([2.0, 2.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], [2.0, 2.0, 1.0, 1.0])
@@ -180,8 +182,9 @@ def segment_stats(
     Returns:
         A :class:`GroupStats` with per-row values.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import segment_stats
         >>> rewards, group_ids = jnp.array([1.0, 3.0, 5.0]), jnp.array([0, 0, 1])
         >>> s = segment_stats(rewards, group_ids, num_groups=2, ddof=0)
         >>> s.mean.tolist(), s.count.tolist()
@@ -313,6 +316,7 @@ def group_advantages(
 
     Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training import group_advantages
         >>> group_advantages(jnp.array([1.0, 0.0, 1.0, 1.0]), 2, scale="none")
         Array([ 0.5, -0.5,  0. ,  0. ], dtype=float32)
 
@@ -357,8 +361,9 @@ def segment_advantages(
     Raises:
         ValueError: Concrete ``group_ids`` outside ``[0, num_groups)``, or ``eps < 0``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training import segment_advantages
         >>> rewards, group_ids = jnp.array([1.0, 0.0, 1.0, 2.0, 0.0]), jnp.array([0, 0, 1, 1, 1])
         >>> segment_advantages(rewards, group_ids, num_groups=2, scale="none").tolist()
         [0.5, -0.5, 0.0, 1.0, -1.0]
@@ -396,8 +401,9 @@ def process_advantages(
     Returns:
         ``(B, T)`` float32 token advantages.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import process_advantages
         >>> nan = jnp.nan
         >>> step_rewards = jnp.array([[nan, 1.0, nan, 1.0], [nan, 0.0, nan, 0.0]])
         >>> process_advantages(step_rewards, 2, scale="none").round(2).tolist()
@@ -452,9 +458,10 @@ def advantages_from_config(
     Returns:
         ``(B,)`` float32 advantages.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from artifex.generative_models.training import GRPOConfig
+        >>> from artifex.generative_models.training.rl import advantages_from_config
         >>> config = GRPOConfig(num_generations=2, scale_rewards="none")
         >>> advantages_from_config(jnp.array([1.0, 0.0, 0.5, 0.5]), config).tolist()
         [0.5, -0.5, 0.0, 0.0]
@@ -522,8 +529,9 @@ def reinforce_pp_advantages(
     Returns:
         ``(B,)`` float32 advantages.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import reinforce_pp_advantages
         >>> reinforce_pp_advantages(jnp.array([1.0, 0.0, 1.0, 0.0]), 2, ddof=0).round(3).tolist()
         [1.0, -1.0, 1.0, -1.0]
 
@@ -590,10 +598,11 @@ def pass_at_k_advantages(
     Raises:
         ValueError: ``k < 1``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
-        >>> rewards = jnp.array([1.0, 0.0, 0.0, 0.0])
         >>> import numpy as np
+        >>> from artifex.generative_models.training.rl import pass_at_k_advantages
+        >>> rewards = jnp.array([1.0, 0.0, 0.0, 0.0])
         >>> print(np.asarray(pass_at_k_advantages(rewards, 4, k=1), float).round(3))
         [ 1.732 -0.577 -0.577 -0.577]
         >>> print(pass_at_k_advantages(rewards, 4, k=2).round(3))
@@ -637,8 +646,9 @@ def nonconstant_groups(rewards: jax.Array, group_size: int) -> jax.Array:
     Raises:
         ValueError: ``B`` is not a multiple of ``group_size``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl.advantages import nonconstant_groups
         >>> nonconstant_groups(jnp.array([1.0, 1.0, 0.0, 1.0, jnp.nan, 2.0]), 2).tolist()
         [False, True, False]
     """
@@ -674,8 +684,9 @@ def reward_statistics(
         ``{"reward_mean", "reward_std", "frac_reward_zero_std"}`` plus ``advantage_mean``
         and ``advantage_std`` when ``advantages`` is given.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl.advantages import reward_statistics
         >>> m = reward_statistics(jnp.array([1.0, 0.0, 1.0, 1.0]), 2)
         >>> float(m["reward_mean"]), float(m["frac_reward_zero_std"])
         (0.75, 0.5)

@@ -82,8 +82,9 @@ class GRPOBatch:
             :meth:`validate` checks it against the data; ``GRPOTrainer.prepare_batch`` sets it
             when it finds the prompts shared.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training import GRPOBatch
         >>> batch = GRPOBatch(
         ...     prompt_ids=jnp.array([[5, 6], [5, 6]]),
         ...     completion_ids=jnp.array([[1, 2, 0], [3, 0, 0]]),
@@ -348,7 +349,8 @@ class GRPOBatch:
             ValueError: A size < 1.
             TypeError: A size that is not an int.
 
-        Example:
+        Examples:
+            >>> from artifex.generative_models.training import GRPOBatch
             >>> batch = GRPOBatch.zeros(2, 4, prompt_length=16, completion_length=8)
             >>> batch.prompt_ids.shape, batch.completion_mask.shape, batch.group_size
             ((8, 16), (8, 8), 4)

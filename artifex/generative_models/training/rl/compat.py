@@ -53,8 +53,9 @@ def dict_batch_fields(batch: Mapping[str, Any], *, group_size: int) -> dict[str,
     1), every action counts (``completion_mask`` is all ones), ``log_probs`` become
     ``old_log_probs``. Unknown keys are an error: nothing is silently dropped.
 
-    Example:
+    Examples:
         >>> import numpy as np
+        >>> from artifex.generative_models.training.rl.compat import dict_batch_fields
         >>> fields = dict_batch_fields(
         ...     {"observations": np.zeros((4, 3)), "actions": np.array([0, 1, 1, 2]),
         ...      "rewards": np.array([1.0, 0.0, 0.5, 0.5])},

@@ -263,7 +263,8 @@ class GRPOConfig:
         ValueError: If a field is out of range, not one of its choices, or contradicts
             another field.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training import GRPOConfig
         >>> config = GRPOConfig(num_generations=4, clip_param_high=0.28, beta=0.0)
         >>> config.num_generations, config.clip_param, config.clip_param_high
         (4, 0.2, 0.28)

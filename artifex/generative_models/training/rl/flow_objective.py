@@ -63,9 +63,10 @@ def flow_grpo_objective(
         ``(total_loss, metrics)`` as :func:`grpo_objective`, with ``kl`` the aggregated
         closed-form KL and ``kl_penalty = beta * kl``.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl.flow_objective import flow_grpo_objective
         >>> from artifex.generative_models.inference.flow_sampling import (
         ...     FlowSampler, SDEConfig, to_grpo_batch)
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig

@@ -165,7 +165,8 @@ def auto_num_microbatches(
         ValueError: If an argument is not an int >= 1 (``prompt_width``: >= 0), or
             ``group_size`` does not divide ``rows`` with ``shared_prompts``.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import auto_num_microbatches
         >>> auto_num_microbatches(32, 4, 32, 96)  # W1: 4 slices of 2 groups, 832 positions
         4
         >>> auto_num_microbatches(16, 4, 64, 64)  # W2's shape: 2 slices of 640 positions
@@ -534,9 +535,10 @@ class GRPOTrainer:
     copy them (``jnp.copy``) to keep them. A ``reference_model`` sharing arrays with the policy
     (``nnx.clone``) gets its own copies when the trainer is built.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import GRPOTrainer
         >>> from artifex.generative_models.training.rl import GRPOConfig
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))  # a 3-action policy
         >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -695,9 +697,10 @@ class GRPOTrainer:
         A :class:`~artifex.generative_models.training.rl.state.GRPOTrainState`, not a copy:
         the compiled step donates it.
 
-        Example:
+        Examples:
             >>> import optax
             >>> from flax import nnx
+            >>> from artifex.generative_models.training import GRPOTrainer
             >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
             >>> trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
             >>> state = trainer.state
@@ -733,9 +736,10 @@ class GRPOTrainer:
         Returns:
             ``self.state`` with ``reference=None`` (a frozen reference is rebuilt, not saved).
 
-        Example:
+        Examples:
             >>> import optax
             >>> from flax import nnx
+            >>> from artifex.generative_models.training import GRPOTrainer
             >>> from artifex.generative_models.training.rl import GRPOConfig
             >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
             >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -761,9 +765,10 @@ class GRPOTrainer:
             A :class:`~artifex.generative_models.training.rl.rollout.Policy` whose ``score``
             fills old and reference log-probs of library-built batches (no host validation).
 
-        Example:
+        Examples:
             >>> import optax
             >>> from flax import nnx
+            >>> from artifex.generative_models.training import GRPOTrainer
             >>> from artifex.generative_models.training.rl import GRPOConfig
             >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
             >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -825,9 +830,10 @@ class GRPOTrainer:
             program followed by the optimizer's per-layer programs; otherwise one program,
             whose ``.lower(state, batch)`` gives XLA's lowering for cost and memory analysis.
 
-        Example:
+        Examples:
             >>> import jax, jax.numpy as jnp, optax
             >>> from flax import nnx
+            >>> from artifex.generative_models.training import GRPOTrainer
             >>> from artifex.generative_models.training.rl import GRPOConfig
             >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))  # a 3-action policy
             >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -951,9 +957,10 @@ class GRPOTrainer:
         See ``GRPOConfig.optimizer_by_layer`` (and ``layerwise_update``, whose update decides
         the same way for its own optimizer programs).
 
-        Example:
+        Examples:
             >>> import optax
             >>> from flax import nnx
+            >>> from artifex.generative_models.training import GRPOTrainer
             >>> from artifex.generative_models.training.rl import GRPOConfig
             >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
             >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -1010,9 +1017,10 @@ class GRPOTrainer:
         Returns:
             The batch with the log-prob fields set (no gradient, one compiled forward pass).
 
-        Example:
+        Examples:
             >>> import jax, jax.numpy as jnp, optax
             >>> from flax import nnx
+            >>> from artifex.generative_models.training import GRPOTrainer
             >>> from artifex.generative_models.training.rl import GRPOConfig
             >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
             >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -1049,10 +1057,11 @@ class GRPOTrainer:
         Returns:
             The number of microbatches, >= 1, dividing the batch's rows.
 
-        Example:
+        Examples:
             >>> import optax
             >>> from flax import nnx
             >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+            >>> from artifex.generative_models.training import GRPOTrainer
             >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
             >>> cfg = CausalLMConfig(vocab_size=32, hidden_size=8, intermediate_size=16,
             ...                      num_layers=1, num_heads=2)
@@ -1171,9 +1180,10 @@ class GRPOTrainer:
             ValueError: Invalid example batch or ``num_microbatches`` (checked here, at once).
             TypeError: Wrong batch type or dtypes.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp, optax
             >>> from flax import nnx
+            >>> from artifex.generative_models.training import GRPOTrainer
             >>> from artifex.generative_models.training.rl import GRPOConfig
             >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
             >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)

@@ -80,8 +80,9 @@ def check_layerwise_model(model: Any, reference_model: Any, wrt: Any = nnx.Param
             variable lies outside the embedding, the layers, the final norm and the output
             projection.
 
-    Example:
+    Examples:
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl.layerwise import check_layerwise_model
         >>> try:
         ...     check_layerwise_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), None)
         ... except TypeError as err:
@@ -180,7 +181,7 @@ class LayerwiseStep:
         lora_reference: Without a reference model, use the policy with zeroed LoRA adapters.
         on_trace: Called each time the update is traced for a new batch structure.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig

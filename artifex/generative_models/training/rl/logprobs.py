@@ -64,8 +64,9 @@ def token_log_probs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, j
     Returns:
         ``(log_probs, entropy)``, each ``(...)`` float32.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import token_log_probs
         >>> logits = jnp.log(jnp.array([[0.5, 0.25, 0.25]]))
         >>> logp, entropy = token_log_probs(logits, jnp.array([0]))
         >>> round(float(logp[0]), 4), round(float(entropy[0]), 4)
@@ -105,7 +106,8 @@ def auto_chunk_size(vocab_size: int, *, budget_bytes: int = _CHUNK_BYTES) -> int
     Returns:
         A power of two >= 16.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import auto_chunk_size
         >>> auto_chunk_size(4_096), auto_chunk_size(32_000), auto_chunk_size(151_936)
         (256, 256, 64)
     """
@@ -150,8 +152,12 @@ def chunked_token_log_probs(
     Returns:
         ``(log_probs, entropy)``, each of ``targets``' shape, float32.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import (
+        ...     chunked_token_log_probs,
+        ...     token_log_probs,
+        ... )
         >>> hidden = jax.random.normal(jax.random.key(0), (2, 3, 4))
         >>> weight = jax.random.normal(jax.random.key(1), (4, 7))
         >>> targets = jnp.arange(6).reshape(2, 3)
@@ -273,10 +279,11 @@ def causal_lm_log_probs(
         TypeError: If ``scan_layers`` is set and the model has no ``layer_stack`` method, or
             ``remat`` is neither a bool nor an int.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.training.rl import causal_lm_log_probs
         >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                         num_layers=1, num_heads=2)
         >>> model = CausalLM(config, rngs=nnx.Rngs(0))
@@ -386,11 +393,11 @@ def causal_lm_log_probs_fn(
     Returns:
         ``fn(model, batch) -> (log_probs, entropy)``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
-        >>> from artifex.generative_models.training.rl import GRPOBatch
+        >>> from artifex.generative_models.training.rl import GRPOBatch, causal_lm_log_probs_fn
         >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                         num_layers=1, num_heads=2)
         >>> model = CausalLM(config, rngs=nnx.Rngs(0))
@@ -438,9 +445,9 @@ def categorical_log_probs(
     Raises:
         ValueError: If the logits' shape does not fit the actions.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl import GRPOBatch
+        >>> from artifex.generative_models.training.rl import GRPOBatch, categorical_log_probs
         >>> batch = GRPOBatch.from_dict({"observations": jnp.ones((2, 3)),
         ...                              "actions": jnp.array([0, 2]), "rewards": jnp.zeros(2)},
         ...                             group_size=2)
@@ -490,8 +497,9 @@ def default_log_prob_fn(
         ValueError: If ``remat`` is an int below 1, or above 1 for a model with
             ``scan_layers`` set.
 
-    Example:
+    Examples:
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import default_log_prob_fn
         >>> default_log_prob_fn(nnx.Linear(4, 3, rngs=nnx.Rngs(0))).__name__
         'categorical_log_probs'
     """

@@ -142,7 +142,8 @@ class TrainConfig:
             on one process without dynamic sampling or a rollout placement (elsewhere the
             update compiles at its first call, as with ``False``).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training import TrainConfig
         >>> config = TrainConfig(num_steps=100, prompts_per_step=8, num_iterations=2)
         >>> config.num_steps, config.num_iterations, config.log_dir
         (100, 2, None)
@@ -252,7 +253,8 @@ class DataIterator:
         seed: Seeds the per-epoch permutations.
         shuffle: Shuffle each epoch.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import DataIterator
         >>> rows = [{"prompt": str(i)} for i in range(5)]
         >>> data = DataIterator(rows, seed=0, shuffle=False)
         >>> [r["prompt"] for r in data.take(3)], data.state()
@@ -341,7 +343,8 @@ class TrainResult:
         interrupted: The signal's name (``"SIGTERM"``, ``"SIGINT"``) when the run stopped early
             on one (after saving a checkpoint of the last finished step); ``None`` otherwise.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import TrainResult
         >>> result = TrainResult(history=[{"reward_mean": 0.5}], evaluations=[], start_step=0,
         ...                      interrupted=None)
         >>> result.history[-1]["reward_mean"], result.interrupted
@@ -364,9 +367,9 @@ def concat_batches(batches: Sequence[GRPOBatch]) -> GRPOBatch:
     Returns:
         One batch (group size of the first).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl import GRPOBatch
+        >>> from artifex.generative_models.training.rl import GRPOBatch, concat_batches
         >>> def batch(prompt_width):
         ...     return GRPOBatch(prompt_ids=jnp.ones((2, prompt_width), jnp.int32),
         ...                      prompt_mask=jnp.ones((2, prompt_width), jnp.int32),
@@ -434,8 +437,9 @@ def evaluate(
     Returns:
         ``{"eval/pass@1": ..., "eval/reward_mean": ...}``.
 
-    Example:
+    Examples:
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import evaluate
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> from artifex.generative_models.training.rl import GRPOConfig, RolloutConfig
@@ -488,7 +492,9 @@ def check_eval_row_groups(rollout_config: RolloutConfig, num_rows: int, batch_si
     Raises:
         ValueError: Naming the setting and the batch sizes.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training import RolloutConfig
+        >>> from artifex.generative_models.training.rl.loop import check_eval_row_groups
         >>> check_eval_row_groups(RolloutConfig(row_groups=2), 130, 64)  # 64, 64 and 2
         >>> check_eval_row_groups(RolloutConfig(row_groups=2), 67, 64)  # 64 and 3
         Traceback (most recent call last):
@@ -530,8 +536,9 @@ def check_writable_dir(path: str | os.PathLike[str], what: str = "directory") ->
         NotADirectoryError: ``path`` (or a parent) is an existing file.
         PermissionError: The directory cannot be created or written.
 
-    Example:
+    Examples:
         >>> import os, tempfile
+        >>> from artifex.generative_models.training.rl.loop import check_writable_dir
         >>> path = check_writable_dir(os.path.join(tempfile.mkdtemp(), "runs", "logs"), "--log-dir")
         >>> os.path.isdir(path), os.path.isabs(path)
         (True, True)
@@ -569,8 +576,9 @@ def check_tokenizer_fits(tokenizer: Any, model: Any) -> None:
     Raises:
         ValueError: The tokenizer has more ids than the model's vocabulary.
 
-    Example:
+    Examples:
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl.loop import check_tokenizer_fits
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> tok = Tokenizer.for_characters("0123456789+=")  # 16 ids
@@ -605,7 +613,8 @@ def dataset_fingerprint(dataset: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     Returns:
         ``{"size": len(dataset), "sha256": hex digest}``.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl.loop import dataset_fingerprint
         >>> rows = [{"prompt": "1+1=", "answer": "2"}]
         >>> fp = dataset_fingerprint(rows)
         >>> fp["size"], len(fp["sha256"]), fp == dataset_fingerprint([dict(r) for r in rows])
@@ -726,7 +735,8 @@ def reward_signal_diagnosis(rewards: Sequence[float] | Any, group_size: int) -> 
     Raises:
         ValueError: ``group_size`` is not a positive int that divides the number of rewards.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl.loop import reward_signal_diagnosis
         >>> print(reward_signal_diagnosis([0.0, 0.0, 0.0, 0.0], group_size=2))
         no reward signal: every reward is 0 (4 completions of 2 prompts)...
         >>> print(reward_signal_diagnosis([1.0, 1.0, 0.0, 0.0], group_size=2))
@@ -932,9 +942,10 @@ def train(
         NonFiniteUpdateError: An update was not finite (the step and metric are named; the
             model keeps its last finite state and no checkpoint of a bad state is written).
 
-    Example:
+    Examples:
         >>> import optax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import TrainConfig, train
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> from artifex.generative_models.training.rl import GRPOConfig, GRPOTrainer, RolloutConfig

@@ -64,6 +64,7 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
 
     Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import masked_mean
         >>> masked_mean(jnp.array([1.0, 3.0, 100.0]), jnp.array([1, 1, 0]))
         Array(2., dtype=float32)
     """
@@ -101,8 +102,9 @@ def log_importance_ratio(
     Returns:
         ``(B, T)`` float32 log ratios, 0 at masked positions.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import log_importance_ratio
         >>> logp = jnp.array([[-1.0, -2.0, 0.0]])
         >>> old = jnp.array([[-1.5, -2.0, 0.0]])
         >>> mask = jnp.array([[1, 1, 0]])
@@ -162,8 +164,9 @@ def clipped_surrogate(
         ``(loss, clipped_low, clipped_high)``, each ``(B, T)`` float32 and 0 at masked
         positions; the last two are 1 where the lower/upper clip is active.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import clipped_surrogate
         >>> log_ratio = jnp.log(jnp.array([[1.0, 1.5]]))
         >>> loss, low, high = clipped_surrogate(
         ...     log_ratio, jnp.array([1.0]), jnp.ones((1, 2)), epsilon_low=0.2, epsilon_high=0.2
@@ -218,8 +221,9 @@ def kl_divergence(
     Returns:
         ``(B, T)`` float32 estimates, 0 at masked positions.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import kl_divergence
         >>> logp, ref = jnp.array([[-1.0, -1.0]]), jnp.array([[-1.0, -2.0]])
         >>> import numpy as np
         >>> print(np.asarray(kl_divergence(logp, ref, jnp.ones((1, 2))), float).round(4))
@@ -262,8 +266,9 @@ def approx_kl_old(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
     Returns:
         ``(B, T)`` float32 estimates, 0 at masked positions.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import approx_kl_old
         >>> print(approx_kl_old(jnp.array([[0.0, jnp.log(2.0)]]), jnp.ones((1, 2))).round(4))
         [[0.     0.3069]]
     """
@@ -285,6 +290,7 @@ def entropy_from_logits(logits: jax.Array) -> jax.Array:
 
     Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import entropy_from_logits
         >>> entropy_from_logits(jnp.zeros((1, 2)))  # uniform over 2 tokens: log 2
         Array([0.6931472], dtype=float32)
     """
@@ -312,8 +318,9 @@ def loss_normalizer(
     Returns:
         Scalar float32 denominator (not guarded against 0; :func:`aggregate_loss` is).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import loss_normalizer
         >>> mask = jnp.array([[1, 1, 0], [1, 0, 0]])
         >>> float(loss_normalizer(mask, "token_mean"))
         3.0
@@ -369,8 +376,9 @@ def aggregate_loss(
     Returns:
         Scalar float32.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import aggregate_loss
         >>> per_token = jnp.array([[1.0, 1.0, 0.0], [4.0, 0.0, 0.0]])
         >>> mask = jnp.array([[1, 1, 0], [1, 0, 0]])
         >>> float(aggregate_loss(per_token, mask, "sequence_mean"))
@@ -427,8 +435,9 @@ def cispo_surrogate(
     Returns:
         ``(loss, clipped)``, each ``(B, T)`` float32 and 0 at masked positions.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import cispo_surrogate
         >>> log_ratio = jnp.log(jnp.array([[1.0, 8.0]]))
         >>> logp = jnp.array([[-1.0, -2.0]])
         >>> loss, clipped = cispo_surrogate(log_ratio, logp, jnp.array([1.0]), jnp.ones((1, 2)),
@@ -475,8 +484,9 @@ def sapo_surrogate(
     Returns:
         ``(B, T)`` float32 losses, 0 at masked positions.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import sapo_surrogate
         >>> loss = sapo_surrogate(jnp.zeros((1, 2)), jnp.array([1.0]), jnp.ones((1, 2)),
         ...                       temperature_pos=1.0, temperature_neg=1.05)
         >>> loss.tolist()
@@ -531,8 +541,9 @@ def vespo_weights(
         ``(B, T)`` float32 weights (one value per completion where the advantage is constant
         over it), 0 at masked positions.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import vespo_weights
         >>> w = vespo_weights(jnp.zeros((2, 2)), jnp.array([1.0, -1.0]), jnp.ones((2, 2)))
         >>> w.tolist()
         [[1.0, 1.0], [1.0, 1.0]]
@@ -595,8 +606,9 @@ def sampler_importance_weights(
         where the ratio lay outside ``[C_min, C_max]`` (truncated or masked); 0 at masked
         positions.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import sampler_importance_weights
         >>> train, sampler = jnp.log(jnp.array([[0.5, 0.9]])), jnp.log(jnp.array([[0.25, 0.9]]))
         >>> w, ratio, outside = sampler_importance_weights(
         ...     train, sampler, jnp.ones((1, 2)), mode="truncate", ratio_max=1.25
@@ -672,8 +684,9 @@ def off_policy_sequence_mask(
     Returns:
         ``(B, T)`` float32 mask, 1 where kept.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import off_policy_sequence_mask
         >>> logp = jnp.array([[-3.0, -3.0], [-3.0, -3.0]])
         >>> behavior = jnp.array([[-1.0, -1.0], [-1.0, -1.0]])
         >>> off_policy_sequence_mask(jnp.array([1.0, -1.0]), logp, behavior, jnp.ones((2, 2)),
@@ -711,8 +724,9 @@ def entropy_quantile_threshold(entropy: jax.Array, mask: jax.Array, q: float) ->
     Returns:
         Scalar float32 threshold.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import entropy_quantile_threshold
         >>> entropy = jnp.array([[1.0, 2.0, 3.0, 9.0]])
         >>> float(entropy_quantile_threshold(entropy, jnp.array([[1, 1, 1, 0]]), 0.5))
         2.0
@@ -753,8 +767,9 @@ def high_entropy_mask(
     Returns:
         ``(B, T)`` float32 0/1 mask.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import high_entropy_mask
         >>> entropy = jnp.array([[0.1, 2.0, 0.3, 1.5, 0.2]])
         >>> high_entropy_mask(entropy, jnp.ones((1, 5)), 0.4).tolist()
         [[0.0, 1.0, 0.0, 1.0, 0.0]]

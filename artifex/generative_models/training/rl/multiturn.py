@@ -92,7 +92,7 @@ class Environment(Protocol):
     ``tool_schemas`` (passed to the chat template as ``tools``), ``tool_calls`` and
     ``tool_errors`` (counters for the metrics).
 
-    Example:
+    Examples:
         >>> class Countdown:  # two turns, then done; any object with reset/step will do
         ...     def reset(self, row):
         ...         self.left = 2
@@ -145,7 +145,8 @@ class ToolEnvironment:
             messages is used as is).
         system_prompt: Optional system message put first.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import ToolEnvironment
         >>> def multiply(a: int, b: int) -> int:
         ...     '''Multiplies two integers.
         ...
@@ -250,7 +251,8 @@ def environment_reward(
     Returns:
         One reward (or ``None``) per row.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import environment_reward
         >>> environment_reward(["q", "q"], ["a", "b"], env_reward=[1.0, float("nan")])
         [1.0, None]
     """
@@ -279,7 +281,8 @@ class MultiTurnConfig:
         TypeError: A field of the wrong type (``max_turns=2.0``, ``stop_strings`` as a list).
         ValueError: A field out of range, or ``max_new_tokens > max_completion_tokens``.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import MultiTurnConfig
         >>> config = MultiTurnConfig(max_turns=3, max_new_tokens=32, max_completion_tokens=128)
         >>> config.max_turns, config.stop_strings
         (3, ('</tool_call>',))
@@ -350,8 +353,9 @@ class Episodes:
         turn_ends: ``(R, max_turns)`` completion index of the last model token of each turn
             (-1: no such turn).
 
-    Example:
+    Examples:
         >>> import dataclasses
+        >>> from artifex.generative_models.training.rl import Episodes
         >>> [f.name for f in dataclasses.fields(Episodes)][:5]
         ['prompt_ids', 'prompt_mask', 'completion_ids', 'completion_mask', 'log_probs']
     """
@@ -467,9 +471,10 @@ def run_episodes(
             different messages, or the prompt does not fit the model's positions.
         TypeError: ``num_generations`` is not an int.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import MultiTurnConfig, run_episodes
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> template = "{% for m in messages %}{{ m.content }}={% endfor %}"
@@ -674,9 +679,14 @@ def turn_step_rewards(episodes: Episodes) -> np.ndarray:
     Returns:
         ``(R, T)`` float32 step rewards (the batch's ``step_rewards``).
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import (
+        ...     MultiTurnConfig,
+        ...     run_episodes,
+        ...     turn_step_rewards,
+        ... )
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> template = "{% for m in messages %}{{ m.content }}={% endfor %}"
@@ -734,7 +744,8 @@ class MultiTurnRolloutResult(Rollout):
         truncated: ``(B,)`` episodes stopped by the turn or token limit.
         episodes: The :class:`Episodes` (turns, tool calls, limits, per-turn rewards).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import MultiTurnRolloutResult
         >>> from artifex.generative_models.training.rl.rollout import Rollout
         >>> issubclass(MultiTurnRolloutResult, Rollout)  # the loop reads it like a Rollout
         True
@@ -768,9 +779,14 @@ class MultiTurnRollout:
         environment_factory: Builds one :class:`Environment` per episode.
         config: The :class:`MultiTurnConfig`.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import (
+        ...     MultiTurnConfig,
+        ...     MultiTurnRollout,
+        ...     environment_reward,
+        ... )
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> from artifex.generative_models.training.rl import (

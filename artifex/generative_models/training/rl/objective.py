@@ -59,9 +59,9 @@ def as_grpo_batch(batch: GRPOBatch | Mapping[str, Any], config: GRPOConfig) -> G
     Raises:
         TypeError: For any other batch type.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> from artifex.generative_models.training.rl import GRPOConfig, as_grpo_batch
         >>> batch = as_grpo_batch(
         ...     {"observations": jnp.ones((4, 3)), "actions": jnp.array([0, 1, 2, 0]),
         ...      "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])},
@@ -105,9 +105,13 @@ def compute_advantages(batch: GRPOBatch, config: GRPOConfig) -> jax.Array:
     Returns:
         The advantages.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> from artifex.generative_models.training.rl import (
+        ...     GRPOBatch,
+        ...     GRPOConfig,
+        ...     compute_advantages,
+        ... )
         >>> batch = GRPOBatch(
         ...     prompt_ids=jnp.zeros((4, 1), jnp.int32),
         ...     completion_ids=jnp.zeros((4, 2), jnp.int32),
@@ -341,8 +345,9 @@ def grpo_objective(
         ValueError: ``entropy`` is ``None`` while ``entropy_coeff > 0`` or
             ``top_entropy_quantile < 1``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training import grpo_objective
         >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
         >>> batch = GRPOBatch(
         ...     prompt_ids=jnp.zeros((2, 1), jnp.int32),
@@ -453,9 +458,9 @@ def split_microbatches(batch: GRPOBatch, num_microbatches: int) -> GRPOBatch:
     Raises:
         ValueError: If ``A`` does not divide the number of rows.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl import GRPOBatch
+        >>> from artifex.generative_models.training.rl import GRPOBatch, split_microbatches
         >>> batch = GRPOBatch(
         ...     prompt_ids=jnp.zeros((4, 1), jnp.int32),
         ...     completion_ids=jnp.zeros((4, 3), jnp.int32),
@@ -522,9 +527,10 @@ def make_grpo_loss(
     Returns:
         ``grpo_loss``.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import make_grpo_loss
         >>> from artifex.generative_models.training.rl import GRPOConfig
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))  # a 3-action policy
         >>> grpo_loss = make_grpo_loss(model, GRPOConfig(num_generations=2))

@@ -94,9 +94,10 @@ class LayerSplit:
         order: For each group (in the order of ``groups``), the indices of its parameter
             leaves among all parameter leaves, in the order its sub-tree flattens.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl.optimizer_split import split_by_layer
         >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
         ...                     "head": {"w": jnp.ones(3)}})
         >>> tx = optax.adam(1e-2)
@@ -265,9 +266,10 @@ def split_by_layer(
         ``(split, "")`` where the update of every group equals its part of the whole update;
         ``(None, reason)`` otherwise.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl.optimizer_split import split_by_layer
         >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
         ...                     "head": {"w": jnp.ones(3)}})
         >>> adamw = optax.adamw(1e-2)
@@ -365,9 +367,10 @@ class SplitDecisions:
     Args:
         tx: The optax transformation.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl.optimizer_split import SplitDecisions
         >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
         ...                     "head": {"w": jnp.ones(3)}})
         >>> tx = optax.adam(1e-2)
@@ -574,10 +577,15 @@ class LayerOptimizer:
         tx: The optax transformation.
         config: The GRPO options (``max_grad_norm``, ``entropy_coeff``).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> from artifex.generative_models.training.rl.optimizer_split import (
+        ...     LayerOptimizer,
+        ...     group_tree,
+        ...     split_by_layer,
+        ... )
         >>> from artifex.generative_models.training.rl.state import GRPOTrainState
         >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
         ...                     "head": {"w": jnp.ones(3)}})
@@ -781,8 +789,12 @@ def interrupt_scope() -> Iterator[None]:
     Returns:
         A context manager.
 
-    Example:
+    Examples:
         >>> import signal
+        >>> from artifex.generative_models.training.rl.optimizer_split import (
+        ...     deferred_interrupt,
+        ...     interrupt_scope,
+        ... )
         >>> order = []
         >>> try:
         ...     with interrupt_scope():

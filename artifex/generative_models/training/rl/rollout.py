@@ -84,10 +84,10 @@ class Policy:
             reference exists and ``beta > 0``) with the training graph, or ``None`` when the
             rollout is never asked for old log-probs.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
-        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> from artifex.generative_models.training.rl import GRPOConfig, Policy
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> policy = Policy(CausalLM(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=4))
@@ -105,10 +105,11 @@ class Policy:
 class SupportsPolicy(Protocol):
     """Anything that can present itself as a :class:`Policy` (e.g. ``GRPOTrainer``).
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
-        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> from artifex.generative_models.training.rl import GRPOConfig, Policy
+        >>> from artifex.generative_models.training.rl.rollout import SupportsPolicy, as_policy
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> class Holder:  # e.g. a trainer: anything with a policy() method
@@ -178,7 +179,8 @@ class RolloutConfig:
             (``None``: ``auto_row_groups``, which splits only for small models on the CPU; 1:
             one run). See ``generate``.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training import RolloutConfig
         >>> config = RolloutConfig(max_new_tokens=16, top_p=0.95)
         >>> config.max_new_tokens, config.old_log_probs
         (16, 'auto')
@@ -224,9 +226,11 @@ class Rollout:
         reward_names: The functions' names.
         truncated: ``(B,)`` rows that hit ``max_new_tokens`` without EOS.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import RolloutConfig
+        >>> from artifex.generative_models.training.rl import Policy, rollout
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> from artifex.generative_models.training.rl import GRPOConfig, RewardCombiner
@@ -304,8 +308,9 @@ def encode_prompts(
     Raises:
         ValueError: A row lacks the prompt column, a prompt is empty or too long.
 
-    Example:
+    Examples:
         >>> from artifex.generative_models.models.causal_lm import Tokenizer
+        >>> from artifex.generative_models.training.rl import encode_prompts
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> texts, ids, mask = encode_prompts(tok, [{"prompt": "1+2="}, {"prompt": "3="}])
         >>> texts, ids.tolist(), mask.tolist()
@@ -365,9 +370,11 @@ class Completions:
         lengths: ``(B * K,)`` completion lengths in tokens.
         truncated: ``(B * K,)`` rows that hit ``max_new_tokens`` without EOS.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import RolloutConfig
+        >>> from artifex.generative_models.training.rl import sample_completions
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> tok = Tokenizer.for_characters("0123456789+=")
@@ -429,9 +436,11 @@ def sample_completions(
         ValueError: Missing prompt column, empty or too-long prompts, or a dataset column named
             ``completion_length``.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import RolloutConfig
+        >>> from artifex.generative_models.training.rl import sample_completions
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> tok = Tokenizer.for_characters("0123456789+=")
@@ -511,8 +520,9 @@ def spans_processes(mesh: Any) -> bool:
     Returns:
         ``True`` when the mesh spans several processes.
 
-    Example:
+    Examples:
         >>> import jax
+        >>> from artifex.generative_models.training.rl.rollout import spans_processes
         >>> spans_processes(None), spans_processes(jax.make_mesh((1,), ("data",)))
         (False, False)
     """
@@ -581,9 +591,11 @@ def rollout(
         ValueError: Missing prompt column, empty or too-long prompts, a reward function with
             the wrong output (see the rewards module).
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import RolloutConfig
+        >>> from artifex.generative_models.training.rl import Policy, rollout
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> from artifex.generative_models.training.rl import GRPOConfig, RewardCombiner
@@ -696,9 +708,11 @@ def rollout_batch_like(
         TypeError: ``config`` is not a :class:`RolloutConfig`, ``need_old_log_probs`` not a
             bool, or ``rows`` not a sequence.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import RolloutConfig
+        >>> from artifex.generative_models.training.rl import Policy, rollout_batch_like
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> from artifex.generative_models.training.rl import GRPOConfig

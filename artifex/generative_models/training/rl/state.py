@@ -67,7 +67,8 @@ class NonFiniteUpdateError(FloatingPointError):
     Attributes:
         metrics: The step's metrics (as floats), to see what went wrong.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training import NonFiniteUpdateError
         >>> err = NonFiniteUpdateError("loss is nan", {"loss": float("nan")})
         >>> isinstance(err, FloatingPointError), sorted(err.metrics)
         (True, ['loss'])
@@ -98,9 +99,10 @@ class GRPOTrainState:
             draw their sampling keys from it (``jax.random.fold_in(state.rng, step)``).
         reference: The frozen reference policy's variables (``None``: no reference model).
 
-    Example:
+    Examples:
         >>> import jax, optax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import init_train_state
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
         >>> state = init_train_state(model, optimizer, rng=jax.random.key(0))
@@ -151,9 +153,10 @@ def init_train_state(
     Raises:
         TypeError: If an argument has the wrong type.
 
-    Example:
+    Examples:
         >>> import jax, optax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import init_train_state
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
         >>> state = init_train_state(model, optimizer, rng=jax.random.key(1))
@@ -191,9 +194,10 @@ def write_train_state(
         optimizer: Its optimizer.
         reference_model: The reference model, when the state has one.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, optax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import init_train_state, write_train_state
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
         >>> state = init_train_state(model, optimizer)
@@ -306,10 +310,15 @@ def make_grpo_train_step(
         TypeError: ``config`` is not a ``GRPOConfig``.
         ValueError: ``num_microbatches`` is not an int >= 1.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, optax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> from artifex.generative_models.training.rl import (
+        ...     GRPOBatch,
+        ...     GRPOConfig,
+        ...     init_train_state,
+        ...     make_grpo_train_step,
+        ... )
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))  # a 3-action policy
         >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         >>> step = jax.jit(make_grpo_train_step(model, optimizer.tx, GRPOConfig()))
@@ -370,10 +379,15 @@ def make_grpo_gradients(
         TypeError: ``config`` is not a ``GRPOConfig``.
         ValueError: ``num_microbatches`` is not an int >= 1.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, optax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> from artifex.generative_models.training.rl import (
+        ...     GRPOBatch,
+        ...     GRPOConfig,
+        ...     init_train_state,
+        ... )
+        >>> from artifex.generative_models.training.rl.state import make_grpo_gradients
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         >>> gradients = jax.jit(make_grpo_gradients(model, GRPOConfig()))
@@ -598,10 +612,15 @@ def make_grpo_log_probs(
     Returns:
         ``log_probs(state, batch)``; ``ref_log_probs`` is ``None`` when not computed.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> from artifex.generative_models.training.rl import (
+        ...     GRPOBatch,
+        ...     GRPOConfig,
+        ...     init_train_state,
+        ...     make_grpo_log_probs,
+        ... )
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
         >>> log_probs = make_grpo_log_probs(model, GRPOConfig(num_generations=2))

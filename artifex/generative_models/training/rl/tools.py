@@ -55,7 +55,8 @@ class ToolCall:
         arguments: The keyword arguments.
         error: Why the call is malformed (``None`` for a well-formed call).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import parse_tool_calls
         >>> text = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
         >>> call = parse_tool_calls(text)[0]
         >>> call.name, call.arguments, call.error
@@ -112,7 +113,8 @@ def parse_tool_calls(text: str, tool_format: ToolFormat = "qwen") -> list[ToolCa
         ValueError: An unknown ``tool_format``.
         TypeError: A ``tool_format`` that is not a string.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import parse_tool_calls
         >>> text = ('Let me compute. <tool_call>{"name": "multiply", '
         ...         '"arguments": {"a": 2, "b": 3}}</tool_call>')
         >>> parse_tool_calls(text)
@@ -145,7 +147,8 @@ class ToolResult:
         error: ``None`` on success, else the kind of failure: ``"malformed"``, ``"unknown"``,
             ``"arguments"``, ``"exception"``, ``"timeout"`` or ``"not_text"``.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import ToolCall, ToolRunner
         >>> def multiply(a: int, b: int) -> int:
         ...     '''Multiplies two integers.
         ...
@@ -183,7 +186,8 @@ class ToolRunner:
         TypeError: A tool without a valid schema (see :func:`tool_schema`), or a timeout that
             is not a number.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import ToolRunner, parse_tool_calls
         >>> def multiply(a: int, b: int) -> int:
         ...     '''Multiplies two integers.
         ...

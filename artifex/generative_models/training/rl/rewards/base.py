@@ -40,7 +40,7 @@ class RewardFunction(Protocol):
     rewards are rejected. A function's name in logs and errors is its ``__name__`` (see
     :func:`reward_names`).
 
-    Example:
+    Examples:
         >>> def exact_match(prompts, completions, answer, **columns):
         ...     return [float(c.strip() == a) for c, a in zip(completions, answer)]
         >>> exact_match(["1+1=", "1+1="], ["2", " 3"], answer=["2", "2"])
@@ -80,7 +80,8 @@ class RewardFunctionError(RuntimeError):
         row: the first batch row on which the function fails when called on that row alone,
             or ``None`` when the failure could not be traced to a single row.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import RewardFunctionError
         >>> err = RewardFunctionError("exact_match failed", function_name="exact_match",
         ...                           function_index=0, row=3)
         >>> isinstance(err, RuntimeError), err.function_name, err.row
@@ -119,8 +120,9 @@ def reward_names(funcs: Sequence[Callable[..., Any]]) -> list[str]:
     Returns:
         One unique name per function, in the same order.
 
-    Example:
+    Examples:
         >>> import functools
+        >>> from artifex.generative_models.training.rl import reward_names
         >>> def score(prompts, completions, scale=1.0, **columns):
         ...     return [scale] * len(completions)
         >>> reward_names([score, functools.partial(score, scale=2.0), score])

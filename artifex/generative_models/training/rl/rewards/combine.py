@@ -49,7 +49,8 @@ class CombinedRewards(NamedTuple):
         per_function: ``(B, F)`` float32 raw rewards of each function (unweighted and not
             normalized, for logging); NaN where a function returned ``None``.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import combine_rewards
         >>> total, per_function = combine_rewards(
         ...     [lambda prompts, completions, **c: [1.0, None]], ["q", "q"], ["a", "b"]
         ... )
@@ -176,8 +177,9 @@ def combine_reward_columns(
         TypeError: if ``group_size`` is not an int, ``eps`` not a number, ``mode`` not a
             string or ``weights`` not numbers.
 
-    Example:
+    Examples:
         >>> import numpy as np
+        >>> from artifex.generative_models.training.rl import combine_reward_columns
         >>> per_function = np.array([[1.0, 0.5], [0.0, np.nan], [np.nan, np.nan]])
         >>> combine_reward_columns(per_function, weights=[1.0, 2.0]).tolist()
         [2.0, 0.0, nan]
@@ -346,7 +348,8 @@ def combine_rewards(
             column is not a list (a string is not), ``weights`` are not numbers, or
             ``mode``/``eps``/``group_size`` has the wrong type.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import combine_rewards
         >>> def correct(prompts, completions, answer, **columns):
         ...     return [float(c == a) for c, a in zip(completions, answer)]
         >>> def short(prompts, completions, **columns):
@@ -438,7 +441,8 @@ class RewardCombiner:
     default for calls that pass none, and a call that passes a different one raises
     ``ValueError`` (the group size lives in one place). ``"sum"`` mode ignores the group size.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training import RewardCombiner
         >>> from artifex.generative_models.training.rl.rewards import (
         ...     format_reward,
         ...     math_answer_reward,

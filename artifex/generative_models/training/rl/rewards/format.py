@@ -71,7 +71,8 @@ def format_reward(
         TypeError: if an argument has the wrong type (``match=1``, a tag that is not a string,
             a reward that is not a number); (when called) if a completion is not a string.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import format_reward
         >>> reward = format_reward()  # <think>...</think><answer>...</answer>
         >>> reward(["q", "q"], ["<think>2+2</think> <answer>4</answer>", "<answer>4</answer>"])
         [1.0, 0.0]

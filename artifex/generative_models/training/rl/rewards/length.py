@@ -55,7 +55,8 @@ def overlong_penalty(
             ``cache_length`` is outside ``[0, max_length]``.
         TypeError: if ``max_length`` or ``cache_length`` is not an int.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import overlong_penalty
         >>> overlong_penalty([10, 18, 20, 25], max_length=20, cache_length=4).tolist()
         [0.0, -0.5, -1.0, -1.0]
 
@@ -114,7 +115,8 @@ def soft_overlong_penalty(
         TypeError: if ``max_length``/``cache_length`` are not ints, ``length_column``/``name``
             are not strings or ``length_fn`` is not callable.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import soft_overlong_penalty
         >>> reward = soft_overlong_penalty(20, 4)
         >>> reward(["q"] * 3, ["a", "b", "c"], completion_length=[10, 18, 30])
         [0.0, -0.5, -1.0]

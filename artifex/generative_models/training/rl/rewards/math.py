@@ -154,7 +154,8 @@ def extract_answer(text: str, *, last_number_fallback: bool = False) -> str | No
     Raises:
         TypeError: if ``text`` is not a string.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import extract_answer
         >>> extract_answer("So the total is 12 apples. #### 12")
         '12'
         >>> extract_answer("<answer>3/4</answer>")
@@ -326,7 +327,8 @@ def normalize_number(answer: str) -> Fraction | None:
     Raises:
         TypeError: if ``answer`` is not a string.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import normalize_number
         >>> normalize_number("1,000"), normalize_number("0.75"), normalize_number("3/4")
         (Fraction(1000, 1), Fraction(3, 4), Fraction(3, 4))
         >>> normalize_number("x + 1") is None
@@ -364,7 +366,8 @@ def answers_equal(a: str, b: str) -> bool:
     Raises:
         TypeError: if ``a`` or ``b`` is not a string.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import answers_equal
         >>> answers_equal("0.5", "1/2"), answers_equal("1,000", "1000"), answers_equal("2", "3")
         (True, True, False)
     """
@@ -500,7 +503,8 @@ def math_answer_reward(
     It is ``None`` ("no reward") only when the reference itself is missing: ``None``, NaN or
     empty. A non-numeric reference (``\text{Monday}``) is still graded.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import math_answer_reward
         >>> reward = math_answer_reward(extraction="last_number", backend="builtin")
         >>> reward(["q", "q"], ["5 + 7 = 12 apples", "I think 13."], answer=["... #### 12"] * 2)
         [1.0, 0.0]
