@@ -3,11 +3,10 @@ r"""GRPO, the stateful trainer: ``GRPOTrainer(model, optimizer, config).train_st
 The loss is a pure function (:mod:`~artifex.generative_models.training.rl.objective`:
 :func:`grpo_objective`, :func:`make_grpo_loss`), the update a pure function of a train state
 (:mod:`~artifex.generative_models.training.rl.state`: ``grpo_train_step``). This module holds
-:class:`GRPOTrainer`, the stateful shell users know from the artifex GRPO documentation: it
-validates user batches once at the boundary, runs the compiled update on the state of its
-``nnx`` model and optimizer, and raises :class:`NonFiniteUpdateError` when a step was rejected.
-:meth:`GRPOTrainer.train` runs the whole loop
-(:func:`~artifex.generative_models.training.rl.loop.train`).
+:class:`GRPOTrainer`, the stateful shell: it validates user batches once at the boundary,
+runs the compiled update on the state of its ``nnx`` model and optimizer, and raises
+:class:`NonFiniteUpdateError` when a step was rejected. :meth:`GRPOTrainer.train` runs the
+whole loop (:func:`~artifex.generative_models.training.rl.loop.train`).
 """
 
 from __future__ import annotations
@@ -145,10 +144,8 @@ def auto_num_microbatches(
     ``r * completion_width + (r / group_size) * prompt_width`` for ``r`` rows with shared
     prompts, ``r * (prompt_width + completion_width)`` without. Splitting changes nothing in
     the update (advantages and the loss normalizer come from the whole batch) but the size of
-    the step's temporaries, which on the CPU are mapped anew, page by page, at every run of the
-    step: on W1 (``docs/benchmarks.md``: 32 rows of 32 + 96 tokens) 4 microbatches of 832
-    positions took the step's temporaries from 0.46 to 0.15 GB and the update from 0.48
-    to 0.42 s, while 8 of 416 positions were slower again (matrix products of too few rows).
+    the step's temporaries, which on the CPU are mapped anew at every run of the step; slices
+    below ``min_tokens`` positions are slower again (matrix products of too few rows).
 
     Args:
         rows: The batch's rows.
@@ -167,9 +164,9 @@ def auto_num_microbatches(
 
     Examples:
         >>> from artifex.generative_models.training.rl import auto_num_microbatches
-        >>> auto_num_microbatches(32, 4, 32, 96)  # W1: 4 slices of 2 groups, 832 positions
+        >>> auto_num_microbatches(32, 4, 32, 96)  # 4 slices of 2 groups, 832 positions each
         4
-        >>> auto_num_microbatches(16, 4, 64, 64)  # W2's shape: 2 slices of 640 positions
+        >>> auto_num_microbatches(16, 4, 64, 64)  # 2 slices of 640 positions
         2
         >>> auto_num_microbatches(8, 4, 16, 32)   # 320 positions in all: one piece
         1
@@ -235,8 +232,9 @@ def _uncommitted_key(key: jax.Array) -> jax.Array:
 class _CompiledStep:
     """A trainer's compiled step as ``(state, batch) -> (state, metrics)``.
 
-    It splits the state into what the update changes (parameters, optimizer state, step:
-    donated) and what it reads (frozen variables, PRNG key, reference: not donated).
+    It splits the state into what the update changes (parameters, optimizer state, step: their
+    input buffers are donated to XLA, reused for the outputs) and what it only reads (frozen
+    variables, PRNG key, reference).
     """
 
     def __init__(self, jitted: Any):
@@ -280,7 +278,7 @@ class _CompiledStep:
         second one.
 
         Args:
-            state: A train state (its arrays are read for their types, not donated).
+            state: A train state (only its arrays' types are read).
             batch: A batch with the structure, shapes and dtypes of the batches to come.
 
         Returns:
@@ -338,11 +336,11 @@ class _SplitStep:
 
     ``(state, batch) -> (state, metrics)`` as :class:`_CompiledStep`, with the same values (the
     gradient norm summed in another order): the objective and its gradient in one program
-    (``make_grpo_gradients``, nothing donated), then clipping, ``tx`` and the guard per
-    parameter group (:class:`~artifex.generative_models.training.rl.optimizer_split.
+    (``make_grpo_gradients``; no input buffer donated to XLA), then clipping, ``tx`` and the
+    guard per parameter group (:class:`~artifex.generative_models.training.rl.optimizer_split.
     LayerOptimizer`: each decoder layer, then the rest), whose programs compile once per group
-    structure. The one-program step holds the optimizer's work for every parameter array,
-    about half of its compile for SmolLM2-135M's 273 arrays (``docs/benchmarks.md``).
+    structure, where the one-program step compiles the optimizer's work for every parameter
+    array.
     """
 
     def __init__(
@@ -498,8 +496,8 @@ def _replicated_key(key: jax.Array, mesh: Mesh) -> jax.Array:
 def _unshare_buffers(reference: nnx.Module, model: nnx.Module) -> None:
     """Gives ``reference`` its own copy of any array it shares with ``model``.
 
-    ``nnx.clone`` shares arrays; the trainer donates the model's buffers to the compiled step,
-    which would delete a reference that still points at them.
+    ``nnx.clone`` shares arrays; the compiled step reuses the model's buffers for its outputs
+    (they are donated to XLA), which would delete a reference that still points at them.
     """
     model_ids = {id(x) for x in jax.tree.leaves(nnx.state(model))}
     state = nnx.state(reference)
@@ -518,36 +516,20 @@ class GRPOTrainer:
     model, optimizer and reference, builds their
     :class:`~artifex.generative_models.training.rl.state.GRPOTrainState`, runs the compiled
     step on it and writes the result back. ``train_step(batch)`` validates the batch on the
-    host, then runs one compiled step:
-    per-token log-probs -> advantages -> clipped surrogate + KL + entropy -> gradient ->
-    global-norm clipping -> ``optimizer.update``. The step compiles once per batch shape. If
-    the loss or gradient is not finite the update is not applied (model and optimizer keep
-    their state) and :class:`NonFiniteUpdateError` is raised carrying the metrics.
+    host, then runs one step, compiled once per batch shape: per-token log-probs ->
+    advantages -> clipped surrogate + KL + entropy -> gradient -> global-norm clipping ->
+    ``optimizer.update``. A step whose loss or gradient is not finite is not applied (model
+    and optimizer keep their state) and raises :class:`NonFiniteUpdateError`.
 
-    Reference policy for the KL term (``beta > 0``), in order: the batch's ``ref_log_probs``;
-    ``reference_model`` (run inside the same compiled step); for a LoRA policy trained with
-    ``wrt=nnx.LoRAParam``, the same model with its adapters zeroed (the base weights exist
-    once). Without any of these the KL term is 0 and a warning says so (the artifex GRPO
-    documentation describes the KL penalty as enabled by providing ``ref_log_probs``).
+    The KL term (``beta > 0``) takes its reference log-probs, in order, from the batch's
+    ``ref_log_probs``, from ``reference_model`` (run inside the step), or, for a LoRA policy
+    trained with ``wrt=nnx.LoRAParam``, from the same model with its adapters zeroed. Without
+    any of these the KL term is 0 and a warning says so.
 
-    The step donates the model's and optimizer's buffers (so parameters and optimizer state
-    exist once in memory): arrays taken out of the model before a step are invalid after it;
-    copy them (``jnp.copy``) to keep them. A ``reference_model`` sharing arrays with the policy
-    (``nnx.clone``) gets its own copies when the trainer is built.
-
-    Examples:
-        >>> import jax.numpy as jnp, optax
-        >>> from flax import nnx
-        >>> from artifex.generative_models.training import GRPOTrainer
-        >>> from artifex.generative_models.training.rl import GRPOConfig
-        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))  # a 3-action policy
-        >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-        >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4, beta=0.0))
-        >>> batch = {"observations": jnp.ones((4, 4)), "actions": jnp.array([0, 1, 2, 0]),
-        ...          "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])}
-        >>> metrics = trainer.train_step(batch)  # dict[str, float]
-        >>> metrics["reward_mean"], metrics["grad_norm"] > 0, int(optimizer.step[...])
-        (0.5, True, 1)
+    The model's and optimizer's input buffers are donated to XLA (reused for the step's
+    outputs), so parameters and optimizer state exist once in memory: arrays taken out of the
+    model before a step are invalid after it; ``jnp.copy`` them to keep them. A
+    ``reference_model`` sharing arrays with the policy (``nnx.clone``) gets its own copies.
 
     Args:
         model: The policy: a causal LM (``hidden_states``/``output_embedding``) or any module
@@ -557,15 +539,26 @@ class GRPOTrainer:
         reference_model: Optional frozen reference policy (same kind of model).
         log_prob_fn: Optional ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
         mesh: Optional ``jax.sharding.Mesh`` (default: the mesh set with ``jax.set_mesh``, if
-            any). The model, reference and optimizer state are placed on it when the trainer is
-            built (:func:`~artifex.generative_models.training.sharding.shard_model`,
-            :func:`~artifex.generative_models.training.sharding.shard_optimizer`), each batch
-            is split over its data axes, and the same compiled step runs with its outputs kept
-            in the inputs' layout (so donation reuses the buffers).
+            any). The model, reference and optimizer state are placed on it
+            (:func:`~artifex.generative_models.training.sharding.shard_model`,
+            :func:`~artifex.generative_models.training.sharding.shard_optimizer`) and each
+            batch is split over its data axes.
         partition_rules: :class:`~artifex.generative_models.training.sharding.PartitionRules`
             (or ``(regex, PartitionSpec)`` pairs) for ``mesh``; default ``PartitionRules()``.
-        rng: The run's PRNG key, carried in the train state (default ``jax.random.key(0)``;
-            the training loop sets it from ``TrainConfig.seed``).
+        rng: The run's PRNG key, carried in the train state (default ``jax.random.key(0)``).
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))  # a 3-action policy
+        >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4, beta=0.0))
+        >>> batch = {"observations": jnp.ones((4, 4)), "actions": jnp.array([0, 1, 2, 0]),
+        ...          "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])}
+        >>> metrics = trainer.train_step(batch)  # dict[str, float]
+        >>> metrics["reward_mean"], metrics["grad_norm"] > 0, int(optimizer.step[...])
+        (0.5, True, 1)
     """
 
     def __init__(
@@ -695,7 +688,7 @@ class GRPOTrainer:
         """The train state of the model, optimizer, reference and ``rng`` (their own arrays).
 
         A :class:`~artifex.generative_models.training.rl.state.GRPOTrainState`, not a copy:
-        the compiled step donates it.
+        the compiled step reuses its buffers for its outputs (they are donated to XLA).
 
         Examples:
             >>> import optax
@@ -816,9 +809,9 @@ class GRPOTrainer:
     def compiled_step(self, num_microbatches: int = 1) -> Any:
         """The compiled ``grpo_train_step(state, batch) -> (state, metrics)`` of this trainer.
 
-        The trainable parameters, optimizer state and step count are donated (updated in
-        place); the frozen variables, the PRNG key and the reference are read, not donated, so
-        they stay valid and are never written back.
+        The input buffers of the trainable parameters, optimizer state and step count are
+        donated to XLA (reused for the outputs, so they are invalid after the call); the frozen
+        variables, the PRNG key and the reference are only read, so they stay valid.
 
         Args:
             num_microbatches: Gradient-accumulation slices bound into the step.
@@ -1068,7 +1061,7 @@ class GRPOTrainer:
             >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
             >>> trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
             ...                       GRPOConfig(num_generations=4, beta=0.0))
-            >>> batch = trainer.prepare_batch(GRPOBatch.zeros(8, 4, 32, 96))  # W1's shape
+            >>> batch = trainer.prepare_batch(GRPOBatch.zeros(8, 4, 32, 96))  # 32 rows
             >>> batch.shared_prompts, trainer.auto_microbatches(batch)  # on the CPU
             (True, 4)
         """
@@ -1109,7 +1102,7 @@ class GRPOTrainer:
         """One GRPO update on ``batch``.
 
         Args:
-            batch: A :class:`GRPOBatch` (flat prompt-major rows) or the dict batch form
+            batch: A :class:`GRPOBatch` (row ``i`` of prompt ``i // G``) or the dict batch form
                 (``observations``, ``actions``, ``rewards``, optional ``log_probs``,
                 ``ref_log_probs``, ``group_size``).
             num_microbatches: Accumulate gradients over this many equal row slices of the batch
@@ -1152,19 +1145,16 @@ class GRPOTrainer:
         """Compiles the step for batches like ``batch`` in a background thread, and returns.
 
         Start it before the first rollout: the update then compiles while the sampler compiles
-        and generates, instead of after it (on the CPU both share the cores, so the first
-        step gains less than the compile time; see ``docs/benchmarks.md``). The step is
+        and generates, instead of after it (on the CPU both share the cores). The step is
         traced here, in the caller's JAX context, and compiled in the background;
         ``train_step`` waits for a compilation still in flight rather than starting a second
         one.
 
-        The example is validated and placed like a real batch (:meth:`prepare_batch`), and
-        only its structure, shapes and dtypes matter; it must be laid out as the batches to
-        come (for a GRPO rollout: each prompt repeated ``group_size`` times, as the sampler
-        returns them, so that the prompts are encoded once per group, and padded to the
-        sampler's prompt-length bucket): :meth:`GRPOBatch.zeros` builds one. If it differs,
-        the first ``train_step`` compiles for its own batch (a different structure or shape
-        shows as ``num_compilations`` counting both).
+        The example is validated and placed like a real batch (:meth:`prepare_batch`); only
+        its structure, shapes and dtypes matter, and they must be those of the batches to come
+        (for a GRPO rollout: each prompt repeated ``group_size`` times and padded to the
+        sampler's prompt-length bucket, as :meth:`GRPOBatch.zeros` builds it). Otherwise the
+        first ``train_step`` compiles for its own batch (``num_compilations`` counts both).
 
         Args:
             batch: An example batch (``GRPOBatch.zeros(num_prompts, group_size,
@@ -1232,9 +1222,9 @@ class GRPOTrainer:
     def store_update(self, state: GRPOTrainState) -> None:
         """Writes what an update changes (parameters, optimizer state, step) into the model.
 
-        The frozen variables, the PRNG key and the reference are read by the compiled step,
-        never donated, so they need no write-back. A loop that runs several updates on one
-        generation batch calls this once, after the last.
+        The frozen variables, the PRNG key and the reference are only read by the compiled
+        step (their buffers are not donated to XLA), so they need no write-back. A loop that
+        runs several updates on one generation batch calls this once, after the last.
 
         Args:
             state: The state the compiled step returned.

@@ -107,9 +107,8 @@ class TrainConfig:
         num_minibatches: Optimizer updates per pass, each on an equal slice of the batch rows
             (shuffled per pass); advantages are computed on the whole batch first.
         gradient_accumulation_steps: Microbatches accumulated into each update inside the
-            compiled step (same update, less memory). ``None`` (the default): the trainer's
-            choice for the update's rows (``GRPOTrainer.auto_microbatches``: on the CPU,
-            slices of at least 512 token positions; elsewhere 1).
+            compiled step (same update, less memory). ``None``: the trainer's choice
+            (``GRPOTrainer.auto_microbatches``).
         shuffle: Shuffle the dataset each epoch (deterministically from ``seed``).
         seed: Seeds the data order and every PRNG key of the run.
         dynamic_sampling: Drop groups whose rewards are all equal and refill from further
@@ -126,21 +125,18 @@ class TrainConfig:
         keep_checkpoints: Keep the newest this many checkpoints.
         resume: Continue from the newest checkpoint in ``checkpoint_dir`` if there is one.
         progress: Show a progress bar.
-        overwrite: Delete the checkpoints already in ``checkpoint_dir`` and the
-            ``metrics.jsonl`` / ``completions.jsonl`` in ``log_dir`` (and start from step 0)
-            instead of refusing to start when ``resume`` is off and the directory is not empty.
-        allow_dataset_change: Resume even if the dataset (its size and content hash, recorded
-            in the checkpoint's fingerprint) differs from the checkpointed run's.
+        overwrite: With ``resume`` off, delete the existing checkpoints and log files and
+            start from step 0 instead of refusing a non-empty directory.
+        allow_dataset_change: Resume even if the dataset's size or content hash differs from
+            the checkpointed run's.
         handle_signals: On SIGTERM or SIGINT, finish the current step, save a checkpoint and
-            return (``TrainResult.interrupted``) instead of dying mid-step (main thread only).
-        log_completions_every: Every this many steps, append the step's sample completions
-            (prompt, completion, each reward function's value, the advantage) to
-            ``log_dir/completions.jsonl`` and print the first ones as a table (0: never).
-        completions_to_print: Rows of that console table (0: the file only).
+            return (``TrainResult.interrupted``); main thread only.
+        log_completions_every: Every this many steps, append the step's completions, rewards
+            and advantages to ``log_dir/completions.jsonl`` and print some (0: never).
+        completions_to_print: Rows printed of those (0: the file only).
         compile_ahead: Compile the first update in a background thread while the first
-            rollout samples (see ``GRPOTrainer.compile_ahead``), for the library's own rollout
-            on one process without dynamic sampling or a rollout placement (elsewhere the
-            update compiles at its first call, as with ``False``).
+            rollout samples (``GRPOTrainer.compile_ahead``); only for the library's own rollout
+            on one process without dynamic sampling or a rollout placement.
 
     Examples:
         >>> from artifex.generative_models.training import TrainConfig
@@ -439,11 +435,10 @@ def evaluate(
 
     Examples:
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl import evaluate
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
-        >>> from artifex.generative_models.training.rl import GRPOConfig, RolloutConfig
-        >>> from artifex.generative_models.training.rl.rollout import Policy
+        >>> from artifex.generative_models.training import GRPOConfig, RolloutConfig
+        >>> from artifex.generative_models.training.rl import Policy, evaluate
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
@@ -578,9 +573,9 @@ def check_tokenizer_fits(tokenizer: Any, model: Any) -> None:
 
     Examples:
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl.loop import check_tokenizer_fits
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training.rl.loop import check_tokenizer_fits
         >>> tok = Tokenizer.for_characters("0123456789+=")  # 16 ids
         >>> cfg = CausalLMConfig(vocab_size=12, hidden_size=8, intermediate_size=16, num_layers=1,
         ...                      num_heads=2)
@@ -717,15 +712,15 @@ def _evaluate_across_processes(
 def reward_signal_diagnosis(rewards: Sequence[float] | Any, group_size: int) -> str | None:
     """One line saying why a generation batch cannot teach the policy anything, or ``None``.
 
-    GRPO learns from differences between the rewards of one prompt's completions (the groups
-    are tested by :func:`~artifex.generative_models.training.rl.advantages.nonconstant_groups`,
-    the statistics every other stage uses): a batch whose
-    rewards are all 0, or whose every group of ``group_size`` completions got one same reward,
-    has advantages that are all 0 and gives no gradient. The training loop prints this line
-    after its first step, so such a run is noticed at once rather than after hours.
+    GRPO learns from differences between the rewards of one prompt's completions (groups are
+    tested by :func:`~artifex.generative_models.training.rl.advantages.nonconstant_groups`): a
+    batch whose rewards are all 0, or whose every group of ``group_size`` completions got one
+    same reward, has advantages that are all 0 and gives no gradient. The training loop prints
+    this line after its first step.
 
     Args:
-        rewards: The ``(B,)`` rewards of a batch (prompt-major, NaN or None: no reward).
+        rewards: The ``(B,)`` rewards of a batch, row ``i`` of prompt ``i // group_size``
+            (NaN or None: no reward).
         group_size: Completions per prompt ``G``; ``B`` must be a multiple of it.
 
     Returns:
@@ -945,10 +940,10 @@ def train(
     Examples:
         >>> import optax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training import TrainConfig, train
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
-        >>> from artifex.generative_models.training.rl import GRPOConfig, GRPOTrainer, RolloutConfig
+        >>> from artifex.generative_models.training import (
+        ...     GRPOConfig, GRPOTrainer, RolloutConfig, TrainConfig, train)
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
