@@ -175,8 +175,9 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
             unknown extension, a directory that is not a saved dataset, or a missing split.
         ImportError: For Parquet or Arrow without ``pyarrow`` installed.
 
-    Example:
+    Examples:
         >>> import json, os, tempfile
+        >>> from artifex.cli import load_rows
         >>> path = os.path.join(tempfile.mkdtemp(), "rows.jsonl")
         >>> with open(path, "w") as fh:
         ...     _ = fh.write(json.dumps({"prompt": "1+2=", "answer": "3"}) + "\n")
@@ -337,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser.
 
-    Example:
+    Examples:
+        >>> from artifex.cli import build_parser
         >>> args = build_parser().parse_args(["demo", "--steps", "10", "--task", "tools"])
         >>> args.command, args.steps, args.task
         ('demo', 10, 'tools')
@@ -792,8 +794,9 @@ def float32_precision_notice(
         The notice, or None on a CPU or TPU, at a full-float32 precision
         (`FULL_FLOAT32_PRECISIONS`), or without float32 parameters.
 
-    Example:
+    Examples:
         >>> from flax import nnx
+        >>> from artifex.cli import float32_precision_notice
         >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))  # float32 parameters
         >>> float32_precision_notice(model, "cpu", "default") is None
         True
@@ -1148,7 +1151,8 @@ def import_object(path: str) -> Any:
         ValueError: The path has no ``:`` or names a missing attribute.
         ImportError: The module cannot be imported.
 
-    Example:
+    Examples:
+        >>> from artifex.cli import import_object
         >>> import_object("math:sqrt")(16.0)
         4.0
         >>> import_object("math")
@@ -1223,7 +1227,8 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The process exit status.
 
-    Example:
+    Examples:
+        >>> from artifex.cli import main
         >>> main(["train", "--config", "no-such-file.yaml"])  # one line on stderr, status 2
         2
     """

@@ -65,7 +65,8 @@ class DemoConfig:
             Each run starts afresh there: the checkpoints and logs of an earlier demo run in
             the same directory are replaced (its warm-up made another model).
 
-    Example:
+    Examples:
+        >>> from artifex.demo import DemoConfig
         >>> config = DemoConfig(grpo_steps=200, out_dir=None)
         >>> config.grpo_steps, config.num_generations, config.prompts_per_step
         (200, 8, 32)
@@ -95,7 +96,8 @@ def addition_dataset(seed: int = 0, num_eval: int = 200) -> tuple[list[dict], li
     Returns:
         ``(train_rows, eval_rows)``; each row has ``prompt`` (``"a+b="``) and ``answer``.
 
-    Example:
+    Examples:
+        >>> from artifex.demo import addition_dataset
         >>> train_rows, eval_rows = addition_dataset(seed=0, num_eval=200)
         >>> len(train_rows), len(eval_rows), sorted(train_rows[0])
         (9800, 200, ['answer', 'prompt'])
@@ -112,7 +114,8 @@ def demo_tokenizer() -> Tokenizer:
     Returns:
         The tokenizer.
 
-    Example:
+    Examples:
+        >>> from artifex.demo import demo_tokenizer
         >>> tok = demo_tokenizer()
         >>> tok.vocab_size, tok.encode("12+30="), tok.decode(tok.encode("12+30="))
         (16, [1, 5, 6, 14, 7, 4, 15], '12+30=')
@@ -131,7 +134,8 @@ def demo_model(tokenizer: Tokenizer, seed: int = 0, *, max_positions: int = 32) 
     Returns:
         The model.
 
-    Example:
+    Examples:
+        >>> from artifex.demo import demo_model, demo_tokenizer
         >>> model = demo_model(demo_tokenizer())
         >>> model.config.vocab_size, model.config.max_position_embeddings
         (16, 32)
@@ -185,7 +189,8 @@ def supervised_warmup(
     Returns:
         The loss of each step taken.
 
-    Example:
+    Examples:
+        >>> from artifex.demo import addition_dataset, demo_model, demo_tokenizer, supervised_warmup
         >>> tok = demo_tokenizer()
         >>> model = demo_model(tok)
         >>> rows, _ = addition_dataset(num_eval=10)
@@ -249,7 +254,8 @@ def digit_reward(
     Returns:
         One score in [0, 1] per completion.
 
-    Example:
+    Examples:
+        >>> from artifex.demo import digit_reward
         >>> digit_reward(["12+30="] * 3, ["42", "41", "4"], answer=["42"] * 3)
         [1.0, 0.5, 0.5]
     """
@@ -268,9 +274,10 @@ def plot_rewards(result: TrainResult, path: str) -> None:
         result: The training result.
         path: The PNG path.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from artifex.generative_models.training.rl import TrainResult
+        >>> from artifex.demo import plot_rewards
         >>> history = [{"rewards/math_answer_reward": r / 10} for r in range(10)]
         >>> result = TrainResult(history=history, evaluations=[], start_step=0, interrupted=None)
         >>> path = os.path.join(tempfile.mkdtemp(), "rewards.png")
@@ -313,12 +320,13 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
     Returns:
         A JSON-able summary: accuracy and mean reward before/after, times, file paths.
 
-    Example:
+    Examples:
         Skipped when the docstring examples run: it trains for about five minutes on 2 CPU
         cores, and a configuration small enough for a docstring (about 17 s) learns nothing.
         The slow test ``tests/test_cli.py::test_short_demo_raises_held_out_accuracy`` runs a
         150-step version and checks the gain.
 
+        >>> from artifex.demo import DemoConfig, run_demo
         >>> summary = run_demo(DemoConfig(out_dir="runs/demo"))  # doctest: +SKIP
         >>> summary["held_out_pass@1_after"] > summary["held_out_pass@1_before"]  # doctest: +SKIP
         True

@@ -88,7 +88,8 @@ def multiply(a: int, b: int) -> int:
     Returns:
         The product.
 
-    Example:
+    Examples:
+        >>> from artifex.demo_tools import multiply
         >>> multiply(1234, 56)
         69104
     """
@@ -112,7 +113,8 @@ class ToolDemoConfig:
         learning_rate: GRPO learning rate.
         out_dir: Where metrics and the summary go (``None``: a temporary directory).
 
-    Example:
+    Examples:
+        >>> from artifex.demo_tools import ToolDemoConfig
         >>> config = ToolDemoConfig(grpo_steps=10)
         >>> config.grpo_steps, config.tool_fraction
         (10, 0.5)
@@ -136,7 +138,8 @@ def tool_demo_tokenizer() -> Tokenizer:
     Returns:
         The tokenizer.
 
-    Example:
+    Examples:
+        >>> from artifex.demo_tools import tool_demo_tokenizer
         >>> tok = tool_demo_tokenizer()
         >>> ids = tok.encode("<tool_call>", add_special_tokens=False)
         >>> len(ids), tok.chat_template is not None  # the tool tag is a single token
@@ -161,7 +164,8 @@ def multiplication_dataset(seed: int = 0, num_eval: int = 100, size: int = 3000)
         ``(train_rows, eval_rows)``; each row has ``prompt`` (``"a*b"``), ``answer``, ``a``,
         ``b``.
 
-    Example:
+    Examples:
+        >>> from artifex.demo_tools import multiplication_dataset
         >>> train_rows, eval_rows = multiplication_dataset(seed=0, num_eval=5, size=20)
         >>> len(train_rows), len(eval_rows), sorted(train_rows[0])
         (20, 5, ['a', 'answer', 'b', 'prompt'])
@@ -194,7 +198,9 @@ def tool_warmup_rows(
     Returns:
         One list of pieces per example.
 
-    Example:
+    Examples:
+        >>> from artifex.demo_tools import (
+        ...     multiplication_dataset, tool_demo_tokenizer, tool_warmup_rows)
         >>> tok = tool_demo_tokenizer()
         >>> rows, _ = multiplication_dataset(num_eval=1, size=4)
         >>> examples = tool_warmup_rows(tok, rows, tool_fraction=1.0, seed=0)
@@ -251,8 +257,10 @@ def tool_warmup(
     Returns:
         The loss of each step.
 
-    Example:
+    Examples:
         >>> from artifex.demo import demo_model
+        >>> from artifex.demo_tools import (
+        ...     multiplication_dataset, tool_demo_tokenizer, tool_warmup, tool_warmup_rows)
         >>> tok = tool_demo_tokenizer()
         >>> rows, _ = multiplication_dataset(num_eval=1, size=8)
         >>> examples = tool_warmup_rows(tok, rows, tool_fraction=0.5, seed=0)
@@ -308,10 +316,11 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
     Returns:
         A JSON-able summary: held-out accuracy and tool-call rate before/after, times.
 
-    Example:
+    Examples:
         Skipped when the docstring examples run: it trains for a few minutes on 2 CPU cores,
         and a configuration small enough for a docstring (about 18 s) learns nothing.
 
+        >>> from artifex.demo_tools import ToolDemoConfig, run_tool_demo
         >>> summary = run_tool_demo(ToolDemoConfig(out_dir="runs/tools"))  # doctest: +SKIP
         >>> summary["tool_call_rate_after"] > summary["tool_call_rate_before"]  # doctest: +SKIP
         True

@@ -88,7 +88,8 @@ class FlowDemoConfig:
         num_eval: Images per class for the before/after evaluation (SDE sampler, fixed noise).
         out_dir: Where the metrics (JSON) and figures go; ``None`` writes nothing.
 
-    Example:
+    Examples:
+        >>> from artifex.flow_demo import FlowDemoConfig
         >>> config = FlowDemoConfig(grpo_steps=20, classes=(0, 1), out_dir=None)
         >>> config.grpo_steps, config.classes, config.num_generations
         (20, (0, 1), 8)
@@ -172,8 +173,9 @@ class FlowDemoResult:
             ``total``).
         num_compilations: Traces of the GRPO step (1: one batch shape).
 
-    Example:
+    Examples:
         >>> import dataclasses
+        >>> from artifex.flow_demo import FlowDemoResult
         >>> [f.name for f in dataclasses.fields(FlowDemoResult)][:4]
         ['reward_before', 'reward_after', 'accuracy_before', 'accuracy_after']
     """
@@ -223,7 +225,8 @@ def _evaluate(
 def build_flow_model(config: FlowDemoConfig) -> FlowDiT | FlowModel:
     """The untrained flow model the demo pretrains (8x8 digits, 10 classes).
 
-    Example:
+    Examples:
+        >>> from artifex.flow_demo import FlowDemoConfig, build_flow_model
         >>> build_flow_model(FlowDemoConfig(hidden_dim=16, num_blocks=1)).config.num_tokens
         16
 
@@ -255,12 +258,13 @@ def run_flow_demo(config: FlowDemoConfig | None = None, *, verbose: bool = True)
     Returns:
         The :class:`FlowDemoResult` (also written to ``out_dir`` with the figures).
 
-    Example:
+    Examples:
         Skipped when the docstring examples run: it trains for about a minute on 2 CPU cores,
         and a configuration small enough for a docstring (about 20 s) does not raise the
         reward. The slow test ``tests/test_flow_demo.py::test_short_flow_demo_writes_results``
         runs a 3-step version end to end.
 
+        >>> from artifex.flow_demo import FlowDemoConfig, run_flow_demo
         >>> result = run_flow_demo(FlowDemoConfig(out_dir="runs/flow_demo"))  # doctest: +SKIP
         >>> result.reward_after > result.reward_before  # doctest: +SKIP
         True
@@ -399,8 +403,9 @@ def plot_image_grid(
     Returns:
         The matplotlib figure.
 
-    Example:
+    Examples:
         >>> import numpy as np
+        >>> from artifex.flow_demo import plot_image_grid
         >>> before = np.zeros((2, 3, 8, 8))  # 2 classes, 3 images each
         >>> fig = plot_image_grid(before, before + 0.5, columns=3)
         >>> type(fig).__name__
@@ -445,8 +450,9 @@ def plot_flow_rewards(result: FlowDemoResult, path: str | None = None) -> Any:
     Returns:
         The matplotlib figure.
 
-    Example:
+    Examples:
         >>> import numpy as np
+        >>> from artifex.flow_demo import FlowDemoResult, plot_flow_rewards
         >>> images = np.zeros((1, 2, 8, 8))
         >>> result = FlowDemoResult(reward_before=0.2, reward_after=0.6, accuracy_before=0.2,
         ...                         accuracy_after=0.6, reward_curve=[0.2, 0.4, 0.6],

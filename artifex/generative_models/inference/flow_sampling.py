@@ -72,7 +72,8 @@ class SDEConfig:
             random per trajectory, as Flow-GRPO trains on a fraction of the timesteps);
             ``None`` trains all.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.inference import SDEConfig
         >>> sde = SDEConfig(num_steps=10, noise_level=0.7, train_steps=4)
         >>> sde.num_steps, sde.train_steps, SDEConfig(noise_level=0.0).noise_level  # 0: the ODE
         (10, 4, 0.0)
@@ -105,7 +106,8 @@ def time_grid(num_steps: int) -> np.ndarray:
     Returns:
         ``(S + 1,)`` float32.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.inference import time_grid
         >>> time_grid(4).tolist()
         [1.0, 0.75, 0.5, 0.25, 0.0]
     """
@@ -131,8 +133,9 @@ def sde_transition(
     Returns:
         ``(mu, std)``: ``(..., D)`` means and standard deviations broadcastable to them.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.inference import sde_transition
         >>> x, v = jnp.zeros((1, 2)), jnp.ones((1, 2))
         >>> mu, std = sde_transition(x, v, jnp.array([[0.5]]), jnp.array([[0.25]]), 0.9, 0.0)
         >>> mu.tolist(), std.tolist()  # noise_level 0: the Euler step x + v dt, no noise
@@ -159,8 +162,9 @@ def gaussian_log_prob(x: jax.Array, mean: jax.Array, std: jax.Array) -> jax.Arra
     Returns:
         ``(...)`` float32 log-densities.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.inference import gaussian_log_prob
         >>> logp = gaussian_log_prob(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 1)))
         >>> round(float(logp[0]), 4)  # -log(2 pi) for a 2-d standard normal at its mean
         -1.8379
@@ -182,8 +186,9 @@ def gaussian_kl(mean: jax.Array, ref_mean: jax.Array, std: jax.Array) -> jax.Arr
     Returns:
         ``(...)`` float32 KL divergences.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.inference import gaussian_kl
         >>> gaussian_kl(jnp.array([[1.0, 0.0]]), jnp.zeros((1, 2)), jnp.array([[0.5]])).tolist()
         [2.0]
     """
@@ -211,10 +216,11 @@ def sde_step(
     Returns:
         ``(mu, std)``: ``(N, D)`` means and ``(N, 1)`` standard deviations.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> from artifex.generative_models.inference import SDEConfig, sde_step
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> mu, std = sde_step(model, jnp.zeros((2, 16)), jnp.array([3, 7]), jnp.array([0, 1]),
@@ -239,10 +245,11 @@ class FlowTrajectory(NamedTuple):
         log_probs: ``(B, S)`` log-densities of each transition (0 when ``noise_level == 0``).
         labels: ``(B,)`` class prompts.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> from artifex.generative_models.inference import FlowSampler, SDEConfig
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> traj = FlowSampler(SDEConfig(num_steps=4))(model, [3], 2, jax.random.key(0))
@@ -280,10 +287,11 @@ def sample_flow(
     Raises:
         ValueError: ``noise`` does not have ``S + 1`` steps.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> from artifex.generative_models.inference import SDEConfig, sample_flow
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> noise = jax.random.normal(jax.random.key(0), (2, 5, 16))  # (B, S + 1, D)
@@ -322,10 +330,11 @@ class FlowSampler:
     Args:
         config: Sampler settings.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> from artifex.generative_models.inference import FlowSampler, SDEConfig
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> sampler = FlowSampler(SDEConfig(num_steps=4))
@@ -404,10 +413,11 @@ def to_grpo_batch(
     Raises:
         ValueError: ``train_steps`` is set without a ``key``, or shapes disagree.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> from artifex.generative_models.inference import FlowSampler, SDEConfig, to_grpo_batch
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> sde = SDEConfig(num_steps=4, train_steps=2)
@@ -457,10 +467,12 @@ def flow_log_prob_fn(config: SDEConfig) -> LogProbFn:
     Raises:
         ValueError: ``noise_level`` is 0 (the ODE has no density).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> from artifex.generative_models.inference import (
+        ...     FlowSampler, SDEConfig, flow_log_prob_fn, to_grpo_batch)
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> sde = SDEConfig(num_steps=4)
@@ -513,10 +525,12 @@ def flow_kl(model: Any, ref_model: Any, batch: GRPOBatch, config: SDEConfig) -> 
     Returns:
         ``(B, S)`` float32 KL divergences.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> from artifex.generative_models.inference import (
+        ...     FlowSampler, SDEConfig, flow_kl, to_grpo_batch)
         >>> cfg = FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1, time_features=8)
         >>> model = FlowModel(cfg, rngs=nnx.Rngs(0))
         >>> sde = SDEConfig(num_steps=4)

@@ -64,8 +64,9 @@ class TurnOutput:
         cache: The cache with every generated token encoded.
         logits: ``(R, V)`` float32 next-token logits after each row's last token.
 
-    Example:
+    Examples:
         >>> import dataclasses
+        >>> from artifex.generative_models.inference import TurnOutput
         >>> [f.name for f in dataclasses.fields(TurnOutput)]
         ['tokens', 'mask', 'log_probs', 'eos', 'stopped', 'cache', 'logits']
     """
@@ -126,9 +127,10 @@ def append_tokens(
         ValueError: The number of rows differs from the cache's, there is no new token at all,
             the cache has no room for the chunk, or ``logits`` is missing for an empty row.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.inference import append_tokens
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
@@ -326,10 +328,11 @@ def decode_turn(
             than ``limit``, an empty stop sequence, or a negative temperature.
         TypeError: ``max_new_tokens`` or ``limit`` not an int, or ``temperature`` not a number.
 
-    Example:
+    Examples:
         >>> import jax, numpy as np
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.inference import append_tokens, decode_turn
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))

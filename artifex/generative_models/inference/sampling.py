@@ -79,8 +79,9 @@ class SamplerOutput:
         truncated: ``(B*K,)`` bool, True for rows that reached ``max_new_tokens`` without EOS.
         lengths: ``(B*K,)`` int32 number of completion tokens (the mask's row sums).
 
-    Example:
+    Examples:
         >>> import dataclasses
+        >>> from artifex.generative_models.inference import SamplerOutput
         >>> [f.name for f in dataclasses.fields(SamplerOutput)][:4]
         ['prompt_ids', 'prompt_mask', 'completion_ids', 'completion_mask']
     """
@@ -104,7 +105,8 @@ def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS) 
     Returns:
         The padded width.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.inference import bucket_length
         >>> bucket_length(5, (16, 32)), bucket_length(20, (16, 32)), bucket_length(40, (16, 32))
         (16, 32, 40)
     """
@@ -125,8 +127,9 @@ def check_fits_positions(model: Any, longest_prompt: int, max_new_tokens: int) -
     Raises:
         ValueError: Naming both lengths and the limit.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace
+        >>> from artifex.generative_models.inference.sampling import check_fits_positions
         >>> model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8))
         >>> check_fits_positions(model, 5, 3)  # 8 positions: fits
     """
@@ -188,8 +191,9 @@ def sample_logits(
     Returns:
         ``(tokens (R,) int32, log_probs (R,) float32)``.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
+        >>> from artifex.generative_models.inference import sample_logits
         >>> logits = jnp.array([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
         >>> tokens, logp = sample_logits(logits, jax.random.key(0), greedy=True)
         >>> tokens.tolist()
@@ -426,9 +430,10 @@ def auto_row_groups(model: nnx.Module, num_prompts: int) -> int:
     Returns:
         A divisor of ``num_prompts``, >= 1.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.inference import auto_row_groups
         >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                         num_layers=1, num_heads=2)
         >>> model = CausalLM(config, rngs=nnx.Rngs(0))
@@ -705,10 +710,11 @@ def generate(
         TypeError: Non-integer ``prompt_ids``, or an argument of the wrong type
             (``num_generations=2.0``, ``temperature="1"``).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.inference import generate
         >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                         num_layers=1, num_heads=2, eos_token_id=2)
         >>> model = CausalLM(config, rngs=nnx.Rngs(0))
@@ -854,10 +860,11 @@ class Sampler:
         row_groups: Groups of prompts decoded at the same time (``None``:
             :func:`auto_row_groups`; see :func:`generate`).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.inference import Sampler
         >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                         num_layers=1, num_heads=2, eos_token_id=2)
         >>> model = CausalLM(config, rngs=nnx.Rngs(0))

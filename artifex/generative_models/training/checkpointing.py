@@ -50,8 +50,10 @@ __all__ = [
 class IncompatibleCheckpointError(ValueError):
     """The checkpoint was written by a run whose configuration or shapes differ.
 
-    Example:
+    Examples:
         >>> import tempfile, jax.numpy as jnp
+        >>> from artifex.generative_models.training import (
+        ...     CheckpointManager, IncompatibleCheckpointError)
         >>> manager = CheckpointManager(tempfile.mkdtemp())
         >>> manager.save(1, {"w": jnp.ones(3)}, metadata={"fingerprint": {"lr": 0.1}})
         >>> try:
@@ -66,7 +68,8 @@ class IncompatibleCheckpointError(ValueError):
 class CorruptCheckpointError(ValueError):
     """A checkpoint could not be read back intact (unreadable, wrong checksum, or not finite).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training import CorruptCheckpointError
         >>> issubclass(CorruptCheckpointError, ValueError)
         True
     """
@@ -94,8 +97,9 @@ def array_digests(tree: Any) -> dict[str, dict[str, Any]]:
     Returns:
         ``{path: {"shape": [...], "dtype": str, "sha256": str | None, "finite": bool}}``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.checkpointing import array_digests
         >>> d = array_digests({"w": jnp.ones((2, 3)), "b": jnp.array([jnp.nan])})
         >>> sorted(d)
         ["['b']", "['w']"]
@@ -151,9 +155,10 @@ def training_fingerprint(config: Any, params: Any, **extra: Any) -> dict[str, An
         ``EXECUTION_ONLY_LOOP_FIELDS`` (``gradient_accumulation_steps``), which change memory
         and speed, not the values.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> from artifex.generative_models.training.checkpointing import training_fingerprint
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> fp = training_fingerprint(GRPOConfig(num_generations=4), nnx.state(model, nnx.Param),
         ...                           prompts_per_step=8)
@@ -280,8 +285,9 @@ class CheckpointManager:
         directory: Checkpoint directory (created).
         max_to_keep: Keep only the newest this many checkpoints.
 
-    Example:
+    Examples:
         >>> import tempfile, jax.numpy as jnp
+        >>> from artifex.generative_models.training import CheckpointManager
         >>> manager = CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
         >>> for step in (10, 20, 30):
         ...     manager.save(step, {"w": jnp.full(3, float(step))}, metadata={"step": step})

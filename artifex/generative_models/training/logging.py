@@ -38,7 +38,8 @@ def is_primary_process() -> bool:
     Returns:
         ``True`` on process 0 (always, in a single-process run).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training import is_primary_process
         >>> is_primary_process()  # single-process run
         True
     """
@@ -80,8 +81,9 @@ class JsonlWriter:
         TypeError: ``keep_until`` is not an int or ``None``.
         ValueError: ``keep_until`` is negative.
 
-    Example:
+    Examples:
         >>> import json, os, tempfile
+        >>> from artifex.generative_models.training.logging import JsonlWriter
         >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
         >>> writer = JsonlWriter(path)
         >>> for step in (1, 2, 3):
@@ -134,8 +136,9 @@ class TensorBoardWriter:
     Args:
         writer: A ``SummaryWriter``.
 
-    Example:
+    Examples:
         >>> import tempfile
+        >>> from artifex.generative_models.training.logging import TensorBoardWriter
         >>> writer = TensorBoardWriter.create(tempfile.mkdtemp())
         >>> writer is None or isinstance(writer, TensorBoardWriter)  # None without tensorboardX
         True
@@ -194,7 +197,8 @@ class ProgressBar:
         TypeError: ``total`` or ``initial`` is not an int, or ``enabled`` not a bool.
         ValueError: ``total`` or ``initial`` is negative.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.logging import ProgressBar
         >>> bar = ProgressBar(total=10, enabled=False)  # enabled=True shows a tqdm bar
         >>> bar.update({"reward_mean": 0.5, "kl": 0.01, "step_time": 0.2})
         >>> bar.close()
@@ -253,8 +257,9 @@ class MetricLogger:
         TypeError: A step count that is not an int (or ``None`` where allowed).
         ValueError: A negative step count.
 
-    Example:
+    Examples:
         >>> import json, os, tempfile
+        >>> from artifex.generative_models.training import MetricLogger
         >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
         >>> logger = MetricLogger(jsonl_path=path)
         >>> logger.log(1, {"reward_mean": 0.25, "kl": 0.0})
@@ -351,7 +356,8 @@ def format_completions_table(
     Returns:
         The table, one line per record under a header line (no trailing newline).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.logging import format_completions_table
         >>> records = [
         ...     {"index": 0, "prompt": "1+2=", "completion": "3", "rewards": {"math": 1.0},
         ...      "advantage": 0.707},
@@ -414,8 +420,9 @@ class CompletionLog:
         stream: Where the table goes (default ``sys.stdout``); it is written with
             ``tqdm.write`` so a progress bar stays intact.
 
-    Example:
+    Examples:
         >>> import io
+        >>> from artifex.generative_models.training.logging import CompletionLog
         >>> out = io.StringIO()
         >>> log = CompletionLog(None, print_rows=2, stream=out)
         >>> records = log.log(

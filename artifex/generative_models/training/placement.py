@@ -52,10 +52,11 @@ class RolloutPlacement:
         TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
         ValueError: ``mesh`` does not use GSPMD axes (build it with ``make_mesh``).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.training.sharding import make_mesh
+        >>> from artifex.generative_models.training import RolloutPlacement
         >>> sampler_devices = jax.devices()[-1:]  # the last device samples
         >>> placement = RolloutPlacement(make_mesh(devices=sampler_devices))
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))

@@ -164,8 +164,9 @@ def make_mesh(
         ValueError: An axis size is not a positive int, or the product of the sizes is not
             the number of devices.
 
-    Example:
+    Examples:
         >>> import jax
+        >>> from artifex.generative_models.training import make_mesh
         >>> mesh = make_mesh(devices=jax.devices()[:1])  # every device on "data"
         >>> dict(mesh.shape)
         {'data': 1, 'fsdp': 1, 'tensor': 1}
@@ -202,8 +203,9 @@ def current_mesh() -> Mesh | None:
     Returns:
         The mesh, or ``None`` when no mesh is set.
 
-    Example:
+    Examples:
         >>> import jax
+        >>> from artifex.generative_models.training import current_mesh, make_mesh
         >>> mesh = make_mesh(devices=jax.devices()[:1])
         >>> current_mesh() is None
         True
@@ -298,10 +300,12 @@ class PartitionRules:
         ValueError: Naming the field: an invalid regular expression or spec, or a negative
             ``fsdp_min_size``.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from jax.sharding import PartitionSpec as P
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import (
+        ...     PartitionRules, make_mesh, state_partition_specs)
         >>> mesh = make_mesh(data=1, fsdp=2, tensor=2, devices=jax.devices()[:4])  # 4 devices
         >>> model = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
         >>> rules = PartitionRules(rules=((r"kernel$", P(None, "tensor")),), fsdp_min_size=1024)
@@ -526,9 +530,10 @@ def state_partition_specs(
     Raises:
         ValueError: The rules or an annotation name an axis the mesh does not have.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import make_mesh, state_partition_specs
         >>> mesh = make_mesh(data=1, fsdp=2, devices=jax.devices()[:2])  # 2 devices
         >>> specs = state_partition_specs(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), mesh)
         >>> specs["kernel"].get_value(), specs["bias"].get_value()
@@ -564,9 +569,10 @@ def state_shardings(
     Returns:
         The tree with each array replaced by its ``NamedSharding``.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import make_mesh, state_shardings
         >>> mesh = make_mesh(data=1, fsdp=2, devices=jax.devices()[:2])  # 2 devices
         >>> shardings = state_shardings(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), mesh)
         >>> shardings["kernel"].spec, shardings["kernel"].mesh is mesh
@@ -617,9 +623,10 @@ def shard_model(
         TypeError: ``model`` is not an NNX module or ``mesh`` not a ``Mesh``.
         ValueError: The rules or an annotation name an axis the mesh does not have.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import make_mesh, shard_model
         >>> mesh = make_mesh(data=1, fsdp=2, devices=jax.devices()[:2])  # 2 devices
         >>> model = shard_model(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), mesh)
         >>> model.kernel[...].sharding.spec, len(model.kernel[...].addressable_shards)
@@ -658,9 +665,10 @@ def shard_optimizer(
         TypeError: ``optimizer`` is not an ``nnx.Optimizer``.
         ValueError: The rules or an annotation name an axis the mesh does not have.
 
-    Example:
+    Examples:
         >>> import jax, optax
         >>> from flax import nnx
+        >>> from artifex.generative_models.training import make_mesh, shard_model, shard_optimizer
         >>> mesh = make_mesh(data=1, fsdp=2, devices=jax.devices()[:2])  # 2 devices
         >>> model = shard_model(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), mesh)
         >>> optimizer = shard_optimizer(nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
@@ -716,8 +724,9 @@ def num_data_shards(mesh: Mesh, data_axes: Sequence[str] | None = None) -> int:
     Returns:
         ``S = prod(mesh.shape[a] for a in data_axes)``.
 
-    Example:
+    Examples:
         >>> import jax
+        >>> from artifex.generative_models.training import make_mesh, num_data_shards
         >>> mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=jax.devices()[:8])  # 8 devices
         >>> num_data_shards(mesh), num_data_shards(mesh, data_axes=("data",))
         (4, 2)
@@ -735,8 +744,9 @@ def batch_partition_spec(mesh: Mesh, data_axes: Sequence[str] | None = None) -> 
     Returns:
         ``PartitionSpec(("data", "fsdp"))``.
 
-    Example:
+    Examples:
         >>> import jax
+        >>> from artifex.generative_models.training import batch_partition_spec, make_mesh
         >>> mesh = make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])  # 4 devices
         >>> batch_partition_spec(mesh), batch_partition_spec(mesh, data_axes=("data",))
         (P(('data', 'fsdp'),), P('data',))
@@ -774,8 +784,9 @@ def process_row_range(
         ValueError: ``num_rows`` is not a multiple of the number of data shards, or this
             process's shards are not contiguous (a hand-built mesh).
 
-    Example:
+    Examples:
         >>> import jax
+        >>> from artifex.generative_models.training import make_mesh, process_row_range
         >>> process_row_range(16, make_mesh(data=2, devices=jax.devices()[:2]))  # one process
         (0, 16)
     """
@@ -837,8 +848,9 @@ def shard_batch(
             disagree on the rows, or ``data_axes`` names an unknown axis.
         TypeError: ``mesh`` is not a ``Mesh``.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
+        >>> from artifex.generative_models.training import make_mesh, shard_batch
         >>> mesh = make_mesh(data=2, devices=jax.devices()[:2])  # 2 devices
         >>> batch = shard_batch({"rewards": jnp.arange(8.0), "ids": jnp.zeros((8, 3))}, mesh)
         >>> batch["ids"].sharding.spec
@@ -915,8 +927,9 @@ def host_array(x: Any) -> np.ndarray:
     Returns:
         The NumPy array.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
+        >>> from artifex.generative_models.training import host_array, make_mesh, shard_batch
         >>> mesh = make_mesh(data=2, devices=jax.devices()[:2])  # 2 devices
         >>> x = shard_batch(jnp.arange(4), mesh)
         >>> type(host_array(x)).__name__, host_array(x).tolist()
@@ -948,8 +961,9 @@ def local_rows(x: Any) -> np.ndarray:
     Raises:
         ValueError: This process's row shards are not contiguous.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
+        >>> from artifex.generative_models.training import local_rows, make_mesh, shard_batch
         >>> mesh = make_mesh(data=2, devices=jax.devices()[:2])  # 2 devices
         >>> local_rows(shard_batch(jnp.arange(6).reshape(3, 2).repeat(2, axis=0), mesh)).shape
         (6, 2)
@@ -981,8 +995,9 @@ def rows_to_global(local: Any, mesh: Mesh, data_axes: Sequence[str] | None = Non
     Returns:
         The global array ``(b * processes, ...)`` with rows over the data axes.
 
-    Example:
+    Examples:
         >>> import jax, numpy as np
+        >>> from artifex.generative_models.training import make_mesh, rows_to_global
         >>> mesh = make_mesh(data=2, devices=jax.devices()[:2])  # 2 devices, one process
         >>> x = rows_to_global(np.arange(4), mesh)
         >>> x.shape, x.sharding.spec
@@ -1019,7 +1034,8 @@ def initialize_distributed(
     Raises:
         ValueError: ``num_processes`` < 1, or ``process_id`` outside ``[0, num_processes)``.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training import initialize_distributed
         >>> initialize_distributed()  # nothing set in the environment: a single-process run
         False
     """

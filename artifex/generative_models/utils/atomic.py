@@ -31,8 +31,9 @@ def temp_path(path: str | os.PathLike[str]) -> str:
     Returns:
         The temporary file name (the file is not created).
 
-    Example:
+    Examples:
         >>> import os, tempfile
+        >>> from artifex.generative_models.utils import temp_path
         >>> path = os.path.join(tempfile.mkdtemp(), "metrics.json")
         >>> tmp = temp_path(path)
         >>> os.path.dirname(tmp) == os.path.dirname(path), os.path.exists(tmp)
@@ -63,8 +64,9 @@ def commit_file(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> No
         tmp: The temporary file (from :func:`temp_path`), closed.
         path: The final name; an existing file of that name is replaced atomically.
 
-    Example:
+    Examples:
         >>> import os, tempfile
+        >>> from artifex.generative_models.utils import commit_file, temp_path
         >>> path = os.path.join(tempfile.mkdtemp(), "out.txt")
         >>> tmp = temp_path(path)
         >>> with open(tmp, "w") as f:
@@ -101,8 +103,9 @@ def atomic_write(
         ValueError: For a mode other than ``"w"`` or ``"wb"``.
         OSError: When writing fails (the previous file, if any, is left as it was).
 
-    Example:
+    Examples:
         >>> import os, tempfile
+        >>> from artifex.generative_models.utils import atomic_write
         >>> path = os.path.join(tempfile.mkdtemp(), "notes.txt")
         >>> with atomic_write(path) as f:
         ...     _ = f.write("complete")
@@ -140,8 +143,9 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | N
         obj: A JSON-able object.
         indent: JSON indentation.
 
-    Example:
+    Examples:
         >>> import json, os, tempfile
+        >>> from artifex.generative_models.utils import atomic_write_json
         >>> path = os.path.join(tempfile.mkdtemp(), "config.json")
         >>> atomic_write_json(path, {"lr": 0.001, "steps": 100}, indent=None)
         >>> json.load(open(path))
@@ -161,8 +165,9 @@ def remove_temp_files(directory: str | os.PathLike[str]) -> list[str]:
     Returns:
         The names removed.
 
-    Example:
+    Examples:
         >>> import os, tempfile
+        >>> from artifex.generative_models.utils import remove_temp_files, temp_path
         >>> directory = tempfile.mkdtemp()
         >>> open(temp_path(os.path.join(directory, "a.json")), "w").close()  # left by a crash
         >>> len(remove_temp_files(directory)), os.listdir(directory)

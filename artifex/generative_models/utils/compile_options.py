@@ -12,8 +12,9 @@ Other backends keep XLA's defaults.
 Set ``ARTIFEX_CPU_OPT_LEVEL`` (0-3) to choose the level on the CPU, or
 ``ARTIFEX_CPU_FAST_COMPILE=0`` to compile at XLA's default level everywhere.
 
-Example:
+Examples:
     >>> import jax, jax.numpy as jnp
+    >>> from artifex.generative_models.utils.compile_options import compiler_options, jit
     >>> double = jit(lambda x: 2 * x)
     >>> int(double(jnp.int32(3)))
     6
@@ -57,8 +58,9 @@ def compiler_options() -> dict[str, Any] | None:
     Raises:
         ValueError: If ``ARTIFEX_CPU_OPT_LEVEL`` is set to anything but 0, 1, 2 or 3.
 
-    Example:
+    Examples:
         >>> import jax
+        >>> from artifex.generative_models.utils.compile_options import compiler_options
         >>> options = compiler_options()
         >>> options is None or set(options) == {"xla_backend_optimization_level"}
         True
@@ -121,8 +123,9 @@ def jit(fun: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     Raises:
         TypeError: If ``compiler_options`` is passed (it is chosen per backend).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.utils.compile_options import jit
         >>> @jit(static_argnames=("k",))
         ... def scale(x, k):
         ...     return k * x

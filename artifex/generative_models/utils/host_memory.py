@@ -62,8 +62,9 @@ def release_freed_host_memory() -> bool:
     Returns:
         Whether a trim ran (``False`` where the C library has no ``malloc_trim``).
 
-    Example:
+    Examples:
         >>> import sys
+        >>> from artifex.generative_models.utils import release_freed_host_memory
         >>> release_freed_host_memory() or not sys.platform.startswith("linux")
         True
     """
@@ -95,8 +96,9 @@ def release_memory_after_compilation(min_seconds: float = 0.5) -> bool:
     Raises:
         ValueError: ``min_seconds`` is negative or not a number.
 
-    Example:
+    Examples:
         >>> import sys
+        >>> from artifex.generative_models.utils import release_memory_after_compilation
         >>> release_memory_after_compilation() or not sys.platform.startswith("linux")
         True
     """
@@ -196,8 +198,9 @@ def reuse_host_memory() -> bool:
         ValueError: ``ARTIFEX_REUSE_HOST_MEMORY`` is set to something other than
             ``0``/``1``/``false``/``true``/``no``/``yes``/``off``/``on``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.utils import reuse_host_memory
         >>> _ = jnp.zeros(1).block_until_ready()  # JAX has run in this process: too late
         >>> reuse_host_memory() in (True, False)  # True only where applied before
         True

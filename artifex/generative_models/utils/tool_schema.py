@@ -114,7 +114,8 @@ def tool_schema(func: Callable[..., Any]) -> dict[str, Any]:
         TypeError: Not callable, no docstring, a parameter without a type hint or a
             description, ``*args`` / ``**kwargs``, or a type with no JSON schema.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.training.rl import tool_schema
         >>> def multiply(a: int, b: int) -> int:
         ...     '''Multiplies two integers.
         ...

@@ -93,7 +93,8 @@ def check_int(
 ) -> int | None:
     """Checks that ``value`` is an int (not a bool) in ``[minimum, maximum]``.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.utils import check_int
         >>> check_int("num_generations", 8, minimum=2)
         8
 
@@ -137,7 +138,8 @@ def check_float(
     ``minimum``/``maximum`` are inclusive bounds, ``greater_than``/``less_than`` exclusive ones.
     NaN and infinities are out of range (``ValueError``).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.utils import check_float
         >>> check_float("clip_param", 0.2, greater_than=0.0, less_than=1.0)
         0.2
 
@@ -174,7 +176,8 @@ def check_float(
 def check_bool(name: str, value: Any) -> bool:
     """Checks that ``value`` is a bool (``0`` and ``1`` are not).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.utils import check_bool
         >>> check_bool("shuffle", True)
         True
 
@@ -199,7 +202,8 @@ def check_remat(name: str, value: Any) -> bool | int:
 
     An int ``n`` rematerializes one decoder layer in ``n``; ``1`` is every layer.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.utils.validation import check_remat
         >>> check_remat("remat", 2), check_remat("remat", True)
         (2, True)
 
@@ -228,7 +232,8 @@ def check_remat(name: str, value: Any) -> bool | int:
 def check_str(name: str, value: Any, *, allow_empty: bool = False) -> str:
     """Checks that ``value`` is a string, by default a non-empty one.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.utils import check_str
         >>> check_str("answer_column", "answer")
         'answer'
 
@@ -259,7 +264,8 @@ def check_choice(name: str, value: T, choices: Collection[T]) -> T:
     A value whose type none of the choices has (``scale_rewards=1`` where the choices are
     strings) is a ``TypeError``; an unknown value of the right type a ``ValueError``.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.utils import check_choice
         >>> check_choice("mode", "sum", ("sum", "normalized"))
         'sum'
 
@@ -289,7 +295,8 @@ def check_choice(name: str, value: T, choices: Collection[T]) -> T:
 def check_callable(name: str, value: Any, *, allow_none: bool = False) -> Callable[..., Any] | None:
     """Checks that ``value`` is callable.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.utils import check_callable
         >>> check_callable("length_fn", len)
         <built-in function len>
 

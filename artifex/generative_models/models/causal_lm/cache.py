@@ -36,8 +36,9 @@ class KVCache:
         valid: (B, S) bool, True on slots that hold real (non-padding) tokens.
         index: int32 scalar, the next slot to write.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm import KVCache
         >>> cache = KVCache.create(num_layers=2, batch_size=1, max_length=16, num_kv_heads=2,
         ...                        head_dim=4)
         >>> cache.num_layers, cache.batch_size, cache.max_length, int(cache.index)

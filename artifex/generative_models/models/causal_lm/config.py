@@ -38,7 +38,8 @@ def resolve_dtype(dtype: Any) -> jnp.dtype:
     Raises:
         ValueError: If the dtype is not float32 or bfloat16.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm import resolve_dtype
         >>> resolve_dtype("bfloat16").name
         'bfloat16'
     """
@@ -85,7 +86,8 @@ class RopeScaling:
     Raises:
         ValueError: If a field is out of range or `rope_type` is not "llama3".
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm import RopeScaling
         >>> scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         ...                       original_max_position_embeddings=8192)
         >>> scaling.to_dict()["rope_type"], RopeScaling.from_dict(scaling.to_dict()) == scaling
@@ -200,7 +202,8 @@ class CausalLMConfig:
         ValueError: Naming the field, if a field is invalid or the combination cannot be written as
             a Hugging Face config of `model_type`.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
         >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                         num_layers=1, num_heads=2)
         >>> config.head_dim, config.num_kv_heads, config.num_params()

@@ -146,7 +146,8 @@ class GGUFCheckpoint:
         metadata: The file's scalar and string metadata (`general.name`, `general.file_type`...);
             arrays (the vocabulary) are left out.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm import read_gguf
         >>> checkpoint = read_gguf("tests/fixtures/qwen2_tiny.Q8_0.gguf")  # from the repo root
         >>> checkpoint.config.model_type, checkpoint.config.hidden_size, len(checkpoint.tensors)
         ('qwen2', 32, 26)
@@ -171,7 +172,8 @@ def is_gguf_file(path: str | os.PathLike[str]) -> bool:
     Returns:
         True for a GGUF file, False otherwise (directories, missing files, other files).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm.gguf import is_gguf_file
         >>> is_gguf_file("tests/fixtures/qwen2_tiny")  # a checkpoint directory (repo root)
         False
         >>> is_gguf_file("tests/fixtures/qwen2_tiny.Q8_0.gguf")
@@ -380,7 +382,8 @@ def gguf_tokenizer(
         ValueError: For a tokenizer other than byte-level BPE (`tokenizer.ggml.model` "gpt2"), an
             unsupported pre-tokenizer, or missing or inconsistent vocabulary metadata.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm.gguf import gguf_tokenizer
         >>> tokens = ["<|endoftext|>", "a", "b", "ab"]
         >>> scalars = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.eos_token_id": 0}
         >>> arrays = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["a b"],
@@ -559,9 +562,10 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> 
             unsupported tensor type (naming the tensor and the type), an unknown tensor, missing
             metadata, or an unsupported tokenizer.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> from safetensors.numpy import load_file
+        >>> from artifex.generative_models.models.causal_lm import read_gguf
         >>> checkpoint = read_gguf("tests/fixtures/qwen2_tiny.Q8_0.gguf")  # qwen2_tiny in Q8_0
         >>> name = "model.layers.0.mlp.up_proj.weight"
         >>> original = load_file("tests/fixtures/qwen2_tiny/model.safetensors")[name]
@@ -653,9 +657,10 @@ def convert_gguf(
         FileNotFoundError: If `path` does not exist.
         ValueError: As `read_gguf`, or if `out_dir` exists and is not a directory.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
+        >>> from artifex.generative_models.models.causal_lm import convert_gguf
         >>> with tempfile.TemporaryDirectory() as out:
         ...     convert_gguf("tests/fixtures/qwen2_tiny.Q8_0.gguf", out) == out  # from repo root
         ...     sorted(os.listdir(out))

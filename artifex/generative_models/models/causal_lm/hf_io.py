@@ -74,7 +74,8 @@ def param_path_str(path: PathParts) -> str:
     Returns:
         The dotted path, e.g. `"layers.0.attn.q_proj.kernel"`.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm import param_path_str
         >>> param_path_str(("layers", 0, "attn", "q_proj", "kernel"))
         'layers.0.attn.q_proj.kernel'
     """
@@ -92,8 +93,9 @@ def hf_tensor_map(config: CausalLMConfig) -> dict[str, tuple[PathParts, bool]]:
         (HF stores (out, in); our kernels are (in, out)). `lm_head.weight` is absent when the
         embeddings are tied.
 
-    Example:
+    Examples:
         >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm import hf_tensor_map
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> mapping = hf_tensor_map(cfg)
@@ -192,7 +194,8 @@ def read_hf_config(path: str | os.PathLike[str]) -> CausalLMConfig:
         FileNotFoundError: If there is no config.json in `path`.
         ValueError: For an unsupported model_type or setting (see `CausalLMConfig.from_hf_config`).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm.hf_io import read_hf_config
         >>> config = read_hf_config("tests/fixtures/qwen2_tiny")  # from the repository root
         >>> config.model_type, config.num_layers, config.hidden_size
         ('qwen2', 2, 32)
@@ -235,10 +238,12 @@ def place_tensors(
             or an `lm_head.weight` of a tied model that differs from the embedding.
         TypeError: If `rules` is given without `mesh`.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from safetensors.numpy import load_file
         >>> from artifex.generative_models.models.causal_lm import CausalLM
+        >>> from artifex.generative_models.models.causal_lm.hf_io import (
+        ...     place_tensors, read_hf_config)
         >>> config = read_hf_config("tests/fixtures/qwen2_tiny")  # from the repository root
         >>> model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))  # shapes only
         >>> tensors = load_file("tests/fixtures/qwen2_tiny/model.safetensors")
@@ -335,9 +340,11 @@ def load_hf_weights(
         ValueError: Naming the tensor, for a missing, unexpected or misshapen tensor.
         TypeError: If `rules` is given without `mesh`.
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM
+        >>> from artifex.generative_models.models.causal_lm.hf_io import (
+        ...     load_hf_weights, read_hf_config)
         >>> path = "tests/fixtures/qwen2_tiny"  # from the repository root
         >>> config = read_hf_config(path)
         >>> abstract = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))  # no memory
@@ -408,9 +415,10 @@ def to_hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     Raises:
         ValueError: If the model still has LoRA adapters (merge them first with `merge_lora`).
 
-    Example:
+    Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm import to_hf_tensors
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=12,
         ...                      num_layers=1, num_heads=2)
         >>> tensors = to_hf_tensors(CausalLM(cfg, rngs=nnx.Rngs(0)))
@@ -457,7 +465,8 @@ def parse_size(size: int | str) -> int:
     Raises:
         ValueError: If the size cannot be parsed or is not positive.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm.hf_io import parse_size
         >>> parse_size("5GB"), parse_size("200MiB"), parse_size(1024)
         (5000000000, 209715200, 1024)
     """
@@ -516,10 +525,11 @@ def save_pretrained(
         ValueError: If the model has LoRA adapters or `max_shard_size` is invalid.
         OSError: If writing fails (the previous export, if any, is left loadable).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm import save_pretrained
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> path = tempfile.mkdtemp()
@@ -559,9 +569,11 @@ def write_hf_checkpoint(
         ValueError: If a tensor is missing or unexpected, or `max_shard_size` is invalid.
         OSError: If writing fails (the previous export, if any, is left loadable).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from artifex.generative_models.models.causal_lm import CausalLM
+        >>> from artifex.generative_models.models.causal_lm.hf_io import write_hf_checkpoint
+        >>> from artifex.generative_models.models.causal_lm import to_hf_tensors
         >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # repository root
         >>> out = tempfile.mkdtemp()
         >>> write_hf_checkpoint(to_hf_tensors(model), model.config, out)

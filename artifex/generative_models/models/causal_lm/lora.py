@@ -61,7 +61,8 @@ class LoRAConfig:
     Raises:
         ValueError: Naming the field, if rank/alpha are not positive or a target is unknown.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm import LoRAConfig
         >>> config = LoRAConfig(rank=8, alpha=16.0, target_modules=("q_proj", "v_proj"))
         >>> config.scale, config.target_modules
         (2.0, ('q_proj', 'v_proj'))
@@ -119,9 +120,10 @@ class LoRAAdapter(nnx.Module):
         dtype: Parameter and compute dtype of the adapter.
         rngs: Random streams (`params`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import LoRAAdapter
         >>> adapter = LoRAAdapter(8, 4, rank=2, scale=0.5, dtype=jnp.float32, rngs=nnx.Rngs(0))
         >>> adapter.lora_a.shape, adapter.lora_b.shape
         ((8, 2), (2, 4))
@@ -186,10 +188,11 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
     Raises:
         ValueError: If the model already has adapters.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm import LoRAConfig, apply_lora
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
@@ -233,10 +236,12 @@ def merge_lora(model: CausalLM) -> CausalLM:
     Returns:
         A plain `CausalLM` with merged weights.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     LoRAConfig, apply_lora, lora_state, merge_lora)
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> model = apply_lora(CausalLM(cfg, rngs=nnx.Rngs(0)), LoRAConfig(rank=2, alpha=4.0),
@@ -277,10 +282,12 @@ def lora_state(model: CausalLM) -> nnx.State:
     Returns:
         The adapter state.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     LoRAConfig, apply_lora, lora_state)
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> model = apply_lora(CausalLM(cfg, rngs=nnx.Rngs(0)),
@@ -301,10 +308,12 @@ def zero_lora_state(state: nnx.State) -> nnx.State:
     Returns:
         A state of the same structure with all arrays zero.
 
-    Example:
+    Examples:
         >>> import jax
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     LoRAConfig, apply_lora, lora_state, zero_lora_state)
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> model = apply_lora(CausalLM(cfg, rngs=nnx.Rngs(0)), LoRAConfig(rank=2, alpha=4.0),

@@ -88,8 +88,9 @@ def positions_from_mask(attention_mask: jax.Array, offset: jax.Array | int = 0) 
     Returns:
         int32 positions (B, T).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm import positions_from_mask
         >>> positions_from_mask(jnp.array([[0, 0, 1, 1], [1, 1, 1, 1]])).tolist()
         [[0, 0, 0, 1], [0, 1, 2, 3]]
         >>> positions_from_mask(jnp.array([[1, 1]]), offset=3).tolist()
@@ -181,9 +182,10 @@ class CausalLM(nnx.Module):
         ValueError: If `dtype` is not float32 or bfloat16.
         TypeError: If `scan_layers` is not a bool.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
         >>> config = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                         num_layers=1, num_heads=2)
         >>> model = CausalLM(config, rngs=nnx.Rngs(0))
@@ -467,10 +469,11 @@ class CausalLM(nnx.Module):
                 is not a positive multiple of the prompts, a mask of another shape) or the ids
                 are not integers.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp
             >>> from flax import nnx
             >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
+            >>> from artifex.generative_models.models.causal_lm import CausalLM
             >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
             >>> prompt, completions = jnp.array([[5, 6, 7]]), jnp.array([[1, 2], [3, 4]])
             >>> hp, hc = model.shared_prefix_hidden_states(prompt, completions)
@@ -579,8 +582,9 @@ class CausalLM(nnx.Module):
             A `LayerStack` `(graphdef, state)` with every leaf of shape `(num_layers, ...)`, or
             None if the layers differ in structure.
 
-        Example:
+        Examples:
             >>> from flax import nnx
+            >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
             >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
             >>> stack = model.layer_stack()
             >>> stack.state["mlp"]["up_proj"]["kernel"].shape  # (L, D, F)
@@ -633,9 +637,10 @@ class CausalLM(nnx.Module):
             ValueError: If the layers differ in structure (variables, shapes or dtypes), or
                 the model is abstract (`nnx.eval_shape`).
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp
             >>> from flax import nnx
+            >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
             >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
             >>> ids = jnp.array([[1, 2, 3]])
             >>> before = model(ids)
@@ -672,8 +677,9 @@ class CausalLM(nnx.Module):
         Raises:
             ValueError: If the model is abstract (`nnx.eval_shape`).
 
-        Example:
+        Examples:
             >>> from flax import nnx
+            >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
             >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
             >>> kernel = model.layers[1].attn.q_proj.kernel[...]
             >>> model = model.stack_layers().unstack_layers()
@@ -715,8 +721,9 @@ class CausalLM(nnx.Module):
         Returns:
             The embedding matrix (V, D) of a tied model, None otherwise.
 
-        Example:
+        Examples:
             >>> from flax import nnx
+            >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
             >>> model = CausalLM(CausalLMConfig.tiny(tie_word_embeddings=True), rngs=nnx.Rngs(0))
             >>> model.output_embedding_rows().shape, model.output_embedding().shape
             ((512, 128), (128, 512))
@@ -762,9 +769,10 @@ class CausalLM(nnx.Module):
         Returns:
             An empty `KVCache`.
 
-        Example:
+        Examples:
             >>> import jax.numpy as jnp
             >>> from flax import nnx
+            >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
             >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
             >>> cache = model.init_cache(batch_size=1, max_length=8)
             >>> _, cache = model.hidden_states(jnp.array([[1, 2, 3]]), cache=cache)  # the prompt
@@ -824,7 +832,8 @@ class CausalLM(nnx.Module):
                 naming the unsupported architecture or tensor type.
             TypeError: If `rules` is given without `mesh`.
 
-        Example:
+        Examples:
+            >>> from artifex.generative_models.models.causal_lm import CausalLM
             >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # from the repo root
             >>> model.config.model_type, model.config.num_layers, model.dtype
             ('qwen2', 2, dtype('float32'))
@@ -874,9 +883,10 @@ class CausalLM(nnx.Module):
             path: Output directory (created if needed).
             max_shard_size: Optional shard size limit in bytes (or "5GB"-style string).
 
-        Example:
+        Examples:
             >>> import os, tempfile
             >>> import jax.numpy as jnp
+            >>> from artifex.generative_models.models.causal_lm import CausalLM
             >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # from the repo root
             >>> ids = jnp.array([[1, 2, 3]])
             >>> with tempfile.TemporaryDirectory() as out:
@@ -896,9 +906,10 @@ class LayerStack(NamedTuple):
         graphdef: The static structure shared by every layer.
         state: The layers' states, each leaf stacked to `(num_layers, ...)`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
         >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
         >>> stack = model.layer_stack()  # made once, e.g. outside a decode loop
         >>> ids = jnp.array([[1, 2, 3]])
@@ -1111,8 +1122,9 @@ def from_pretrained(
         ValueError: Naming the tensor or setting that cannot be loaded.
         TypeError: If `rules` is given without `mesh`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm import from_pretrained
         >>> model = from_pretrained("tests/fixtures/qwen2_tiny", dtype="float32")  # repo root
         >>> model.config.model_type, model(jnp.array([[1, 2, 3]])).shape
         ('qwen2', (1, 3, 128))
@@ -1147,8 +1159,9 @@ def load_gguf(
         ValueError: Naming the unsupported architecture, tensor type or tokenizer.
         TypeError: If `rules` is given without `mesh`.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm import from_pretrained, load_gguf
         >>> model, tokenizer = load_gguf("tests/fixtures/qwen2_tiny.Q8_0.gguf")  # qwen2_tiny, Q8_0
         >>> ids = jnp.array([tokenizer.encode("the hello")])
         >>> logits = model(ids)

@@ -44,8 +44,9 @@ class SharedPrefixMask:
         group_size: Completions per group (static).
         prompt_length: ``P`` (static).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm import SharedPrefixMask
         >>> valid = jnp.array([[False, True, True]])  # one left-padded prompt of 2 tokens
         >>> m = SharedPrefixMask(jnp.tril(jnp.ones((3, 3), bool))[None] & valid[:, None],
         ...                      valid, group_size=2, prompt_length=3)
@@ -119,8 +120,9 @@ class RMSNorm(nnx.Module):
         eps: Epsilon added to the mean square.
         dtype: Parameter and compute dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm import RMSNorm
         >>> norm = RMSNorm(4, eps=1e-6, dtype=jnp.float32)
         >>> y = norm(jnp.array([[2.0, -2.0, 2.0, -2.0]]))
         >>> y.round(4).tolist()  # unit root-mean-square, scale 1 at init
@@ -160,9 +162,10 @@ class Embed(nnx.Module):
         rngs: Random streams (`params`).
         padding_idx: Row initialised to zero (as transformers does for `pad_token_id`), or None.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import Embed
         >>> embed = Embed(16, 8, std=0.02, dtype=jnp.float32, rngs=nnx.Rngs(0), padding_idx=0)
         >>> x = embed(jnp.array([[0, 5]]))
         >>> x.shape, float(jnp.abs(x[0, 0]).max())  # the padding row starts at zero
@@ -213,9 +216,10 @@ class Linear(nnx.Module):
         dtype: Parameter and compute dtype.
         rngs: Random streams (`params`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import Linear
         >>> proj = Linear(8, 4, use_bias=True, std=0.02, dtype=jnp.float32, rngs=nnx.Rngs(0))
         >>> proj.kernel.shape, proj(jnp.ones((2, 8))).shape
         ((8, 4), (2, 4))
@@ -270,10 +274,11 @@ class Attention(nnx.Module):
         dtype: Parameter and compute dtype.
         rngs: Random streams (`params`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm import Attention
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=4, num_kv_heads=2)
         >>> attn = Attention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -490,10 +495,11 @@ class MLP(nnx.Module):
         dtype: Parameter and compute dtype.
         rngs: Random streams (`params`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm import MLP
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> mlp = MLP(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -530,10 +536,11 @@ class DecoderLayer(nnx.Module):
         dtype: Parameter and compute dtype.
         rngs: Random streams (`params`).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm import DecoderLayer
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> layer = DecoderLayer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))

@@ -30,7 +30,8 @@ def rope_inv_frequencies(
     Returns:
         A float32 NumPy array of shape (H/2,).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm import rope_inv_frequencies
         >>> [round(float(f), 6) for f in rope_inv_frequencies(8, 10000.0)]  # theta^(-2i/H)
         [1.0, 0.1, 0.01, 0.001]
 
@@ -73,8 +74,10 @@ def rope_cos_sin(
     Returns:
         `(cos, sin)`, each (B, T, H/2).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     rope_cos_sin, rope_inv_frequencies)
         >>> cos, sin = rope_cos_sin(jnp.array([[0, 1]]), rope_inv_frequencies(4, 10000.0),
         ...                         jnp.float32)
         >>> cos.shape, cos[0, 0].tolist(), sin[0, 0].tolist()  # position 0: no rotation
@@ -98,8 +101,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     Returns:
         The rotated array, same shape and dtype as `x`.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     apply_rope, rope_cos_sin, rope_inv_frequencies)
         >>> x = jax.random.normal(jax.random.key(0), (1, 3, 2, 4))  # (B, T, N, H)
         >>> cos, sin = rope_cos_sin(jnp.array([[0, 1, 2]]), rope_inv_frequencies(4, 10000.0),
         ...                         jnp.float32)

@@ -105,7 +105,8 @@ def render_chat_template(
         jinja2.exceptions.TemplateError: From `raise_exception` in the template.
         TypeError: If a message is not a mapping.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm import render_chat_template
         >>> template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
         >>> render_chat_template(template, [{"role": "user", "content": "2+2?"},
         ...                                 {"role": "assistant", "content": "4"}])
@@ -167,7 +168,8 @@ class Tokenizer:
     Raises:
         ValueError: If a special token is not in the vocabulary.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm import Tokenizer
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> ids = tok.encode("1+2=")
         >>> ids, tok.decode(ids)
@@ -239,7 +241,8 @@ class Tokenizer:
             FileNotFoundError: If `tokenizer.json` is missing.
             ValueError: If a special token is not in the vocabulary.
 
-        Example:
+        Examples:
+            >>> from artifex.generative_models.models.causal_lm import Tokenizer
             >>> tok = Tokenizer.from_pretrained("tests/fixtures/tokenizer_tiny")  # from repo root
             >>> tok.vocab_size, tok.bos_token, tok.eos_ids  # eos ids of generation_config.json
             (400, '<|bos|>', (2, 4))
@@ -301,8 +304,9 @@ class Tokenizer:
         Args:
             path: The directory (created).
 
-        Example:
+        Examples:
             >>> import os, tempfile
+            >>> from artifex.generative_models.models.causal_lm import Tokenizer
             >>> tok = Tokenizer.for_characters("abc", chat_template="{{ messages[0]['content'] }}")
             >>> with tempfile.TemporaryDirectory() as out:
             ...     tok.save_pretrained(out)
@@ -467,7 +471,8 @@ class Tokenizer:
         Returns:
             One id list per text.
 
-        Example:
+        Examples:
+            >>> from artifex.generative_models.models.causal_lm import Tokenizer
             >>> Tokenizer.for_characters("0123456789").encode_batch(["12", "3"])  # bos, then digits
             [[1, 5, 6], [1, 7]]
         """
@@ -502,7 +507,8 @@ class Tokenizer:
         Returns:
             One string per row.
 
-        Example:
+        Examples:
+            >>> from artifex.generative_models.models.causal_lm import Tokenizer
             >>> tok = Tokenizer.for_characters("0123456789")  # pad 0, bos 1, eos 2, unk 3
             >>> tok.batch_decode([[1, 5, 6, 2], [0, 1, 7, 2]])  # special tokens dropped
             ['12', '3']
@@ -576,7 +582,8 @@ class Tokenizer:
         Raises:
             ValueError: If there is no chat template or a conversation is empty.
 
-        Example:
+        Examples:
+            >>> from artifex.generative_models.models.causal_lm import Tokenizer
             >>> template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
             ...             "{% if add_generation_prompt %}<assistant>{% endif %}")
             >>> tok = Tokenizer.for_characters("<>aehinrstu", chat_template=template)

@@ -48,7 +48,8 @@ __all__ = [
 class FlowDiTConfig:
     """Shape of a :class:`FlowDiT`.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.flow import FlowDiTConfig
         >>> FlowDiTConfig(image_shape=(8, 8), patch_size=2).num_tokens
         16
 
@@ -137,7 +138,8 @@ def sincos_position_embeddings(grid_h: int, grid_w: int, dim: int) -> jax.Array:
     ``e(u) = [sin(u w_k), cos(u w_k)]_{k < dim / 4}`` and ``w_k = 10000^{-k / (dim / 4)}``:
     the first half of the features encodes the row, the second half the column.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.flow import sincos_position_embeddings
         >>> sincos_position_embeddings(4, 4, 64).shape
         (16, 64)
 
@@ -171,7 +173,9 @@ def sincos_position_embeddings(grid_h: int, grid_w: int, dim: int) -> jax.Array:
 def patchify(x: jax.Array, image_shape: tuple[int, ...], patch_size: int) -> jax.Array:
     """Cuts flattened images into row-major ``p x p`` patches.
 
-    Example:
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.flow import patchify
         >>> patchify(jnp.zeros((5, 64)), (8, 8), 2).shape
         (5, 16, 4)
 
@@ -195,7 +199,9 @@ def patchify(x: jax.Array, image_shape: tuple[int, ...], patch_size: int) -> jax
 def unpatchify(tokens: jax.Array, image_shape: tuple[int, ...], patch_size: int) -> jax.Array:
     """Inverse of :func:`patchify`: patches back to flattened images.
 
-    Example:
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.flow import unpatchify
         >>> unpatchify(jnp.zeros((5, 16, 4)), (8, 8), 2).shape
         (5, 64)
 
@@ -279,9 +285,10 @@ class FlowDiT(nnx.Module):
     :class:`~artifex.generative_models.models.flow.model.FlowModel`: same call, same
     ``config.data_dim``.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowDiT, FlowDiTConfig
         >>> model = FlowDiT(FlowDiTConfig(hidden_dim=32, num_blocks=1), rngs=nnx.Rngs(0))
         >>> x_t, t, labels = jnp.ones((3, 64)), jnp.full((3,), 0.5), jnp.array([0, 1, 2])
         >>> v = model(x_t, t, labels)  # the untrained network predicts zero velocity

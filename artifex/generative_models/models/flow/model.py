@@ -31,7 +31,8 @@ class FlowModelConfig:
         num_blocks: Number of residual blocks.
         time_features: Number of sinusoidal time features (even).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.flow import FlowModelConfig
         >>> config = FlowModelConfig(image_shape=(8, 8), num_classes=10, hidden_dim=64)
         >>> config.data_dim, config.num_blocks
         (64, 3)
@@ -80,8 +81,9 @@ def timestep_features(t: jax.Array, num_features: int) -> jax.Array:
     Returns:
         ``(N, F)`` float32 features.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.flow import timestep_features
         >>> phi = timestep_features(jnp.array([0.0, 0.5]), 8)
         >>> phi.shape, phi[0].tolist()  # t = 0: sines 0, cosines 1
         ((2, 8), [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
@@ -109,9 +111,10 @@ class _Block(nnx.Module):
 class FlowModel(nnx.Module):
     """Class-conditioned velocity field ``v_theta(x, t, y)`` for rectified flow on tiny images.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
         >>> model = FlowModel(FlowModelConfig(), rngs=nnx.Rngs(0))  # 8x8 images, 10 classes
         >>> x_t, t, labels = jnp.zeros((2, 64)), jnp.array([0.5, 0.9]), jnp.array([3, 7])
         >>> v = model(x_t, t, labels)

@@ -43,9 +43,10 @@ class DigitClassifier(nnx.Module):
         hidden_dim: Hidden width.
         rngs: Initialization randomness.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import DigitClassifier
         >>> clf = DigitClassifier(data_dim=16, num_classes=3, hidden_dim=8, rngs=nnx.Rngs(0))
         >>> clf(jnp.zeros((2, 4, 4))).shape  # images are flattened
         (2, 3)
@@ -99,9 +100,10 @@ def train_classifier(
     Returns:
         The accuracy on ``images`` after training.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import DigitClassifier, train_classifier
         >>> rng = np.random.default_rng(0)
         >>> labels = rng.integers(0, 2, 64)
         >>> images = np.where(labels[:, None] == 1, 0.8, -0.8) + 0.1 * rng.normal(size=(64, 16))
@@ -147,8 +149,9 @@ def classifier_reward(classifier: Callable[[jax.Array], jax.Array]) -> ImageRewa
     Returns:
         ``fn(images, labels) -> (B,)`` float32 NumPy rewards.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.flow import classifier_reward
         >>> logits = lambda images: jnp.log(jnp.array([[0.25, 0.75]] * images.shape[0]))
         >>> reward = classifier_reward(logits)
         >>> reward(jnp.zeros((2, 4)), jnp.array([1, 0])).round(3).tolist()
@@ -180,8 +183,9 @@ def brightness_reward(images: Any, labels: Any = None) -> np.ndarray:
     Returns:
         ``(B,)`` float32 rewards.
 
-    Example:
+    Examples:
         >>> import numpy as np
+        >>> from artifex.generative_models.models.flow import brightness_reward
         >>> brightness_reward(np.stack([np.full((2, 2), -1.0), np.ones((2, 2))])).tolist()
         [0.0, 1.0]
     """
@@ -202,8 +206,9 @@ def compressibility_reward(images: Any, labels: Any = None) -> np.ndarray:
     Returns:
         ``(B,)`` float32 rewards (may be slightly negative for incompressible tiny images).
 
-    Example:
+    Examples:
         >>> import numpy as np
+        >>> from artifex.generative_models.models.flow import compressibility_reward
         >>> flat = np.zeros((1, 8, 8))
         >>> noisy = np.random.default_rng(0).uniform(-1, 1, (1, 8, 8))
         >>> bool(compressibility_reward(flat)[0] > compressibility_reward(noisy)[0])
@@ -248,8 +253,10 @@ def combine_image_rewards(
     Raises:
         ValueError: No functions, or a function returned the wrong shape.
 
-    Example:
+    Examples:
         >>> import numpy as np
+        >>> from artifex.generative_models.models.flow import (
+        ...     brightness_reward, combine_image_rewards)
         >>> images = np.stack([np.full((2, 2), -1.0), np.ones((2, 2))])
         >>> combine_image_rewards([brightness_reward, brightness_reward], images, None,
         ...                       weights=[1.0, 0.5]).tolist()

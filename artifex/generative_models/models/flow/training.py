@@ -47,7 +47,8 @@ def load_digits_images() -> tuple[np.ndarray, np.ndarray]:
     Raises:
         ImportError: scikit-learn is not installed (``pip install 'artifex[flow]'``).
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.flow import load_digits_images
         >>> images, labels = load_digits_images()
         >>> images.shape, labels.shape, float(images.min()), float(images.max())
         ((1797, 8, 8), (1797,), -1.0, 1.0)
@@ -83,10 +84,11 @@ def flow_matching_loss(
     Returns:
         Scalar float32 loss.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> from artifex.generative_models.models.flow import flow_matching_loss
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> x0, noise = jnp.zeros((2, 4, 4)), jnp.ones((2, 4, 4))
@@ -113,7 +115,8 @@ class FlowTrainConfig:
         learning_rate: Peak Adam learning rate (cosine decay to 10% of it).
         seed: Seeds batches, noise and times.
 
-    Example:
+    Examples:
+        >>> from artifex.generative_models.models.flow import FlowTrainConfig
         >>> config = FlowTrainConfig(num_steps=500, batch_size=64)
         >>> config.num_steps, config.learning_rate
         (500, 0.002)
@@ -161,10 +164,11 @@ def train_flow_matching(
     Raises:
         ValueError: ``images`` and ``labels`` have different numbers of rows.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> from flax import nnx
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> from artifex.generative_models.models.flow import FlowTrainConfig, train_flow_matching
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> images = np.full((32, 4, 4), 0.5, np.float32)  # one flat gray image
