@@ -1,6 +1,6 @@
 r"""Group-relative advantages: the kernel at the heart of GRPO.
 
-Rewards arrive flat and prompt-major: row ``i`` belongs to group ``i // G``. Within each group,
+Rewards arrive flat, grouped by prompt: row ``i`` belongs to group ``i // G``. Within each group,
 
 .. math::
 
@@ -144,7 +144,7 @@ def _check_group_size(num_rows: int, group_size: int) -> None:
 
 
 def group_stats(rewards: jax.Array, group_size: int, *, ddof: int = 1) -> GroupStats:
-    """Statistics of fixed-size groups of flat prompt-major rewards.
+    """Statistics of fixed-size groups of flat rewards (row ``i`` in group ``i // group_size``).
 
     Args:
         rewards: ``(B,)`` rewards, ``B = num_groups * group_size``; NaN marks a missing reward.
@@ -293,7 +293,7 @@ def group_advantages(
     eps: float = 1e-4,
     baseline: AdvantageBaseline = "group_mean",
 ) -> jax.Array:
-    r"""Group-normalized advantages of flat prompt-major rewards (jitted).
+    r"""Group-normalized advantages of flat rewards grouped by prompt (jitted).
 
     ``A_i = (r_i - b_i) / (s + eps)`` where ``b_i`` is the group mean (``baseline="group_mean"``)
     or the mean of the other valid members (``"leave_one_out"``), and ``s`` is the group's std
@@ -637,7 +637,7 @@ def nonconstant_groups(rewards: jax.Array, group_size: int) -> jax.Array:
     exactly, so a constant group has a standard deviation of exactly 0).
 
     Args:
-        rewards: ``(B,)`` prompt-major rewards, NaN for a missing one.
+        rewards: ``(B,)`` rewards, row ``i`` in group ``i // group_size``; NaN for a missing one.
         group_size: ``G``.
 
     Returns:

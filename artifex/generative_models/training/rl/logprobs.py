@@ -95,9 +95,8 @@ def auto_chunk_size(vocab_size: int, *, budget_bytes: int = _CHUNK_BYTES) -> int
 
     The budget bounds memory. Below it, a chunk of at most ``_CACHE_BYTES`` (4 MiB) of logits, but
     no fewer than 256 rows, is taken: a small vocabulary's logits then stay in the CPU's cache
-    between the matmul and the softmax that reads them (for W1's 4,096-word vocabulary the
-    log-probs and their gradient ran 1.2-1.5x faster in chunks of 256 rows than in one piece of
-    3,072), and a large one keeps enough rows per chunk to amortize reading the output weight.
+    between the matmul and the softmax that reads them, and a large one keeps enough rows per
+    chunk to amortize reading the output weight.
 
     Args:
         vocab_size: ``V``.
@@ -131,10 +130,10 @@ def chunked_token_log_probs(
     ``z = h W (+ b)`` accumulated in float32. The ``N`` positions are processed ``chunk_size``
     rows at a time by a ``lax.scan``, so the softmax's temporaries are one chunk's. Under a
     gradient, the chunks' logits are kept for the backward pass while all ``N x V`` of them
-    take at most 256 MiB of float32 (SmolLM2-135M's 1,024 completion tokens: 192 MiB); above
-    that each chunk's are recomputed in the backward pass, so that peak memory holds one
-    chunk's logits instead of all of them, for one more product with the output matrix. A
-    scan of at most four chunks whose logits are kept is unrolled (faster, as much kept).
+    take at most 256 MiB of float32; above that each chunk's are recomputed in the backward
+    pass, so that peak memory holds one chunk's logits instead of all of them, for one more
+    product with the output matrix. A scan of at most four chunks whose logits are kept is
+    unrolled (faster, as much kept).
     The values are the same either way.
 
     Args:
@@ -147,7 +146,7 @@ def chunked_token_log_probs(
         transposed: ``weight`` is ``(V, D)``, one row per token (a tied embedding as stored):
             the products contract its second axis, ``logits = hidden @ weight.T``. Passing the
             ``(D, V)`` transpose instead makes XLA:CPU write a transposed copy of the matrix
-            for every pass over the chunks (about 0.1 s for a 49,152 x 576 float32 matrix).
+            for every pass over the chunks.
 
     Returns:
         ``(log_probs, entropy)``, each of ``targets``' shape, float32.
@@ -229,29 +228,10 @@ def causal_lm_log_probs(
     chunked by :func:`chunked_token_log_probs`.
 
     With ``shared_prompt_group=G`` (every ``G`` consecutive rows share one prompt, as in a GRPO
-    batch) each prompt is encoded once and its ``G`` completions attend to it: the same values
-    (gradients flow back through the shared prefix and add up; for a prompt with no real token
-    the first completion token's log-prob comes from a position that attends to nothing real,
-    which per-row encoding mixes with the completion's own keys), with the prompt part of the
-    forward and backward pass done ``G`` times less. A model with
-    ``shared_prefix_hidden_states`` (``CausalLM``) runs each prompt and its completions through
-    the layers as one row (one pass: SmolLM2-135M's compiled update has 7,629 top-level
-    operations instead of 9,833 with two passes, and XLA:CPU's compile time grows with their
-    square); other models with
-    ``init_cache`` encode the prompt into a KV cache that the completions then attend to.
-
-    With ``remat=True`` the model's decoder layers are rematerialized in the backward pass
-    (``hidden_states(..., remat=True)``): a gradient keeps each layer's input instead of all its
-    activations and recomputes them, for about one more forward pass of compute. An int
-    ``remat=n`` rematerializes every n-th layer only (the others keep their activations).
-
-    With ``scan_layers=True`` the decoder layers run as one ``jax.lax.scan`` over their stacked
-    weights (``model.layer_stack()``, computed once per call and shared by the prompt and
-    completion passes), whatever ``model.scan_layers`` says: the same values, a program that
-    holds one layer instead of all of them (it compiles faster for deep models; on the CPU it
-    runs somewhat slower), for one stacked copy of the layer weights (and of their gradient)
-    while it runs. A model
-    whose layers differ in structure (``layer_stack()`` is None) runs them unrolled.
+    batch) each prompt is encoded once and its ``G`` completions attend to it: the same values,
+    with the prompt part of the forward and backward pass done ``G`` times less. A
+    ``CausalLM`` (``shared_prefix_hidden_states``) runs each prompt and its completions through
+    the layers in one pass; other models with ``init_cache`` encode the prompt into a KV cache.
 
     Args:
         model: A causal LM with ``hidden_states(ids, attention_mask=..., cache=...)``,
@@ -264,11 +244,13 @@ def causal_lm_log_probs(
         temperature: Logits are divided by it (to score under the sampling distribution).
         shared_prompt_group: ``G`` when rows ``i`` and ``i // G * G`` always have the same
             prompt; ``None`` or 1 encodes every row's prompt.
-        remat: Rematerialize the decoder layers in the backward pass (gradient checkpointing),
-            or every n-th layer (an int n >= 1); the model's ``hidden_states`` must accept
-            ``remat=``. The values are unchanged.
-        scan_layers: Scan the decoder layers (see above); the model must have
-            ``layer_stack()`` and ``hidden_states(..., layer_stack=...)``.
+        remat: Rematerialize the decoder layers in the backward pass (gradient checkpointing:
+            about one more forward pass, less memory, same values), or every n-th layer (an
+            int n >= 1); the model's ``hidden_states`` must accept ``remat=``.
+        scan_layers: Run the decoder layers as one ``jax.lax.scan`` over
+            ``model.layer_stack()``, whatever ``model.scan_layers`` says: same values, faster
+            to compile for deep models, somewhat slower on the CPU. Layers of different
+            structures (``layer_stack()`` is None) run unrolled.
 
     Returns:
         ``(log_probs, entropy)``, each ``(B, T)`` float32.

@@ -223,9 +223,9 @@ def kl_divergence(
 
     Examples:
         >>> import jax.numpy as jnp
+        >>> import numpy as np
         >>> from artifex.generative_models.training.rl import kl_divergence
         >>> logp, ref = jnp.array([[-1.0, -1.0]]), jnp.array([[-1.0, -2.0]])
-        >>> import numpy as np
         >>> print(np.asarray(kl_divergence(logp, ref, jnp.ones((1, 2))), float).round(4))
         [[0.     0.3679]]
         >>> print(kl_divergence(logp, ref, jnp.ones((1, 2)), estimator="k2"))
@@ -271,6 +271,9 @@ def approx_kl_old(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
         >>> from artifex.generative_models.training.rl import approx_kl_old
         >>> print(approx_kl_old(jnp.array([[0.0, jnp.log(2.0)]]), jnp.ones((1, 2))).round(4))
         [[0.     0.3069]]
+
+    References:
+        Schulman, 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
     """
     m = _mask(mask)
     lr = jnp.where(m > 0, jax.lax.stop_gradient(log_ratio), 0.0)
@@ -352,7 +355,7 @@ def aggregate_loss(
     max_length: int | None = None,
     normalizer: jax.Array | float | None = None,
 ) -> jax.Array:
-    r"""Reduces a ``(B, T)`` per-token quantity to a scalar, in one of three ways.
+    r"""Reduces a ``(B, T)`` per-token quantity to a scalar, in one of four ways.
 
     - ``"sequence_mean"`` (GRPO paper): ``(1/B) sum_i (1/|o_i|) sum_t l_{i,t}``; a row with no
       valid token contributes 0.

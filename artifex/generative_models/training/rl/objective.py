@@ -511,7 +511,7 @@ def make_grpo_loss(
 ) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
     """Binds ``model``'s graph and ``config`` into a pure, jit-compiled ``grpo_loss``.
 
-    The returned ``grpo_loss(params, batch, rest=None) -> (loss, metrics)`` is a pure function
+    The returned ``grpo_loss(params, batch, rest_state=None) -> (loss, metrics)`` is a pure function
     of the parameter state ``params = nnx.state(model, wrt)`` and a :class:`GRPOBatch` (or the
     dict batch form), so ``jax.grad(grpo_loss, has_aux=True)(params, batch)`` works anywhere.
     Variables not selected by ``wrt`` (e.g. frozen base weights under LoRA) are read from
