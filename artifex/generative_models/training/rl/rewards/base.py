@@ -6,10 +6,11 @@ A reward function is a plain callable
 
 called once per rollout batch on the decoded text. ``columns`` are the dataset's other fields
 (for example ``answer``), passed as keyword lists already repeated per generation, so row ``i``
-of ``prompts``, ``completions`` and of every column belongs to the same sample (prompt-major,
-generation-minor, like the rest of the batch). The rollout also passes ``completion_length``,
-the number of completion tokens of each row. ``None`` means "no reward for this sample"; it
-becomes NaN in the combined reward array, which the advantage stage treats as missing.
+of ``prompts``, ``completions`` and of every column belongs to the same sample: generation
+``i % G`` of prompt ``i // G``, as in the rest of the batch. The rollout also passes
+``completion_length``, the number of completion tokens of each row. ``None`` means "no reward
+for this sample"; it becomes NaN in the combined reward array, which the advantage stage treats
+as missing.
 """
 
 from __future__ import annotations

@@ -305,17 +305,13 @@ def combine_rewards(
 ) -> CombinedRewards:
     """Calls every reward function on a batch and combines their rewards.
 
-    Each function is called once as ``f(prompts, completions, **columns)`` (all as lists, so a
-    function may not mutate what the next one sees). Its output must hold ``B`` finite real
-    numbers or ``None``; ``None`` and NaN both mean "no reward for this sample". The columns are
-    then combined by :func:`combine_reward_columns`:
-
-    - ``"sum"``: ``total_i = sum_{f : r_if not NaN} w_f * r_if``;
-    - ``"normalized"``: ``total_i = sum_{f : r_if not NaN} w_f * (r_if - mean_f) /
-      (std_f + eps)`` with each function's mean and std taken over its non-NaN entries in the
-      batch (or in each group of ``group_size`` rows), and 0 for a constant column.
-
-    ``total_i`` is NaN when every function returned ``None`` for row ``i``.
+    Each function is called once as ``f(prompts, completions, **columns)`` and must return
+    ``B`` finite numbers or ``None`` ("no reward for this sample", like NaN). The columns are
+    combined by :func:`combine_reward_columns`: ``"sum"``,
+    ``total_i = sum_{f : r_if not NaN} w_f * r_if``, or ``"normalized"``, the same sum of
+    ``(r_if - mean_f) / (std_f + eps)`` over each function's non-NaN entries in the batch (or
+    in each group of ``group_size`` rows). ``total_i`` is NaN when every function returned
+    ``None`` for row ``i``.
 
     Args:
         funcs: the reward functions (see :class:`RewardFunction`), at least one.
@@ -323,8 +319,8 @@ def combine_rewards(
         completions: ``B`` decoded completions.
         weights: one finite weight per function; ``None`` means all ones.
         mode: ``"sum"`` or ``"normalized"``.
-        columns: dataset columns passed as keyword arguments, each with ``B`` entries. The
-            rollout passes ``completion_length`` (completion token counts) among them.
+        columns: dataset columns passed as keyword arguments, each with ``B`` entries (the
+            rollout adds ``completion_length``, the completion token counts).
         group_size: ``"normalized"`` mode only: standardize within each prompt's group of
             generations rather than over the whole batch.
         eps: positive constant added to the standard deviation in ``"normalized"`` mode.
@@ -338,15 +334,11 @@ def combine_rewards(
     Raises:
         RewardFunctionError: if a function raises; the message names the function and the first
             failing row, and the original exception is chained as ``__cause__``.
-        ValueError: if a function returns the wrong number of rewards, something other than a
-            list, tuple or 1-D array, a non-numeric value or an infinity (the message names the
-            function, the expected and the got value); or if ``funcs`` is empty, the batch
-            lengths disagree, a column is named ``prompts``/``completions``, ``weights`` has
-            the wrong length or non-finite entries, or ``mode``/``eps``/``group_size`` are
-            out of range.
-        TypeError: if an entry of ``funcs`` is not callable, ``prompts``, ``completions`` or a
-            column is not a list (a string is not), ``weights`` are not numbers, or
-            ``mode``/``eps``/``group_size`` has the wrong type.
+        ValueError: if a function's output has the wrong length, is not a sequence of finite
+            numbers or ``None`` (the message names the function), or if the arguments are out
+            of range or disagree in length.
+        TypeError: if a function is not callable, ``prompts``, ``completions`` or a column is
+            not a list, or an argument has the wrong type.
 
     Examples:
         >>> from artifex.generative_models.training.rl import combine_rewards
@@ -433,25 +425,11 @@ class RewardCombiner:
     the combiner mirrors the reward-function protocol,
     ``combiner(prompts, completions, group_size=G, **columns) -> CombinedRewards``.
 
-    The group size is not a setting of the combiner: whoever built the batch knows it (the
-    rollout passes its ``num_generations``) and passes it when calling. ``"normalized"`` mode
-    standardizes each function's rewards within each prompt's group of ``group_size`` rows;
-    without a group size it standardizes over the whole batch. The constructor's
-    ``group_size`` is kept for code written before the call-time argument: it is only a
-    default for calls that pass none, and a call that passes a different one raises
-    ``ValueError`` (the group size lives in one place). ``"sum"`` mode ignores the group size.
-
-    Examples:
-        >>> from artifex.generative_models.training import RewardCombiner
-        >>> from artifex.generative_models.training.rl.rewards import (
-        ...     format_reward,
-        ...     math_answer_reward,
-        ... )
-        >>> combiner = RewardCombiner([math_answer_reward(), format_reward()], weights=[1, 0.2])
-        >>> completions = ["<think>1 + 1</think><answer>2</answer>"]
-        >>> total, per_function = combiner(["1 + 1?"], completions, group_size=1, answer=["2"])
-        >>> total, per_function.shape
-        (array([1.2], dtype=float32), (1, 2))
+    The group size is passed when calling (the rollout passes its ``num_generations``):
+    ``"normalized"`` mode standardizes each function's rewards within each prompt's group of
+    ``group_size`` rows, or over the whole batch without one; ``"sum"`` mode ignores it. The
+    constructor's ``group_size`` is only a deprecated default for calls that pass none; a call
+    that passes a different one raises ``ValueError``.
 
     Args:
         funcs: the reward functions, at least one.
@@ -467,6 +445,15 @@ class RewardCombiner:
             entries, or ``mode``/``eps``/``group_size`` are out of range.
         TypeError: if an entry of ``funcs`` is not callable, or ``group_size``, ``eps`` or
             ``mode`` has the wrong type.
+
+    Examples:
+        >>> from artifex.generative_models.training import RewardCombiner
+        >>> from artifex.generative_models.training.rl import format_reward, math_answer_reward
+        >>> combiner = RewardCombiner([math_answer_reward(), format_reward()], weights=[1, 0.2])
+        >>> completions = ["<think>1 + 1</think><answer>2</answer>"]
+        >>> total, per_function = combiner(["1 + 1?"], completions, group_size=1, answer=["2"])
+        >>> total, per_function.shape
+        (array([1.2], dtype=float32), (1, 2))
     """
 
     def __init__(

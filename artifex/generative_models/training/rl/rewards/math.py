@@ -464,50 +464,23 @@ def math_answer_reward(
 ) -> RewardFunction:
     r"""Final-answer correctness reward for math problems (GSM8K, MATH).
 
-    For each row the reference is read from ``columns[answer_column]``: a full GSM8K solution
-    (``... #### 72``), a bare or boxed answer, or a number; its answer is found by
-    :func:`extract_answer` (a reference without a marker is its own answer).
+    ``R = correct_reward`` if ``equal(extract(completion), extract(reference))``, else
+    ``incorrect_reward`` (also when the completion has no answer); ``None`` ("no reward") only
+    when the reference is missing (``None``, NaN or empty). The reference comes from
+    ``columns[answer_column]``: a GSM8K solution (``... #### 72``), a bare or boxed answer, or
+    a number; :func:`extract_answer` finds its answer (a reference without a marker is its own).
 
-    **Extraction** of the completion's answer (the same for both backends):
+    The completion's answer is found by ``extraction="markers"``: :func:`extract_answer`, the
+    last ``\boxed{...}``, ``#### ...`` or ``<answer>...</answer>``; or by
+    ``extraction="last_number"``: the last number in the completion, markers or not (lm-eval's
+    "flexible extract"; a LaTeX ``\frac{1}{2}`` reads as ``2``).
 
-    - ``extraction="markers"`` (default): :func:`extract_answer`: the last of ``\boxed{...}``,
-      ``#### ...`` and ``<answer>...</answer>``; with ``last_number_fallback=True`` the last
-      number in the text when there is no marker. No marker: no answer, so ``incorrect_reward``.
-    - ``extraction="last_number"``: the last number in the completion, markers or not
-      (lm-eval's "flexible extract" for GSM8K): integers, decimals, ``1,234``-style thousands
-      and ``a/b`` fractions, with a sign. Suited to GSM8K-style numeric answers; a LaTeX answer
-      (``\frac{1}{2}``) is read as its last number (``2``).
-
-    **Comparison** of the two answers:
-
-    - ``backend="builtin"``: :func:`answers_equal`: exact rationals when both answers are
-      numbers (``0.75 == 3/4 == \frac{3}{4}``, ``1,234 == 1234``, ``$5 == 5``,
-      ``50\% == 50``, no float tolerance), else the cleaned LaTeX text (``\text{Monday} ==
-      Monday``).
-    - ``backend="math_verify"``: the answers are equal when :func:`answers_equal` says so;
-      two answers that are both plain numbers and differ are different; otherwise the
-      ``math-verify`` package decides (the answers are parsed as LaTeX, ``$answer$``, and
-      compared symbolically: ``\frac{1}{\sqrt2} == \frac{\sqrt2}{2}``, ``2^{10} == 1024``,
-      ``\{1, 2\} == \{2, 1\}``, intervals, ``x + 1 == 1 + x``). math-verify compares the
-      extracted answers only; it does not search the completion. An answer it cannot parse is
-      wrong. This is the package TRL's and lm-eval's math rewards use; install it with the
-      ``math`` extra (``pip install "artifex-grpo[math]"``).
-    - ``backend="auto"`` (default): ``"math_verify"`` when the package is installed, else
-      ``"builtin"``.
-
-    The reward:
-
-        ``R = correct_reward   if equal(extract(completion), extract(reference))``
-        ``R = incorrect_reward otherwise (including when the completion has no answer)``
-
-    It is ``None`` ("no reward") only when the reference itself is missing: ``None``, NaN or
-    empty. A non-numeric reference (``\text{Monday}``) is still graded.
-
-    Examples:
-        >>> from artifex.generative_models.training.rl import math_answer_reward
-        >>> reward = math_answer_reward(extraction="last_number", backend="builtin")
-        >>> reward(["q", "q"], ["5 + 7 = 12 apples", "I think 13."], answer=["... #### 12"] * 2)
-        [1.0, 0.0]
+    The answers are compared by ``backend="builtin"``: :func:`answers_equal` (exact rationals,
+    ``0.75 == 3/4 == \frac{3}{4}``, else cleaned LaTeX text); by ``backend="math_verify"``:
+    equal when :func:`answers_equal` says so, different when both are plain numbers, else the
+    ``math-verify`` package compares them symbolically as LaTeX (``2^{10} == 1024``); an
+    answer it cannot parse is wrong (install it with the ``math`` extra); or by
+    ``backend="auto"``: ``"math_verify"`` when that package is installed, else ``"builtin"``.
 
     Args:
         answer_column: name of the dataset column with the reference answers.
@@ -529,6 +502,12 @@ def math_answer_reward(
         TypeError: (here) if an argument has the wrong type; (when called) if a completion is
             not a string or a reference is neither a string nor a number.
         ImportError: (here) with ``backend="math_verify"`` when math-verify is not installed.
+
+    Examples:
+        >>> from artifex.generative_models.training.rl import math_answer_reward
+        >>> reward = math_answer_reward(extraction="last_number", backend="builtin")
+        >>> reward(["q", "q"], ["5 + 7 = 12 apples", "I think 13."], answer=["... #### 12"] * 2)
+        [1.0, 0.0]
 
     References:
         Cobbe et al., "Training Verifiers to Solve Math Word Problems" (GSM8K),
