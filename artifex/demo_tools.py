@@ -152,7 +152,9 @@ def tool_demo_tokenizer() -> Tokenizer:
     return tok
 
 
-def multiplication_dataset(seed: int = 0, num_eval: int = 100, size: int = 3000):
+def multiplication_dataset(
+    seed: int = 0, num_eval: int = 100, size: int = 3000
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Random products ``a*b`` (1000 <= a < 10000, 10 <= b < 100), train and held-out rows.
 
     Args:

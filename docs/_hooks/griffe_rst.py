@@ -14,7 +14,12 @@ know. When the package has been loaded, this extension rewrites, in every docstr
 It also hides the undocumented special methods of classes (``__post_init__``, ``__repr__``...),
 which the reference would otherwise list because it shows members without docstrings;
 ``__init__`` (merged into the class signature) and ``__call__`` stay. Undocumented attributes of
-classes are hidden too: the class's Attributes or Args section documents them.
+classes are hidden too: the class's Attributes or Args section documents them. Hidden members
+are marked private (the ``public`` filter of mkdocstrings skips them), never deleted: griffe's
+built-in dataclasses extension, which runs after every configured extension, builds each
+dataclass's ``__init__`` from the class's fields; deleting them left ``GRPOConfig.__init__``
+with ``self`` only, so the reference showed ``GRPOConfig()`` and griffe warned about every
+documented parameter.
 """
 
 from __future__ import annotations
@@ -148,8 +153,12 @@ class RestToMarkdown(griffe.Extension):
         if obj.docstring is not None:
             obj.docstring.value = roles(literal_markers(math_blocks(obj.docstring.value)), obj)
         if obj.is_class:
-            for name in [n for n, m in obj.members.items() if _hidden(n, m)]:
-                del obj.members[name]
+            # Hidden, not deleted: griffe's dataclasses extension runs after this one and builds
+            # a dataclass's ``__init__`` (the signature and its defaults) from these members, and
+            # the Attributes section takes its types from them.
+            for name, member in obj.members.items():
+                if _hidden(name, member):
+                    member.public = False
         for member in obj.members.values():
             if not member.is_alias:
                 self._visit(member, seen)

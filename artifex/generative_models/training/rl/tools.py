@@ -5,7 +5,7 @@ A tool is a plain Python callable with type hints and a Google-style docstring:
     def multiply(a: int, b: int) -> int:
         \"\"\"Multiplies two integers.
 
-Args:
+        Args:
             a: The first factor.
             b: The second factor.
         \"\"\"
