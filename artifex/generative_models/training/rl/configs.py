@@ -147,7 +147,8 @@ class GRPOConfig:
         layerwise_update: Run a ``CausalLM`` update as per-layer programs, whose compile time
             does not grow with depth; needs ``remat=True`` and ``remat_every=1``.
         optimizer_by_layer: Let ``GRPOTrainer`` update one layer per program (faster compile)
-            where the result is the same: an element-wise optimizer, 8 or more layers, no mesh.
+            where the result is the same: an element-wise optimizer, 8 or more layers,
+            parameters on the CPU (XLA:CPU's compile time is what it shortens), no mesh.
 
     Raises:
         TypeError: If a field has the wrong type (``num_generations=4.0``, ``beta="0.1"``).

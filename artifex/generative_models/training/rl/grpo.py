@@ -323,6 +323,14 @@ class _CompiledStep:
 MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER = 8
 
 
+def _on_cpu(params: Any) -> bool:
+    """Whether every device holding ``params`` is a CPU (True for no arrays)."""
+    platforms = {
+        d.platform for x in jax.tree.leaves(params) if isinstance(x, jax.Array) for d in x.devices()
+    }
+    return platforms <= {"cpu"}
+
+
 def _num_layers(model: nnx.Module) -> int:
     """The number of decoder layers a model holds as a sequence (0 for any other model)."""
     try:
@@ -917,7 +925,8 @@ class GRPOTrainer:
     def _optimizer_split(self) -> LayerSplit | None:
         """The per-layer split of the optimizer step, or None (then one program runs it).
 
-        Only with ``GRPOConfig.optimizer_by_layer``, without a mesh, for models of at least
+        Only with ``GRPOConfig.optimizer_by_layer``, for parameters on the CPU (the split
+        shortens XLA:CPU's compile time), without a mesh, for models of at least
         ``MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER`` decoder layers, and where
         :func:`~artifex.generative_models.training.rl.optimizer_split.split_by_layer` accepts
         the optimizer's transformation for the trainer's state when the step is first built.
@@ -932,6 +941,11 @@ class GRPOTrainer:
                 reason = "GRPOConfig.optimizer_by_layer is False"
             elif self.mesh is not None:
                 reason = "a mesh (the one-program step keeps its layout)"
+            elif not _on_cpu(self.params):
+                reason = (
+                    "the parameters are not on the CPU (the split shortens XLA:CPU's compile "
+                    "time; an accelerator compiles and runs the one program)"
+                )
             elif _num_layers(self.model) < MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER:
                 reason = (
                     f"fewer than {MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER} decoder layers (one "

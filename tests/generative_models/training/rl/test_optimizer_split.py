@@ -577,3 +577,17 @@ def test_the_update_programs_are_compiled_before_the_groups_run_after_a_placemen
     finally:
         step._optimizer.programs["apply"] = apply
     assert inside == [0] * (LAYERS + 1)
+
+
+def test_the_split_is_chosen_only_for_parameters_on_the_cpu(monkeypatch):
+    # The split shortens XLA:CPU's compile time; on an accelerator the update stays one program
+    # (the configuration measured there). Placement is read from the parameters' devices.
+    from artifex.generative_models.training.rl import grpo
+
+    on_cpu = _trainer(True)
+    assert grpo._on_cpu(on_cpu.params)
+    assert type(on_cpu.compiled_step()).__name__ == "_SplitStep"
+    monkeypatch.setattr(grpo, "_on_cpu", lambda params: False)
+    elsewhere = _trainer(True)
+    assert "not on the CPU" in elsewhere.optimizer_split_reason
+    assert type(elsewhere.compiled_step()).__name__ == "_CompiledStep"
