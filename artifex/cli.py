@@ -1,8 +1,8 @@
 """The ``artifex-grpo`` command.
 
 - ``artifex-grpo demo``: the built-in end-to-end run (a tiny Llama-style model learns 2-digit
-  addition with GRPO on the CPU in a few minutes); prints accuracy before and after and writes a
-  reward-curve PNG.
+  addition with GRPO on the CPU); prints accuracy before and after and writes a reward-curve
+  PNG.
 - ``artifex-grpo demo --task flow``: Flow-GRPO on images (a tiny flow-matching model of 8x8
   digits, a classifier reward); writes before/after images and the reward and KL curves.
 - ``artifex-grpo train --model DIR --data FILE.jsonl --reward math ...``: GRPO on a local

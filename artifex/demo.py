@@ -45,7 +45,7 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    """Settings of the demo (the defaults run in about five minutes on a 2-core CPU).
+    """Settings of the demo (the defaults are those of ``artifex-grpo demo``).
 
     Attributes:
         seed: Seeds everything.
@@ -321,10 +321,10 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
         A JSON-able summary: accuracy and mean reward before/after, times, file paths.
 
     Examples:
-        Skipped when the docstring examples run: it trains for about five minutes on 2 CPU
-        cores, and a configuration small enough for a docstring (about 17 s) learns nothing.
-        The slow test ``tests/test_cli.py::test_short_demo_raises_held_out_accuracy`` runs a
-        150-step version and checks the gain.
+        Not run with the other docstring examples: the default settings train the whole demo,
+        and settings small enough for a docstring learn nothing. The slow test
+        ``tests/test_cli.py::test_short_demo_raises_held_out_accuracy`` runs a 150-step
+        version and checks the gain.
 
         >>> from artifex.demo import DemoConfig, run_demo
         >>> summary = run_demo(DemoConfig(out_dir="runs/demo"))  # doctest: +SKIP

@@ -98,7 +98,7 @@ def multiply(a: int, b: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ToolDemoConfig:
-    """Settings of the tool demo (the defaults run in a few minutes on a 2-core CPU).
+    """Settings of the tool demo (the defaults are those of ``artifex-grpo demo --task tools``).
 
     Attributes:
         seed: Seeds everything.
@@ -319,8 +319,8 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
         A JSON-able summary: held-out accuracy and tool-call rate before/after, times.
 
     Examples:
-        Skipped when the docstring examples run: it trains for a few minutes on 2 CPU cores,
-        and a configuration small enough for a docstring (about 18 s) learns nothing.
+        Not run with the other docstring examples: the default settings train the whole demo,
+        and settings small enough for a docstring learn nothing.
 
         >>> from artifex.demo_tools import ToolDemoConfig, run_tool_demo
         >>> summary = run_tool_demo(ToolDemoConfig(out_dir="runs/tools"))  # doctest: +SKIP

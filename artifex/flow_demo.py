@@ -64,7 +64,7 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class FlowDemoConfig:
-    """Settings of the Flow-GRPO demo (the defaults run in about a minute on 2 CPU cores).
+    """Settings of the Flow-GRPO demo (the defaults are those of ``artifex-grpo demo --task flow``).
 
     Attributes:
         seed: Seeds everything.
@@ -225,17 +225,17 @@ def _evaluate(
 def build_flow_model(config: FlowDemoConfig) -> FlowDiT | FlowModel:
     """The untrained flow model the demo pretrains (8x8 digits, 10 classes).
 
-    Examples:
-        >>> from artifex.flow_demo import FlowDemoConfig, build_flow_model
-        >>> build_flow_model(FlowDemoConfig(hidden_dim=16, num_blocks=1)).config.num_tokens
-        16
-
     Args:
         config: The demo settings (``architecture``, ``hidden_dim``, ``num_blocks``,
             ``num_heads``, ``seed``).
 
     Returns:
         A :class:`FlowDiT` (``architecture="dit"``) or a :class:`FlowModel` (``"mlp"``).
+
+    Examples:
+        >>> from artifex.flow_demo import FlowDemoConfig, build_flow_model
+        >>> build_flow_model(FlowDemoConfig(hidden_dim=16, num_blocks=1)).config.num_tokens
+        16
     """
     rngs = nnx.Rngs(config.seed)
     if config.architecture == "mlp":
@@ -259,10 +259,10 @@ def run_flow_demo(config: FlowDemoConfig | None = None, *, verbose: bool = True)
         The :class:`FlowDemoResult` (also written to ``out_dir`` with the figures).
 
     Examples:
-        Skipped when the docstring examples run: it trains for about a minute on 2 CPU cores,
-        and a configuration small enough for a docstring (about 20 s) does not raise the
-        reward. The slow test ``tests/test_flow_demo.py::test_short_flow_demo_writes_results``
-        runs a 3-step version end to end.
+        Not run with the other docstring examples: the default settings train the whole demo,
+        and settings small enough for a docstring do not raise the reward. The slow test
+        ``tests/test_flow_demo.py::test_short_flow_demo_writes_results`` runs a 3-step version
+        end to end.
 
         >>> from artifex.flow_demo import FlowDemoConfig, run_flow_demo
         >>> result = run_flow_demo(FlowDemoConfig(out_dir="runs/flow_demo"))  # doctest: +SKIP

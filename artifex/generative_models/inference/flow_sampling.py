@@ -325,7 +325,9 @@ def sample_flow(
 
 
 class FlowSampler:
-    """A compiled :func:`sample_flow` shell: ``K`` images per class prompt, prompt-major.
+    """A compiled :func:`sample_flow` shell: ``K`` images per class prompt.
+
+    Rows are prompt-major: row ``i`` belongs to prompt ``i // K``, generation ``i % K``.
 
     Args:
         config: Sampler settings.

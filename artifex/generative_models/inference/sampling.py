@@ -1,8 +1,9 @@
 r"""A compiled KV-cache sampler that draws ``K`` completions per prompt.
 
 Each left-padded prompt is prefilled once; its cache is then repeated for its ``K`` generations
-(prompt-major, generation-minor rows), and a ``lax.while_loop`` decodes one token per step for
-all rows until every row has produced an end-of-sequence token or ``max_new_tokens`` is reached.
+(prompt-major rows: row ``i`` belongs to prompt ``i // K``, generation ``i % K``), and a
+``lax.while_loop`` decodes one token per step for all rows until every row has produced an
+end-of-sequence token or ``max_new_tokens`` is reached.
 The whole generation is one XLA program, compiled once per (batch size, prompt-length bucket,
 ``max_new_tokens``, number of generations, decoding mode).
 
@@ -556,10 +557,9 @@ def _per_layer_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     are stored stacked (``CausalLM.stack_layers()``) and not scanned runs its layers one by
     one, so the sampler needs them sliced. They are sliced here, one layer per call of one small
     compiled program (a dynamic index into each stack), and the sampler then compiles the same
-    program as for per-layer storage. Slicing inside the sampler's program made it compile
-    1.6-1.8 s longer for SmolLM2-135M, and slicing all layers in one program of its own took
-    about 1.4 s to compile (``docs/benchmarks.md``). The model itself is left as it is; the
-    slices are copies, made once per call.
+    program as for per-layer storage (slicing inside the sampler's program, or all layers in one
+    program of its own, compiles longer; ``docs/benchmarks.md``). The model itself is left as
+    it is; the slices are copies, made once per call.
 
     Args:
         model: The model to sample from.
@@ -671,12 +671,11 @@ def generate(
 ) -> SamplerOutput:
     """Generates ``num_generations`` completions for each left-padded prompt.
 
-    Arguments are checked on the host before anything is traced. Prompts are left-padded further
-    to a length bucket so that one program serves many prompt widths.
+    Arguments are checked on the host before anything is traced.
 
     Args:
-        model: A causal LM with ``init_cache``, ``hidden_states(..., cache=)``,
-            ``logits_from_hidden`` and a ``config`` (``max_position_embeddings``, token ids).
+        model: A causal LM (``init_cache``, ``hidden_states``, ``logits_from_hidden``, a
+            ``config``).
         prompt_ids: ``(B, P)`` int token ids, left-padded.
         prompt_mask: ``(B, P)`` 1 on real tokens; ``None`` means no padding.
         key: PRNG key; the output is a deterministic function of it.
@@ -685,30 +684,30 @@ def generate(
         temperature: ``tau >= 0``; 0 means greedy decoding.
         top_k: Sample among the ``top_k`` most likely tokens only (``None``: all).
         top_p: Nucleus mass in (0, 1]; 1 disables nucleus sampling.
-        eos_ids: Token id(s) that end a completion; defaults to the model config's EOS ids.
-        pad_id: Filler after EOS; defaults to the config's pad id, else the first EOS id, else 0.
-        prompt_buckets: Prompt widths to pad to (``None``: no bucketing).
-        share_prefill: Prefill each prompt once and share its cache with its generations (the
-            default); ``False`` prefills every row (for benchmarks).
-        row_groups: Run the prompts as this many equal groups, each a run of the same compiled
-            program on a host thread of its own, at the same time. Each row draws the random
-            numbers it draws in one run of the whole batch, so the tokens are those of one run
-            (up to the rounding of matrix products over fewer rows). For small models on the
-            CPU, whose decoding products XLA:CPU runs on one core each, this keeps the other
-            cores busy. ``None`` (the default): :func:`auto_row_groups`. Must divide ``B``;
-            more than one group needs the prompts and the model on one device of one process.
+        eos_ids: Token id(s) that end a completion (default: the model config's).
+        pad_id: Filler after EOS (default: the config's pad id, else the first EOS id, else 0).
+        prompt_buckets: Prompt widths to left-pad to, so that one program serves many widths
+            (``None``: no bucketing).
+        share_prefill: Prefill each prompt once for all its generations; ``False`` prefills
+            every row (for benchmarks).
+        row_groups: Run the prompts as this many equal groups at the same time, each with the
+            same compiled program on a host thread of its own. The tokens are those of one run
+            of the whole batch (each row draws the same random numbers; products over fewer
+            rows may round differently). ``None`` (the default):
+            :func:`auto_row_groups`. Must divide ``B``; more than one group needs the prompts
+            and the model on one device of one process.
 
     Returns:
-        A :class:`SamplerOutput` with ``B * K`` rows, prompt-major.
+        A :class:`SamplerOutput` with ``B * K`` rows; row ``i`` belongs to prompt ``i // K``,
+        generation ``i % K``.
 
     Raises:
         ValueError: An empty prompt row, a prompt too long for the model's positions plus
-            ``max_new_tokens``, ``num_generations < 1``, ``top_p`` outside (0, 1], a negative
-            temperature, ``top_k < 1``, mismatched shapes, prompt token ids outside the
-            model's vocabulary, or ``row_groups`` that does not divide ``B`` or asks for
-            groups of prompts held on several devices or processes.
+            ``max_new_tokens``, an argument out of its range, mismatched shapes, token ids
+            outside the vocabulary, or ``row_groups`` that does not divide ``B`` (or is over 1
+            for prompts held on several devices).
         TypeError: Non-integer ``prompt_ids``, or an argument of the wrong type
-            (``num_generations=2.0``, ``temperature="1"``).
+            (``num_generations=2.0``).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -722,7 +721,7 @@ def generate(
         >>> mask = jnp.array([[0, 1, 1], [1, 1, 1]])
         >>> out = generate(model, prompts, mask, key=jax.random.key(0), num_generations=2,
         ...                max_new_tokens=4, temperature=0.0)
-        >>> out.completion_ids.shape  # prompt-major: rows 0-1 answer prompt 0
+        >>> out.completion_ids.shape  # rows 0-1 answer prompt 0
         (4, 4)
         >>> bool((out.completion_ids[0] == out.completion_ids[1]).all())  # greedy: equal
         True

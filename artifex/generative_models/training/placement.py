@@ -8,13 +8,13 @@ rules: often plain data parallelism or tensor parallelism for decoding, while tr
 FSDP), and the finished generation batch is moved back onto the training mesh, rows over its
 data axes. Both directions are device-to-device copies; nothing passes through the host.
 
-This is the layout of disaggregated RL systems (Tunix's role-to-mesh mapping, the colocated
-versus separated actor/rollout placement of HybridFlow): it lets the sampler use a sharding that
-suits decoding and frees the training devices' memory from the KV cache. With one process both
-meshes are sets of local devices (the tests use 8 simulated CPU devices, 4 and 4). Across
-processes each mesh should span every process with the same number of devices per process
-(e.g. the first half of each host's devices train, the second half sample), so that every
-process keeps feeding the same rows to both; that configuration is not tested.
+This is the layout of disaggregated RL systems (the role-to-mesh mapping of Tunix, Google's JAX
+post-training library; the colocated versus separated actor/rollout placement of HybridFlow): it
+lets the sampler use a sharding that suits decoding and frees the training devices' memory from the
+KV cache. With one process both meshes are sets of local devices (the tests use 8 simulated CPU
+devices, 4 and 4). Across processes each mesh should span every process with the same number of
+devices per process (e.g. the first half of each host's devices train, the second half sample), so
+that every process keeps feeding the same rows to both; that configuration is not tested.
 
 References:
     Sheng et al., 2024, "HybridFlow: A Flexible and Efficient RLHF Framework",

@@ -6,58 +6,34 @@ decides where they live:
 
 - :func:`make_mesh` builds a ``Mesh`` with the named axes ``("data", "fsdp", "tensor")`` (any of
   size 1) in GSPMD (``AxisType.Auto``) mode.
-- :class:`PartitionRules` maps a parameter path (``"layers.0.attn.q_proj.kernel"``, as written
-  by :func:`~artifex.generative_models.models.causal_lm.hf_io.param_path_str`) and shape to a
-  ``PartitionSpec``: Megatron-style tensor parallelism over ``"tensor"`` from a table of regular
-  expressions (:data:`CAUSAL_LM_RULES`), plus FSDP (ZeRO-3) sharding of the largest free
-  dimension of every large parameter over ``"fsdp"``. Variables that carry their own
-  annotation (``nnx.with_partitioning`` / ``out_sharding`` metadata) keep it. Stacked layer
-  weights (``CausalLM.stack_layers``, variables with ``stacked_layers`` metadata) are sharded
-  as one layer's weight is, with the leading layer axis unsharded.
-- :func:`shard_model` and :func:`shard_optimizer` place a model (policy or reference) and its
-  ``nnx.Optimizer`` state; the optimizer state follows its parameters (Adam's ``mu``/``nu`` get
-  the spec of their parameter, scalars such as ``count`` are replicated).
+- :class:`PartitionRules` maps a parameter path (``"layers.0.attn.q_proj.kernel"``, as
+  :func:`~artifex.generative_models.models.causal_lm.hf_io.param_path_str` writes it) and shape
+  to a ``PartitionSpec``: Megatron-style tensor parallelism over ``"tensor"``
+  (:data:`CAUSAL_LM_RULES`), plus FSDP (ZeRO-3) sharding of every large parameter over
+  ``"fsdp"``.
+- :func:`shard_model` and :func:`shard_optimizer` place a model and its ``nnx.Optimizer`` state
+  (Adam's ``mu``/``nu`` follow their parameter; scalars are replicated).
 - :func:`shard_batch` splits a :class:`~artifex.generative_models.training.rl.batch.GRPOBatch`
-  (or any pytree of row-major arrays) along its rows over the data-like axes ``("data",
-  "fsdp")`` together.
+  (or any pytree of row-major arrays) along its rows over ``("data", "fsdp")`` together.
 
 Tensor parallelism (Shoeybi et al., 2019): for a block ``y = (\sigma(x W_1)) W_2`` the first
-matrix is split by columns, ``W_1 = [W_1^{(1)} \dots W_1^{(n)}]`` (column-parallel: q/k/v,
-gate/up, each shard computes its own output features), the second by rows (row-parallel: o,
-down), so ``y = \sum_i \sigma(x W_1^{(i)}) W_2^{(i)}`` needs one all-reduce per block. The
-embedding and output head are split over the vocabulary. FSDP (Rajbhandari et al., 2020) stores
-``1/n`` of every large parameter and its optimizer state on each of the ``n`` devices of the
-``"fsdp"`` axis and all-gathers a parameter where it is used; the batch is split over ``"data"``
-and ``"fsdp"`` together, so FSDP is also data parallelism. Mesh axes of size 1 shard nothing
-and are dropped from the specs (on a mesh without tensor parallelism the embedding is
-FSDP-sharded over its vocabulary, its largest dimension).
+matrix is split by columns (column-parallel: q/k/v, gate/up), the second by rows (row-parallel:
+o, down), so ``y = \sum_i \sigma(x W_1^{(i)}) W_2^{(i)}`` needs one all-reduce per block. FSDP
+(Rajbhandari et al., 2020) stores ``1/n`` of every large parameter and its optimizer state on each
+of the ``n`` devices of ``"fsdp"`` and all-gathers a parameter where it is used; the batch is split
+over ``"fsdp"`` too, so FSDP is also data parallelism.
 
-**Fallback.** A spec entry whose mesh axes do not divide the dimension (e.g. 2 kv heads of
-width 8 over ``tensor=4`` is fine, a vocabulary of 50 over ``fsdp=4`` is not) is dropped: that
-dimension is replicated instead of raising. FSDP only picks dimensions it divides. Small
-parameters (fewer than ``fsdp_min_size`` elements: norms, biases) are not FSDP-sharded.
+**Batch layout.** Rows stay contiguous and prompt-major (row ``i`` belongs to prompt ``i // G``,
+generation ``i % G``): with ``S = data * fsdp`` data shards, shard ``s`` holds rows
+``[s B/S, (s+1) B/S)``, so when the number of groups is a multiple of ``S`` every group lies on
+one shard. A batch whose rows are not a multiple of ``S`` is an error (no silent padding).
 
-**Batch layout.** Rows stay contiguous and prompt-major: with ``S`` data shards (``S = data *
-fsdp``) shard ``s`` holds rows ``[s B/S, (s+1) B/S)``. When the number of groups is a multiple
-of ``S`` every group lies on one shard (the group statistics need no communication); otherwise
-some groups straddle two shards, which is still exact (the compiler inserts the collectives).
-A batch whose rows are not a multiple of ``S`` is an error (no silent padding).
-
-**Multi-host.** Call ``jax.distributed.initialize()`` in every process before anything else
-touches JAX, build the mesh over all (global) devices with :func:`make_mesh`, and give every
-process the same model and rules: :func:`shard_model` places each process's part of every
-parameter (each process must hold the same full host values, e.g. from the same seed or
-checkpoint). Each process then loads only its rows of the global batch, the contiguous range
-:func:`process_row_range` returns, and calls ``shard_batch(local_batch, mesh,
-process_local=True)``, which assembles the global array with
-``jax.make_array_from_process_local_data``. ``GRPOTrainer.train_step`` accepts such a global
-batch as is (host-side value checks skip arrays not fully addressable from one process).
-Logging and checkpoint writers should act only where :func:`is_primary_process` is true.
-:func:`local_rows` is the way back (this process's rows of a global array, no communication),
-:func:`rows_to_global` builds one global array from every process's rows, and
-:func:`initialize_distributed` joins the run from arguments or the environment. The training
-loop runs whole this way (tested with two processes on gloo CPU collectives; see
-docs/sharding.md); in a single process the local batch is the global batch.
+**Multi-host.** Every process calls :func:`initialize_distributed` (or
+``jax.distributed.initialize()``) first, builds the mesh over all devices with
+:func:`make_mesh` and shards the same model with the same rules; it then loads only its rows of
+the global batch (:func:`process_row_range`) and calls ``shard_batch(local_batch, mesh,
+process_local=True)``; :func:`local_rows` is the way back. The Sharding guide
+(``docs/sharding.md``) covers the whole multi-process loop.
 
 References:
     Shoeybi et al., 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -289,7 +265,7 @@ class PartitionRules:
 
     Rules that name an axis the mesh does not have raise ``ValueError`` (at :meth:`bind`).
 
-    Args:
+    Attributes:
         rules: ``(regex, PartitionSpec)`` pairs, first match wins (a tuple spec is converted);
             default :data:`CAUSAL_LM_RULES` (Megatron-style over ``"tensor"``).
         fsdp_axis: Mesh axis for FSDP, or ``None`` to disable FSDP.
@@ -424,11 +400,6 @@ class PartitionRules:
     def bind(self, mesh: Mesh) -> Callable[[str, tuple[int, ...]], PartitionSpec]:
         """The ``rules(path, shape) -> PartitionSpec`` hook of ``from_pretrained`` for ``mesh``.
 
-        Example::
-
-            mesh = make_mesh(data=2, fsdp=4)
-            model = CausalLM.from_pretrained(path, mesh=mesh, rules=PartitionRules().bind(mesh))
-
         Args:
             mesh: The mesh.
 
@@ -437,6 +408,19 @@ class PartitionRules:
 
         Raises:
             ValueError: The rules name an axis the mesh does not have.
+
+        Examples:
+            >>> import jax
+            >>> from artifex.generative_models.models.causal_lm import CausalLM
+            >>> from artifex.generative_models.training import PartitionRules, make_mesh
+            >>> mesh = make_mesh(data=1, fsdp=2, tensor=2, devices=jax.devices()[:4])  # 4 devices
+            >>> rules = PartitionRules().bind(mesh)
+            >>> rules("layers.0.mlp.up_proj.kernel", (32, 64))  # column-parallel, then FSDP
+            P('fsdp', 'tensor')
+            >>> path = "tests/fixtures/qwen2_tiny"  # from the repository root
+            >>> model = CausalLM.from_pretrained(path, mesh=mesh, rules=rules)
+            >>> model.layers[0].mlp.up_proj.kernel.sharding.spec
+            P('fsdp', 'tensor')
         """
         _check_mesh(mesh, "PartitionRules.bind")
         self.validate(mesh)

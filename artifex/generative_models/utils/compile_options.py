@@ -1,10 +1,10 @@
 """XLA compiler options for the library's own compiled programs, chosen per backend.
 
 On the CPU, XLA hands each fused kernel to LLVM at its highest optimization level, and that
-code generation is most of the time of a first training step. Level 1
-(``xla_backend_optimization_level``) compiles the W1 update about 15-25% faster and ran no slower
-in the benchmarks (`docs/benchmarks.md`): the kernels that matter are matmuls and convolutions,
-which XLA:CPU calls from its libraries rather than generating. Level 0 compiles faster still but
+code generation is most of the time of a first training step. The library compiles at level 1
+(``xla_backend_optimization_level``), which compiles faster and runs its programs as fast
+(`docs/benchmarks.md`): the kernels that matter are matmuls and convolutions, which XLA:CPU
+calls from its libraries rather than generating. Level 0 compiles faster still but
 runs the generated kernels more slowly, so it is not the default; it suits programs that run a few
 times on small arrays, such as the project's tests, which compile at level 0.
 Other backends keep XLA's defaults.

@@ -1,17 +1,15 @@
 """Giving the compiler's freed working memory back to the operating system.
 
-XLA compiles a program with a large, short-lived working set on the host (for a 30-layer
-policy's update, more than a gigabyte on the CPU). The C library's allocator keeps what was
-freed in its arenas instead of returning it, so the process stays that much larger for the rest
-of the run, and the first execution of the program (whose temporaries XLA:CPU allocates as one
-new block) adds its whole working set on top. On glibc, ``malloc_trim(0)`` returns the free
-pages of every arena to the system. Measured on W2 (a 135M-parameter policy with
-``remat=True``, the 2-core CPU machine; ``docs/benchmarks.md`` gives the command): the peak
-resident memory of a run fell from 6.12 GB without the trim to 5.18 GB with it.
+XLA compiles a program with a large, short-lived working set on the host. The C library's allocator
+keeps what was freed in its arenas instead of returning it, so the process stays that much larger
+for the rest of the run, and the first execution of the program (whose temporaries XLA:CPU allocates
+as one new block) adds its whole working set on top. On glibc, ``malloc_trim(0)`` returns the free
+pages of every arena to the system, which lowers the peak resident memory of a run
+(``docs/benchmarks.md`` has the measurements).
 
 :func:`release_memory_after_compilation` registers, once per process, a ``jax.monitoring``
 listener that trims after every XLA compilation that took at least ``min_seconds`` (short
-compilations free little, and a trim costs a few milliseconds). :class:`GRPOTrainer` calls it; a
+compilations free little, and each trim takes time of its own). :class:`GRPOTrainer` calls it; a
 loop of one's own can call it too. On other C libraries (macOS, musl) it does nothing.
 """
 
@@ -172,15 +170,15 @@ def _accelerator_plugin_installed() -> bool:
 def reuse_host_memory() -> bool:
     """Lets XLA:CPU reuse the memory of a program's temporaries from one run to the next.
 
-    XLA:CPU allocates all temporaries of a run as one block (W1's update: 465 MB) and frees it
-    when the run ends. Run from one of JAX's dispatch threads, glibc serves a block that large
-    with a fresh memory mapping and unmaps it on free, so every run faults in and zeroes every
-    page of its temporaries again (W1's update: 120,000 page faults per run, W2's 600,000).
+    XLA:CPU allocates all temporaries of a run as one block and frees it when the run ends. Run
+    from one of JAX's dispatch threads, glibc serves a block that large with a fresh memory
+    mapping and unmaps it on free, so every run faults in and zeroes every page of its
+    temporaries again.
     This makes a program run in the calling thread (``jax_cpu_enable_async_dispatch=False``;
     single-device programs only) and has glibc serve every block from its heap and keep what
     is freed (``mallopt``: no mappings for large blocks, no automatic trim), so the next run
-    finds its pages mapped. Measured on the 2-core CPU machine (``docs/benchmarks.md``, "Page
-    faults"): W1's update 0.41-0.42 against 0.49-0.50 s, its rollout 0.23 against 0.25 s.
+    finds its pages mapped, and the program runs faster (``docs/benchmarks.md``, "Page
+    faults").
 
     The process then keeps what it freed until :func:`release_freed_host_memory` (called after
     every long compilation, :func:`release_memory_after_compilation`). Python no longer runs

@@ -93,11 +93,6 @@ def check_int(
 ) -> int | None:
     """Checks that ``value`` is an int (not a bool) in ``[minimum, maximum]``.
 
-    Examples:
-        >>> from artifex.generative_models.utils import check_int
-        >>> check_int("num_generations", 8, minimum=2)
-        8
-
     Args:
         name: The field or argument, as the message should name it.
         value: The value to check (a Python or NumPy integer).
@@ -111,6 +106,11 @@ def check_int(
     Raises:
         TypeError: If ``value`` is not an integer (floats and bools are not).
         ValueError: If it is out of range.
+
+    Examples:
+        >>> from artifex.generative_models.utils import check_int
+        >>> check_int("num_generations", 8, minimum=2)
+        8
     """
     if value is None and allow_none:
         return None
@@ -138,11 +138,6 @@ def check_float(
     ``minimum``/``maximum`` are inclusive bounds, ``greater_than``/``less_than`` exclusive ones.
     NaN and infinities are out of range (``ValueError``).
 
-    Examples:
-        >>> from artifex.generative_models.utils import check_float
-        >>> check_float("clip_param", 0.2, greater_than=0.0, less_than=1.0)
-        0.2
-
     Args:
         name: The field or argument, as the message should name it.
         value: The value to check.
@@ -158,6 +153,11 @@ def check_float(
     Raises:
         TypeError: If ``value`` is not a real number.
         ValueError: If it is not finite or out of range.
+
+    Examples:
+        >>> from artifex.generative_models.utils import check_float
+        >>> check_float("clip_param", 0.2, greater_than=0.0, less_than=1.0)
+        0.2
     """
     if value is None and allow_none:
         return None
@@ -176,11 +176,6 @@ def check_float(
 def check_bool(name: str, value: Any) -> bool:
     """Checks that ``value`` is a bool (``0`` and ``1`` are not).
 
-    Examples:
-        >>> from artifex.generative_models.utils import check_bool
-        >>> check_bool("shuffle", True)
-        True
-
     Args:
         name: The field or argument, as the message should name it.
         value: The value to check (a Python or NumPy bool).
@@ -190,6 +185,11 @@ def check_bool(name: str, value: Any) -> bool:
 
     Raises:
         TypeError: If ``value`` is not a bool.
+
+    Examples:
+        >>> from artifex.generative_models.utils import check_bool
+        >>> check_bool("shuffle", True)
+        True
     """
     if not isinstance(value, bool | np.bool_):
         msg = f"{name} must be a bool, got {_got(value)}"
@@ -202,11 +202,6 @@ def check_remat(name: str, value: Any) -> bool | int:
 
     An int ``n`` rematerializes one decoder layer in ``n``; ``1`` is every layer.
 
-    Examples:
-        >>> from artifex.generative_models.utils.validation import check_remat
-        >>> check_remat("remat", 2), check_remat("remat", True)
-        (2, True)
-
     Args:
         name: The field or argument, as the message should name it.
         value: The value to check (a Python or NumPy bool or int).
@@ -217,6 +212,11 @@ def check_remat(name: str, value: Any) -> bool | int:
     Raises:
         TypeError: If ``value`` is neither a bool nor an int.
         ValueError: If ``value`` is an int below 1.
+
+    Examples:
+        >>> from artifex.generative_models.utils.validation import check_remat
+        >>> check_remat("remat", 2), check_remat("remat", True)
+        (2, True)
     """
     if isinstance(value, bool | np.bool_):
         return bool(value)
@@ -232,11 +232,6 @@ def check_remat(name: str, value: Any) -> bool | int:
 def check_str(name: str, value: Any, *, allow_empty: bool = False) -> str:
     """Checks that ``value`` is a string, by default a non-empty one.
 
-    Examples:
-        >>> from artifex.generative_models.utils import check_str
-        >>> check_str("answer_column", "answer")
-        'answer'
-
     Args:
         name: The field or argument, as the message should name it.
         value: The value to check.
@@ -248,6 +243,11 @@ def check_str(name: str, value: Any, *, allow_empty: bool = False) -> str:
     Raises:
         TypeError: If ``value`` is not a string.
         ValueError: If it is empty and ``allow_empty`` is false.
+
+    Examples:
+        >>> from artifex.generative_models.utils import check_str
+        >>> check_str("answer_column", "answer")
+        'answer'
     """
     if not isinstance(value, str):
         msg = f"{name} must be a str, got {_got(value)}"
@@ -264,11 +264,6 @@ def check_choice(name: str, value: T, choices: Collection[T]) -> T:
     A value whose type none of the choices has (``scale_rewards=1`` where the choices are
     strings) is a ``TypeError``; an unknown value of the right type a ``ValueError``.
 
-    Examples:
-        >>> from artifex.generative_models.utils import check_choice
-        >>> check_choice("mode", "sum", ("sum", "normalized"))
-        'sum'
-
     Args:
         name: The field or argument, as the message should name it.
         value: The value to check.
@@ -280,6 +275,11 @@ def check_choice(name: str, value: T, choices: Collection[T]) -> T:
     Raises:
         TypeError: If ``value``'s type is not the type of any choice.
         ValueError: If it is not one of ``choices``.
+
+    Examples:
+        >>> from artifex.generative_models.utils import check_choice
+        >>> check_choice("mode", "sum", ("sum", "normalized"))
+        'sum'
     """
     options = tuple(choices)
     if not any(type(value) is type(choice) for choice in options):
@@ -295,11 +295,6 @@ def check_choice(name: str, value: T, choices: Collection[T]) -> T:
 def check_callable(name: str, value: Any, *, allow_none: bool = False) -> Callable[..., Any] | None:
     """Checks that ``value`` is callable.
 
-    Examples:
-        >>> from artifex.generative_models.utils import check_callable
-        >>> check_callable("length_fn", len)
-        <built-in function len>
-
     Args:
         name: The field or argument, as the message should name it.
         value: The value to check.
@@ -310,6 +305,11 @@ def check_callable(name: str, value: Any, *, allow_none: bool = False) -> Callab
 
     Raises:
         TypeError: If ``value`` is not callable.
+
+    Examples:
+        >>> from artifex.generative_models.utils import check_callable
+        >>> check_callable("length_fn", len)
+        <built-in function len>
     """
     if value is None and allow_none:
         return None

@@ -17,11 +17,11 @@ class KVCache:
     `(B, K, S, H)`: a decoding step writes its token into them in place and attention reads them
     as they are, with the kv heads as a batch axis of its matmuls, as `(G, H) x (H, S)` for the
     scores and `(G, S) x (S, H)` for the output (one stacked `(L, ...)` array would make every
-    layer copy its slice out at every token; keys stored `(B, K, S, H)` made the score matmul
-    contract over the minor axis of both operands, which took twice as long per decoding step on
-    XLA:CPU for W1's and W2's shapes). A model whose layers run as one `lax.scan`
-    (`CausalLM.scan_layers`) keeps them stacked instead, as one `(L, B, K, H, S)` and one
-    `(L, B, K, S, H)` array, which the scan reads and writes layer by layer (`stacked=True`).
+    layer copy its slice out at every token; keys stored `(B, K, S, H)` would make the score
+    matmul contract over the minor axis of both operands, which XLA:CPU runs more slowly). A
+    model whose layers run as one `lax.scan` (`CausalLM.scan_layers`) keeps them stacked
+    instead, as one `(L, B, K, H, S)` and one `(L, B, K, S, H)` array, which the scan reads and
+    writes layer by layer (`stacked=True`).
     Slot `s` of row `b` holds a real token iff `valid[b, s]`; a query written at slot `q`
     attends to slot `s` iff `valid[b, s] and s <= q`.
     `index` is the next slot to write; a forward pass over `T` tokens writes slots

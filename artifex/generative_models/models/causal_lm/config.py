@@ -76,7 +76,7 @@ class RopeScaling:
     interpolated with `s = (L_orig / wavelen - low) / (high - low)`:
     `f' = (1 - s) f / factor + s f`. This matches transformers' `_compute_llama3_parameters`.
 
-    Args:
+    Attributes:
         factor: Scaling factor for the low frequencies (8 for Llama 3.1, 32 for Llama 3.2).
         low_freq_factor: Low-frequency boundary factor (1 in Llama 3.1).
         high_freq_factor: High-frequency boundary factor (4 in Llama 3.1).
@@ -175,7 +175,7 @@ class CausalLMConfig:
     bias); Qwen3 applies an RMSNorm over the head dimension to q and k before RoPE and usually sets
     `head_dim` explicitly; Llama 3.1+ scales the RoPE frequencies (`rope_scaling`).
 
-    Args:
+    Attributes:
         model_type: "llama", "qwen2" or "qwen3" (decides the Hugging Face architecture).
         vocab_size: Number of token embeddings.
         hidden_size: Model width D.
@@ -399,7 +399,7 @@ class CausalLMConfig:
 
     @classmethod
     def qwen2_w1(cls, **overrides: Any) -> CausalLMConfig:
-        """Benchmark workload W1: a Qwen2-shaped model.
+        """The model of the first benchmark workload (W1 in ``docs/benchmarks.md``): a Qwen2 shape.
 
         vocab 4096, width 256, 4 layers, 4 query / 2 kv heads of width 64, MLP 768, q/k/v biases,
         tied embeddings, fp32, RoPE base 1e6 (as Qwen2.5).

@@ -136,7 +136,7 @@ def _gguf_package() -> Any:
 class GGUFCheckpoint:
     """What a GGUF file holds, in this package's terms.
 
-    Args:
+    Attributes:
         config: The architecture, `param_dtype` set to the dtype the tensors were read in.
         tensors: `{hf_name: array}` under Hugging Face names and layouts ((out, in) for linear
             weights), exactly the names of `hf_tensor_map(config)`. The mapping is lazy: each
@@ -659,8 +659,7 @@ def convert_gguf(
 
     Examples:
         >>> import os, tempfile
-        >>> from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
-        >>> from artifex.generative_models.models.causal_lm import convert_gguf
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer, convert_gguf
         >>> with tempfile.TemporaryDirectory() as out:
         ...     convert_gguf("tests/fixtures/qwen2_tiny.Q8_0.gguf", out) == out  # from repo root
         ...     sorted(os.listdir(out))

@@ -94,8 +94,7 @@ def hf_tensor_map(config: CausalLMConfig) -> dict[str, tuple[PathParts, bool]]:
         embeddings are tied.
 
     Examples:
-        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
-        >>> from artifex.generative_models.models.causal_lm import hf_tensor_map
+        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig, hf_tensor_map
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> mapping = hf_tensor_map(cfg)
@@ -417,8 +416,8 @@ def to_hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
 
     Examples:
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
-        >>> from artifex.generative_models.models.causal_lm import to_hf_tensors
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, to_hf_tensors)
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=12,
         ...                      num_layers=1, num_heads=2)
         >>> tensors = to_hf_tensors(CausalLM(cfg, rngs=nnx.Rngs(0)))
@@ -528,8 +527,8 @@ def save_pretrained(
     Examples:
         >>> import os, tempfile
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
-        >>> from artifex.generative_models.models.causal_lm import save_pretrained
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, save_pretrained)
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> path = tempfile.mkdtemp()
@@ -571,9 +570,8 @@ def write_hf_checkpoint(
 
     Examples:
         >>> import os, tempfile
-        >>> from artifex.generative_models.models.causal_lm import CausalLM
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, to_hf_tensors
         >>> from artifex.generative_models.models.causal_lm.hf_io import write_hf_checkpoint
-        >>> from artifex.generative_models.models.causal_lm import to_hf_tensors
         >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # repository root
         >>> out = tempfile.mkdtemp()
         >>> write_hf_checkpoint(to_hf_tensors(model), model.config, out)

@@ -51,7 +51,7 @@ BASE_FILTER = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 class LoRAConfig:
     """Which projections get adapters, and their size.
 
-    Args:
+    Attributes:
         rank: Rank r of `A` (in, r) and `B` (r, out).
         alpha: Scale numerator; the update is `(alpha / r) x A B`.
         target_modules: Projection names among `LORA_TARGETS` (default: all seven).
@@ -191,8 +191,8 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
     Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
-        >>> from artifex.generative_models.models.causal_lm import LoRAConfig, apply_lora
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, LoRAConfig, apply_lora)
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
@@ -239,9 +239,8 @@ def merge_lora(model: CausalLM) -> CausalLM:
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
         >>> from artifex.generative_models.models.causal_lm import (
-        ...     LoRAConfig, apply_lora, lora_state, merge_lora)
+        ...     CausalLM, CausalLMConfig, LoRAConfig, apply_lora, lora_state, merge_lora)
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> model = apply_lora(CausalLM(cfg, rngs=nnx.Rngs(0)), LoRAConfig(rank=2, alpha=4.0),
@@ -285,9 +284,8 @@ def lora_state(model: CausalLM) -> nnx.State:
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
         >>> from artifex.generative_models.models.causal_lm import (
-        ...     LoRAConfig, apply_lora, lora_state)
+        ...     CausalLM, CausalLMConfig, LoRAConfig, apply_lora, lora_state)
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> model = apply_lora(CausalLM(cfg, rngs=nnx.Rngs(0)),
@@ -311,9 +309,8 @@ def zero_lora_state(state: nnx.State) -> nnx.State:
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
         >>> from artifex.generative_models.models.causal_lm import (
-        ...     LoRAConfig, apply_lora, lora_state, zero_lora_state)
+        ...     CausalLM, CausalLMConfig, LoRAConfig, apply_lora, lora_state, zero_lora_state)
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> model = apply_lora(CausalLM(cfg, rngs=nnx.Rngs(0)), LoRAConfig(rank=2, alpha=4.0),

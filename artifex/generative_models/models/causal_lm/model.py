@@ -171,8 +171,8 @@ class CausalLM(nnx.Module):
             stored config is updated to match.
         scan_layers: Run the decoder layers as one `jax.lax.scan` over their stacked weights
             instead of unrolling them in Python. The values are the same; the
-            compiled programs hold one layer instead of `num_layers`, so they compile several
-            times faster and need less memory. The attribute `model.scan_layers` can be changed
+            compiled programs hold one layer instead of `num_layers`, so they compile faster
+            and need less memory. The attribute `model.scan_layers` can be changed
             after construction (it is read when a function is traced).
 
     Attributes:
@@ -277,23 +277,17 @@ class CausalLM(nnx.Module):
         `s <= q` that is valid; default positions then continue from the number of valid slots.
         Query rows of padding tokens attend to nothing real but stay finite.
 
-        With `remat=True` each decoder layer is rematerialized (gradient checkpointing): a
-        reverse-mode gradient through this call keeps only each layer's inputs (its hidden
-        states and, with a cache, that layer's own keys and values) instead of all the layer's
-        activations, and recomputes the layer when its cotangent arrives, for about one more
-        forward pass of compute. Values and gradients are the same; forward-mode
-        differentiation (`jax.jvp`) is not supported in that mode. An int `remat=n` recomputes
-        every n-th layer only (layers 0, n, 2n, ...; `1` is every layer): the others keep their
-        activations, between the two in memory and compute.
+        With `remat` (gradient checkpointing) a reverse-mode gradient keeps only each
+        rematerialized layer's inputs (its hidden states and, with a cache, its own keys and
+        values) and recomputes the layer in the backward pass, for about one more forward pass
+        of compute. Values and gradients are the same; `jax.jvp` is not supported then.
 
-        With `model.scan_layers` the layers run as one `jax.lax.scan` over their
-        weights stacked along a new leading axis (`layer_stack()`: the model's own arrays after
-        `stack_layers()`, otherwise a copy of the layer weights made inside the traced function,
-        once per call). Pass a `layer_stack`
-        computed once to reuse it across calls, as the sampler does for its decode loop. With a
-        cache, the scan reads and writes a stacked cache (`init_cache` makes one when
-        `scan_layers` is set) layer by layer; a per-layer cache is stacked inside the call (a
-        copy). Either form of cache works with either kind of layers and is returned in its form.
+        With `model.scan_layers` the layers run as one `jax.lax.scan` over their weights stacked
+        on a new leading axis (`layer_stack()`: the model's own arrays after `stack_layers()`,
+        else a copy made inside the traced function, once per call); pass a `layer_stack`
+        computed once to reuse it across calls. The scan reads and writes a stacked cache layer
+        by layer; a per-layer cache is stacked inside the call (a copy). Either form of cache
+        works with either kind of layers and is returned in its form.
 
         Args:
             input_ids: Token ids (B, T).
@@ -301,9 +295,9 @@ class CausalLM(nnx.Module):
             positions: Optional int positions (B, T); by default `positions_from_mask` (offset by
                 the valid slots of the cache).
             cache: Optional `KVCache` from `init_cache` (or a previous call).
-            remat: Rematerialize each decoder layer in the backward pass (less activation memory
-                for training, more compute); an int n >= 1: every n-th layer. Not with scanned
-                layers unless True or 1.
+            remat: Rematerialize every decoder layer in the backward pass (less activation
+                memory, more compute); an int n >= 1: layers 0, n, 2n, ... only (`1` is every
+                layer). Scanned layers take only True or 1.
             layer_stack: Optional result of `layer_stack()` for this model's current weights; the
                 layers are then scanned with it whatever `scan_layers` says.
 
@@ -472,8 +466,7 @@ class CausalLM(nnx.Module):
         Examples:
             >>> import jax.numpy as jnp
             >>> from flax import nnx
-            >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
-            >>> from artifex.generative_models.models.causal_lm import CausalLM
+            >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
             >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
             >>> prompt, completions = jnp.array([[5, 6, 7]]), jnp.array([[1, 2], [3, 4]])
             >>> hp, hc = model.shared_prefix_hidden_states(prompt, completions)
@@ -616,8 +609,8 @@ class CausalLM(nnx.Module):
         `layers.<name>` with a leading layer axis (see the module docstring). Scanned layers
         (`scan_layers`, `GRPOConfig.scan_layers`) then read this storage directly instead of
         stacking a copy of the weights in every traced call, and an optimizer has one array
-        per weight kind instead of one per layer and kind: for a 30-layer model the GRPO update
-        compiles several times faster and needs less memory (docs/benchmarks.md).
+        per weight kind instead of one per layer and kind, so the GRPO update compiles faster
+        and needs less memory (docs/benchmarks.md).
 
         Build the optimizer after this call: one built before holds the per-layer arrays
         (`GRPOTrainer` refuses such a pair). A variable's sharding annotation, if any, gets a

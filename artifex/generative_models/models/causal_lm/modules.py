@@ -38,7 +38,7 @@ class SharedPrefixMask:
     layer together: the prompt's keys and values are computed once per group and read by all
     its completions, without a KV cache or a copy per completion.
 
-    Args:
+    Attributes:
         prompt: Bool ``(B, P, P)``: prompt query ``t`` may attend to prompt key ``s``.
         prefix: Bool ``(B, P)``: prompt key ``s`` is a real token.
         group_size: Completions per group (static).
@@ -65,9 +65,9 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
     On the CPU a bfloat16 product is computed with a float32 result and rounded once to
     bfloat16: the values of a bfloat16 product that accumulates in float32, which XLA:CPU runs
-    on the matrix units of CPUs with AMX (Intel Sapphire Rapids and later), several times
-    faster than a product with a bfloat16 result (docs/benchmarks.md). Elsewhere (GPUs
-    accumulate bfloat16 products in float32 anyway) it is ``x @ w``.
+    on the CPU's matrix units where it has them (AMX), faster than a product with a bfloat16
+    result (docs/benchmarks.md). Elsewhere (GPUs accumulate bfloat16 products in float32
+    anyway) it is ``x @ w``.
     """
     if x.dtype == w.dtype and f32_products(x.dtype):
         return _matmul_f32_accumulate(x, w)
@@ -277,8 +277,7 @@ class Attention(nnx.Module):
     Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
-        >>> from artifex.generative_models.models.causal_lm import Attention
+        >>> from artifex.generative_models.models.causal_lm import Attention, CausalLMConfig
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=4, num_kv_heads=2)
         >>> attn = Attention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -390,11 +389,10 @@ def _grouped_attention(
     Queries are laid out (B, K, Q, H) with Q = G * T (row `g * T + t`), keys and values
     (B, K, S, H), so both matmuls are batched over (B, K) with the contracted axis minor: the
     layout XLA's dot kernels want, with no relayout of the score matrices in the forward or the
-    backward pass (2-3x faster than contracting over (B, T, K, G, H) views on CPU). The KV cache
+    backward pass (faster on the CPU than contracting over (B, T, K, G, H) views). The KV cache
     holds the values in this layout and the keys as (B, K, H, S) (`keys_transposed=True`), so a
     decoding step (T = 1) reads both in place and scores its few query rows as a plain
-    `(Q, H) x (H, S)` product (half the time of contracting two minor axes at W1's and W2's
-    decode shapes on XLA:CPU).
+    `(Q, H) x (H, S)` product (faster on XLA:CPU than contracting two minor axes).
 
     Args:
         q: Queries (B, T, N, H), query head `n = kv_head * G + g`.
@@ -498,8 +496,7 @@ class MLP(nnx.Module):
     Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
-        >>> from artifex.generative_models.models.causal_lm import MLP
+        >>> from artifex.generative_models.models.causal_lm import MLP, CausalLMConfig
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> mlp = MLP(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -539,8 +536,7 @@ class DecoderLayer(nnx.Module):
     Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig
-        >>> from artifex.generative_models.models.causal_lm import DecoderLayer
+        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig, DecoderLayer
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> layer = DecoderLayer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))

@@ -48,11 +48,6 @@ __all__ = [
 class FlowDiTConfig:
     """Shape of a :class:`FlowDiT`.
 
-    Examples:
-        >>> from artifex.generative_models.models.flow import FlowDiTConfig
-        >>> FlowDiTConfig(image_shape=(8, 8), patch_size=2).num_tokens
-        16
-
     Attributes:
         image_shape: ``(H, W)`` or ``(H, W, C)`` of one image; ``H`` and ``W`` divisible by
             ``patch_size``. The network takes and returns it flattened.
@@ -63,6 +58,11 @@ class FlowDiTConfig:
         num_heads: Attention heads ``N`` (head width ``D / N``).
         mlp_ratio: Hidden width of each block's MLP, in multiples of ``D``.
         time_features: Number of sinusoidal time features (even) fed to the time MLP.
+
+    Examples:
+        >>> from artifex.generative_models.models.flow import FlowDiTConfig
+        >>> FlowDiTConfig(image_shape=(8, 8), patch_size=2).num_tokens
+        16
     """
 
     image_shape: tuple[int, ...] = (8, 8)
@@ -138,11 +138,6 @@ def sincos_position_embeddings(grid_h: int, grid_w: int, dim: int) -> jax.Array:
     ``e(u) = [sin(u w_k), cos(u w_k)]_{k < dim / 4}`` and ``w_k = 10000^{-k / (dim / 4)}``:
     the first half of the features encodes the row, the second half the column.
 
-    Examples:
-        >>> from artifex.generative_models.models.flow import sincos_position_embeddings
-        >>> sincos_position_embeddings(4, 4, 64).shape
-        (16, 64)
-
     Args:
         grid_h: Rows of tokens.
         grid_w: Columns of tokens.
@@ -153,6 +148,11 @@ def sincos_position_embeddings(grid_h: int, grid_w: int, dim: int) -> jax.Array:
 
     Raises:
         ValueError: ``dim`` is not a multiple of 4.
+
+    Examples:
+        >>> from artifex.generative_models.models.flow import sincos_position_embeddings
+        >>> sincos_position_embeddings(4, 4, 64).shape
+        (16, 64)
     """
     if dim % 4:
         msg = f"sincos_position_embeddings: dim must be a multiple of 4, got {dim}"
@@ -173,12 +173,6 @@ def sincos_position_embeddings(grid_h: int, grid_w: int, dim: int) -> jax.Array:
 def patchify(x: jax.Array, image_shape: tuple[int, ...], patch_size: int) -> jax.Array:
     """Cuts flattened images into row-major ``p x p`` patches.
 
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.models.flow import patchify
-        >>> patchify(jnp.zeros((5, 64)), (8, 8), 2).shape
-        (5, 16, 4)
-
     Args:
         x: ``(B, H * W * C)`` flattened images.
         image_shape: ``(H, W)`` or ``(H, W, C)``.
@@ -187,6 +181,12 @@ def patchify(x: jax.Array, image_shape: tuple[int, ...], patch_size: int) -> jax
     Returns:
         ``(B, (H / p) (W / p), p * p * C)`` patches; patch ``(i, j)`` is row ``i * W / p + j``,
         its values ordered ``(row in patch, column in patch, channel)``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.flow import patchify
+        >>> patchify(jnp.zeros((5, 64)), (8, 8), 2).shape
+        (5, 16, 4)
     """
     h, w = image_shape[0], image_shape[1]
     c = image_shape[2] if len(image_shape) == 3 else 1
@@ -199,12 +199,6 @@ def patchify(x: jax.Array, image_shape: tuple[int, ...], patch_size: int) -> jax
 def unpatchify(tokens: jax.Array, image_shape: tuple[int, ...], patch_size: int) -> jax.Array:
     """Inverse of :func:`patchify`: patches back to flattened images.
 
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.models.flow import unpatchify
-        >>> unpatchify(jnp.zeros((5, 16, 4)), (8, 8), 2).shape
-        (5, 64)
-
     Args:
         tokens: ``(B, (H / p) (W / p), p * p * C)`` patches.
         image_shape: ``(H, W)`` or ``(H, W, C)``.
@@ -212,6 +206,12 @@ def unpatchify(tokens: jax.Array, image_shape: tuple[int, ...], patch_size: int)
 
     Returns:
         ``(B, H * W * C)`` flattened images.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.flow import unpatchify
+        >>> unpatchify(jnp.zeros((5, 16, 4)), (8, 8), 2).shape
+        (5, 64)
     """
     h, w = image_shape[0], image_shape[1]
     c = image_shape[2] if len(image_shape) == 3 else 1
@@ -285,6 +285,13 @@ class FlowDiT(nnx.Module):
     :class:`~artifex.generative_models.models.flow.model.FlowModel`: same call, same
     ``config.data_dim``.
 
+    Args:
+        config: The network's shape.
+        rngs: Initialization randomness.
+
+    Raises:
+        TypeError: ``config`` is not a :class:`FlowDiTConfig`.
+
     Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
@@ -294,13 +301,6 @@ class FlowDiT(nnx.Module):
         >>> v = model(x_t, t, labels)  # the untrained network predicts zero velocity
         >>> v.shape, float(jnp.abs(v).max())
         ((3, 64), 0.0)
-
-    Args:
-        config: The network's shape.
-        rngs: Initialization randomness.
-
-    Raises:
-        TypeError: ``config`` is not a :class:`FlowDiTConfig`.
     """
 
     def __init__(self, config: FlowDiTConfig, *, rngs: nnx.Rngs):

@@ -4,8 +4,7 @@ The network predicts the rectified-flow velocity ``v_theta(x_t, t, y)`` of a fla
 ``x_t`` at time ``t`` (``t = 0`` data, ``t = 1`` noise) for class ``y``. It is a residual MLP:
 the input is projected to ``D`` features, the time (sinusoidal features) and class
 (embedding table) are added as a conditioning vector inside every block, and a zero-initialized
-output layer makes the untrained network predict zero velocity. On 8x8 digits it trains in
-about a minute on two CPU cores.
+output layer makes the untrained network predict zero velocity.
 """
 
 from __future__ import annotations
@@ -111,6 +110,10 @@ class _Block(nnx.Module):
 class FlowModel(nnx.Module):
     """Class-conditioned velocity field ``v_theta(x, t, y)`` for rectified flow on tiny images.
 
+    Args:
+        config: The network's shape.
+        rngs: Initialization randomness.
+
     Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
@@ -120,10 +123,6 @@ class FlowModel(nnx.Module):
         >>> v = model(x_t, t, labels)
         >>> v.shape, float(jnp.abs(v).max())  # the output layer starts at zero
         ((2, 64), 0.0)
-
-    Args:
-        config: The network's shape.
-        rngs: Initialization randomness.
     """
 
     def __init__(self, config: FlowModelConfig, *, rngs: nnx.Rngs):

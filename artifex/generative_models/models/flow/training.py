@@ -87,8 +87,8 @@ def flow_matching_loss(
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
-        >>> from artifex.generative_models.models.flow import flow_matching_loss
+        >>> from artifex.generative_models.models.flow import (
+        ...     FlowModel, FlowModelConfig, flow_matching_loss)
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> x0, noise = jnp.zeros((2, 4, 4)), jnp.ones((2, 4, 4))
@@ -167,8 +167,8 @@ def train_flow_matching(
     Examples:
         >>> import numpy as np
         >>> from flax import nnx
-        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
-        >>> from artifex.generative_models.models.flow import FlowTrainConfig, train_flow_matching
+        >>> from artifex.generative_models.models.flow import (
+        ...     FlowModel, FlowModelConfig, FlowTrainConfig, train_flow_matching)
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> images = np.full((32, 4, 4), 0.5, np.float32)  # one flat gray image
