@@ -1,6 +1,6 @@
-"""The dict batch form of the artifex docs, converted into the fields of a ``GRPOBatch``.
+"""The dict batch form, converted into the fields of a ``GRPOBatch``.
 
-The seed examples train on a plain dict::
+Besides a ``GRPOBatch``, the trainer accepts a plain dict::
 
     {"observations", "actions", "rewards", "log_probs", "ref_log_probs", "group_size"}
 
@@ -53,17 +53,6 @@ def dict_batch_fields(batch: Mapping[str, Any], *, group_size: int) -> dict[str,
     1), every action counts (``completion_mask`` is all ones), ``log_probs`` become
     ``old_log_probs``. Unknown keys are an error: nothing is silently dropped.
 
-    Examples:
-        >>> import numpy as np
-        >>> from artifex.generative_models.training.rl.compat import dict_batch_fields
-        >>> fields = dict_batch_fields(
-        ...     {"observations": np.zeros((4, 3)), "actions": np.array([0, 1, 1, 2]),
-        ...      "rewards": np.array([1.0, 0.0, 0.5, 0.5])},
-        ...     group_size=2,
-        ... )
-        >>> fields["completion_ids"].shape, fields["group_size"]
-        ((4, 1), 2)
-
     Args:
         batch: The dict.
         group_size: Group size used when the dict carries none (the config's
@@ -77,6 +66,17 @@ def dict_batch_fields(batch: Mapping[str, Any], *, group_size: int) -> dict[str,
     Raises:
         ValueError: Unknown or missing keys, or shapes that do not fit.
         TypeError: Non-integer actions.
+
+    Examples:
+        >>> import numpy as np
+        >>> from artifex.generative_models.training.rl.compat import dict_batch_fields
+        >>> fields = dict_batch_fields(
+        ...     {"observations": np.zeros((4, 3)), "actions": np.array([0, 1, 1, 2]),
+        ...      "rewards": np.array([1.0, 0.0, 0.5, 0.5])},
+        ...     group_size=2,
+        ... )
+        >>> fields["completion_ids"].shape, fields["group_size"]
+        ((4, 1), 2)
     """
     unknown = set(batch) - DICT_BATCH_KEYS
     if unknown:

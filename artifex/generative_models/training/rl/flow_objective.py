@@ -66,11 +66,11 @@ def flow_grpo_objective(
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl.flow_objective import flow_grpo_objective
         >>> from artifex.generative_models.inference.flow_sampling import (
         ...     FlowSampler, SDEConfig, to_grpo_batch)
         >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
-        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> from artifex.generative_models.training import GRPOConfig
+        >>> from artifex.generative_models.training.rl.flow_objective import flow_grpo_objective
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> sde = SDEConfig(num_steps=4)

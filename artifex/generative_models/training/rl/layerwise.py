@@ -11,21 +11,19 @@ run its update as a sequence of small programs called from Python instead of one
 6. the embedding's gradient (added to the output projection's for a tied embedding);
 7. clipping, ``tx`` and the guard, one decoder layer at a time where ``tx`` allows it
    (:class:`~artifex.generative_models.training.rl.optimizer_split.LayerOptimizer`), else in
-   one program (:func:`~artifex.generative_models.training.rl.state.apply_gradients`), on the
-   donated state.
+   one program (:func:`~artifex.generative_models.training.rl.state.apply_gradients`); these
+   programs donate the state's input buffers to XLA (reuse them for their outputs).
 
-Every decoder layer of one structure runs the same compiled program, so the layers' programs
-do not grow with the depth. The one-program update holds every layer unrolled, and XLA:CPU's
-compile time grows faster than linearly with its size (about 15-20 s for SmolLM2-135M's 30
-layers on 2 cores, most of that model's first step). Here the layers' programs compile in a few
-seconds, and so do the optimizer's per-layer programs (in one program, its work on every
-parameter array, 273 for SmolLM2-135M, takes 5-12 s to compile). The values are those of the
-one-program update with ``remat=True``; each update is a little slower, as XLA cannot fuse or
-overlap work across the programs (``docs/benchmarks.md``).
+Every decoder layer of one structure runs the same compiled program, so the compile time of the
+layers' programs does not grow with the depth, where the one-program update holds every layer
+unrolled and XLA:CPU's compile time grows faster than linearly with its size; the optimizer's
+per-layer programs likewise replace one program holding the work of every parameter array. The
+values are those of the one-program update with ``remat=True``; each update is a little slower,
+as XLA cannot fuse or overlap work across the programs.
 
-Nothing is donated before the optimizer's update programs, which run only after every group's
-new state was checked: a failure before them leaves the state as it was, and the guard rejects
-a non-finite update as the one-program step does.
+No buffer is donated before the optimizer's update programs, which run only after every
+group's new state was checked: a failure before them leaves the state as it was, and the guard
+rejects a non-finite update as the one-program step does.
 """
 
 from __future__ import annotations
@@ -169,8 +167,9 @@ class LayerwiseStep:
     """A trainer's update run as per-layer programs, with ``_CompiledStep``'s interface.
 
     ``step(state, batch) -> (state, metrics)`` computes what ``jax.jit(grpo_train_step)``
-    computes for a causal LM with ``remat=True``; the parameters, optimizer state and step are
-    donated to the optimizer's last programs only.
+    computes for a causal LM with ``remat=True``; the buffers of the parameters, optimizer
+    state and step are donated to XLA (reused for the outputs) by the optimizer's last programs
+    only.
 
     Args:
         model: The policy (a ``CausalLM`` with per-layer storage).
@@ -506,7 +505,8 @@ class LayerwiseStep:
         """One GRPO update: ``(new_state, metrics)``, as ``jax.jit(grpo_train_step)`` returns.
 
         Args:
-            state: The train state (its parameters, optimizer state and step are donated).
+            state: The train state (the buffers of its parameters, optimizer state and step are
+                donated to XLA and invalid afterwards).
             batch: A prepared batch.
 
         Returns:

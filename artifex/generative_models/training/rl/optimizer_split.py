@@ -3,8 +3,8 @@
 An optax transformation such as AdamW updates each parameter from its own gradient and moments
 and a few scalars (the step count, the hyperparameters). Then the update of one decoder layer's
 parameters can be computed on its own, and all layers of one structure share one small compiled
-program instead of one program holding every parameter array (273 for SmolLM2-135M; XLA:CPU
-compiles each array's work as its own kernels, so that program takes seconds to compile).
+program instead of one program holding every parameter array (XLA:CPU compiles each array's work
+as its own kernels, so that program's compile time grows with the number of arrays).
 
 Whether a transformation is separable this way is not declared by optax, so
 :func:`split_by_layer` checks it on the transformation's own computation: it traces
@@ -17,9 +17,10 @@ and with the same constants, as the group's own update. A transformation that mi
 parameter-shaped trees is refused, and the caller keeps the one-program optimizer. Constants
 are compared by value, also those inside nested programs.
 
-The groups' update programs donate the old arrays; a caller that stores the new state wraps the
-step and the store in :func:`interrupt_scope`, so that a Ctrl-C arriving while the groups run
-is delivered after the store (``GRPOTrainer`` and the training loop do).
+The groups' update programs donate the old arrays to XLA (their buffers are reused for the new
+arrays, so the old ones are deleted); a caller that stores the new state wraps the step and the
+store in :func:`interrupt_scope`, so that a Ctrl-C arriving while the groups run is delivered
+after the store (``GRPOTrainer`` and the training loop do).
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ class LayerSplit:
 
     Built by :func:`split_by_layer`, which has checked that the transformation's update of each
     group equals its part of the whole update. The optimizer state is seen as a container whose
-    entries are either parameter-shaped trees (Adam's moments: split by group and donated with
-    the group's parameters) or scalars shared by every group (the step count, hyperparameters).
+    entries are either parameter-shaped trees (Adam's moments: split by group, their buffers
+    reused for the update's outputs with the group's parameters) or scalars shared by every
+    group (the step count, hyperparameters).
 
     Attributes:
         groups: The groups: each layer index, then None (the rest) when the rest is not empty.
@@ -565,13 +567,13 @@ _GROUP_ROWS_FIRST = 1 << 14
 class LayerOptimizer:
     """Clipping, ``tx`` and the guard of ``apply_gradients``, one group of parameters at a time.
 
-    The same values as :func:`~artifex.generative_models.training.rl.state.apply_gradients`
-    for a transformation that :func:`split_by_layer` accepted (the gradient norm summed in
-    another order). Its programs: each group's squared gradient norm, the clipping scale,
-    each group's check of the new parameters and optimizer state (computed, not written), the
-    decision, and each group's update, which donates the group's parameters and moments. Every
-    program is compiled once per group structure (one for the decoder layers, one for the
-    rest), whatever the depth.
+    The same values as :func:`~artifex.generative_models.training.rl.state.apply_gradients` for a
+    transformation that :func:`split_by_layer` accepted (the gradient norm summed in another order).
+    Its programs: each group's squared gradient norm, the clipping scale, each group's check of the
+    new parameters and optimizer state (computed, not written), the decision, and each group's
+    update, which donates the group's parameters and moments to XLA (reuses their buffers for the
+    new ones). Every program is compiled once per group structure (one for the decoder layers, one
+    for the rest), whatever the depth.
 
     Args:
         tx: The optax transformation.
@@ -580,13 +582,10 @@ class LayerOptimizer:
     Examples:
         >>> import jax, jax.numpy as jnp, optax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> from artifex.generative_models.training import GRPOBatch, GRPOConfig
+        >>> from artifex.generative_models.training.rl import GRPOTrainState
         >>> from artifex.generative_models.training.rl.optimizer_split import (
-        ...     LayerOptimizer,
-        ...     group_tree,
-        ...     split_by_layer,
-        ... )
-        >>> from artifex.generative_models.training.rl.state import GRPOTrainState
+        ...     LayerOptimizer, group_tree, split_by_layer)
         >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
         ...                     "head": {"w": jnp.ones(3)}})
         >>> tx = optax.sgd(0.5)
@@ -780,11 +779,12 @@ def _release_interrupts(previous: Any, caught: list[Any]) -> None:
 def interrupt_scope() -> Iterator[None]:
     """Delivers a Ctrl-C held back by :func:`deferred_interrupt` inside it at its end instead.
 
-    A step whose optimizer runs group by group donates the old arrays before it returns the
-    new ones; the caller that stores the new state wraps the step and the store in this, so
-    that an interrupt is raised only once the new state is stored. Nothing is held back until
-    a :func:`deferred_interrupt` block starts inside (a Ctrl-C during tracing or compiling
-    still interrupts at once). Nested scopes defer to the outermost; main thread only.
+    A step whose optimizer runs group by group donates the old arrays to XLA (deletes them, their
+    buffers reused) before it returns the new ones; the caller that stores the new state wraps the
+    step and the store in this, so that an interrupt is raised only once the new state is stored.
+    Nothing is held back until a :func:`deferred_interrupt` block starts inside (a Ctrl-C during
+    tracing or compiling still interrupts at once). Nested scopes defer to the outermost; main
+    thread only.
 
     Returns:
         A context manager.
@@ -792,9 +792,7 @@ def interrupt_scope() -> Iterator[None]:
     Examples:
         >>> import signal
         >>> from artifex.generative_models.training.rl.optimizer_split import (
-        ...     deferred_interrupt,
-        ...     interrupt_scope,
-        ... )
+        ...     deferred_interrupt, interrupt_scope)
         >>> order = []
         >>> try:
         ...     with interrupt_scope():
@@ -823,11 +821,12 @@ def interrupt_scope() -> Iterator[None]:
 def deferred_interrupt() -> Iterator[None]:
     """Holds back Ctrl-C (SIGINT) inside the block and delivers it after; main thread only.
 
-    The optimizer's per-group programs each donate their group's arrays: an interrupt between
-    two of them would leave the model half updated, with the old arrays of the updated groups
-    deleted. Inside an :func:`interrupt_scope` the interrupt is delivered when the scope ends
-    (after the caller stored the new state); otherwise when this block ends. Where SIGINT is
-    ignored, or its handler was not installed from Python, nothing is held back.
+    The optimizer's per-group programs each donate their group's arrays to XLA (reuse their buffers
+    for the new arrays): an interrupt between two of them would leave the model half updated, with
+    the old arrays of the updated groups deleted. Inside an :func:`interrupt_scope` the interrupt is
+    delivered when the scope ends (after the caller stored the new state); otherwise when this block
+    ends. Where SIGINT is ignored, or its handler was not installed from Python, nothing is held
+    back.
     """
     if _scopes:
         scope = _scopes[0]

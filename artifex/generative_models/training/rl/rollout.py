@@ -4,7 +4,8 @@
 (a string, or a list of chat messages rendered with the tokenizer's chat template), left-pads the
 prompts, samples ``num_generations`` completions per prompt with the compiled KV-cache sampler,
 decodes them, scores them with the reward functions (dataset columns repeated per generation,
-plus ``completion_length`` in tokens), and assembles the prompt-major ``GRPOBatch``.
+plus ``completion_length`` in tokens), and assembles the ``GRPOBatch``, whose row ``i`` is
+generation ``i % G`` of prompt ``i // G``.
 
 Old log-probs (needed when the policy changes between updates on one generation batch, i.e.
 ``num_iterations > 1`` or several minibatches) come from the sampler when its distribution is
@@ -218,7 +219,7 @@ class Rollout:
     ``truncated`` are all-gathered, so :meth:`metrics` is the same in every process.
 
     Attributes:
-        batch: The prompt-major ``GRPOBatch`` (``num_prompts * num_generations`` rows).
+        batch: The ``GRPOBatch``: ``num_prompts * G`` rows, row ``i`` of prompt ``i // G``.
         rows: The dataset rows, one per prompt.
         prompts: The prompt texts as the model saw them (after the chat template).
         completions: The decoded completions, one per batch row.
@@ -229,11 +230,11 @@ class Rollout:
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training import RolloutConfig
-        >>> from artifex.generative_models.training.rl import Policy, rollout
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
-        >>> from artifex.generative_models.training.rl import GRPOConfig, RewardCombiner
+        >>> from artifex.generative_models.training import (
+        ...     GRPOConfig, RewardCombiner, RolloutConfig)
+        >>> from artifex.generative_models.training.rl import Policy, rollout
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
@@ -363,7 +364,7 @@ class Completions:
     """Sampled completions of a list of rows, decoded, with the columns reward functions read.
 
     Attributes:
-        output: The sampler's output (``B * K`` rows, prompt-major).
+        output: The sampler's output (``B * K`` rows, row ``i`` of prompt ``i // K``).
         prompts: Prompt texts, one per batch row (repeated per generation).
         completions: Decoded completions, one per batch row.
         columns: Dataset columns repeated per generation, plus ``completion_length``.
@@ -373,10 +374,10 @@ class Completions:
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training import RolloutConfig
-        >>> from artifex.generative_models.training.rl import sample_completions
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training import RolloutConfig
+        >>> from artifex.generative_models.training.rl import sample_completions
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
@@ -439,10 +440,10 @@ def sample_completions(
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training import RolloutConfig
-        >>> from artifex.generative_models.training.rl import sample_completions
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training import RolloutConfig
+        >>> from artifex.generative_models.training.rl import sample_completions
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
@@ -594,11 +595,11 @@ def rollout(
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training import RolloutConfig
-        >>> from artifex.generative_models.training.rl import Policy, rollout
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
-        >>> from artifex.generative_models.training.rl import GRPOConfig, RewardCombiner
+        >>> from artifex.generative_models.training import (
+        ...     GRPOConfig, RewardCombiner, RolloutConfig)
+        >>> from artifex.generative_models.training.rl import Policy, rollout
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])
@@ -711,11 +712,10 @@ def rollout_batch_like(
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training import RolloutConfig
-        >>> from artifex.generative_models.training.rl import Policy, rollout_batch_like
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
-        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> from artifex.generative_models.training import GRPOConfig, RolloutConfig
+        >>> from artifex.generative_models.training.rl import Policy, rollout_batch_like
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2, eos_token_id=tok.eos_ids[0])

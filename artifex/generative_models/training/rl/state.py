@@ -87,8 +87,8 @@ class GRPOTrainState:
 
     Build it from an NNX model and optimizer with :func:`init_train_state`; write it back with
     :func:`write_train_state`. Every field is a pytree of ``jax.Array`` (``nnx.State`` of plain
-    arrays for the model parts), so the state can be donated, sharded, scanned over or saved
-    with Orbax as it is.
+    arrays for the model parts), so the state can be donated to XLA (its buffers reused for the
+    outputs), sharded, scanned over or saved with Orbax as it is.
 
     Attributes:
         params: The trainable variables, ``nnx.state(model, wrt)`` as plain arrays.
@@ -138,8 +138,9 @@ def init_train_state(
 ) -> GRPOTrainState:
     """The :class:`GRPOTrainState` of an NNX policy, its optimizer and reference.
 
-    The arrays are the model's and optimizer's own (not copies): a step that donates the state
-    invalidates them, and :func:`write_train_state` puts the new ones back.
+    The arrays are the model's and optimizer's own (not copies): a step that donates the
+    state's buffers to XLA (reuses them for its outputs) invalidates them, and
+    :func:`write_train_state` puts the new ones back.
 
     Args:
         model: The policy.
@@ -285,9 +286,10 @@ def make_grpo_train_step(
     ``grpo_train_step(state, batch) -> (state, metrics)`` is one GRPO update (see the module
     docstring) as a pure function of a :class:`GRPOTrainState` and a :class:`GRPOBatch`: no
     host work, no validation (check user batches first, e.g. with ``GRPOBatch.validate``), no
-    side effects. It is not jitted: ``jax.jit`` it (donating the state), call it inside
-    ``jax.lax.scan`` over stacked batches, or inside your own jitted loop. The optimizer update
-    is ``tx.update`` followed by ``optax.apply_updates``, exactly ``nnx.Optimizer.update``.
+    side effects. It is not jitted: ``jax.jit`` it (``donate_argnums=0`` lets XLA reuse the
+    state's buffers for the new state), call it inside ``jax.lax.scan`` over stacked batches,
+    or inside your own jitted loop. The optimizer update is ``tx.update`` followed by
+    ``optax.apply_updates``, exactly ``nnx.Optimizer.update``.
 
     Args:
         model: The policy (only its graph is bound; its values come from the state).
@@ -670,11 +672,10 @@ def _finite_flags(
 
     Optimizer states hold parameter-shaped trees (Adam's moments): each parameter is checked
     with its moments in one reduction with two outputs, not one reduction per array. The three
-    arrays share a sharding, and on the CPU every reduction is a kernel to compile: for W1 this
-    cut the update's compilation by about a fifth. The reduction of a large array keeps its
-    leading axis and a second one reduces that: XLA:CPU runs a reduction to a vector on all
-    cores, a reduction to a scalar on one (the check of a 49,152 x 576 embedding with its
-    moments: about 40 against 85 ms). ``rows_first`` sets that size threshold (default
+    arrays share a sharding, and on the CPU every reduction is a kernel to compile, so fewer
+    reductions compile faster. The reduction of a large array keeps its leading axis and a
+    second one reduces that, because XLA:CPU runs a reduction to a vector on all cores and a
+    reduction to a scalar on one. ``rows_first`` sets that size threshold (default
     ``_ROWS_FIRST``).
     """
     rows_first = _ROWS_FIRST if rows_first is None else rows_first
