@@ -804,7 +804,7 @@ def shard_batch(
     process_local: bool = False,
     data_axes: Sequence[str] | None = None,
 ) -> T:
-    """Splits a batch's rows over the data axes of ``mesh`` (contiguous, prompt-major).
+    """Splits a batch's rows over the data axes of ``mesh``, in contiguous blocks, in order.
 
     Every array's leading dimension (rows) is sharded over ``data_axes`` together
     (``PartitionSpec(("data", "fsdp"))``), the rest replicated, so shard ``s`` of ``S`` holds
