@@ -12,12 +12,12 @@ The KV cache carries across turns (:mod:`artifex.generative_models.inference.mul
 appended tokens are prefilled, nothing already encoded is encoded again, and the compiled pieces
 have static shapes (length buckets); the host loop runs between turns only.
 
-The batch stays flat, prompt-major and generation-minor, so the trainer and the loss are those
-of single-turn GRPO. A row's completion is everything after the prompt, in order: the model's
-turns, the appended scaffolding and observations. The completion mask is 1 exactly on the
-tokens the model generated, and the sampler's log-probs cover those tokens, so old-policy
-ratios and the KL penalty apply to model tokens only while the whole conversation stays in
-context for the log-prob pass.
+The batch stays flat (row ``i`` is episode ``i % G`` of dataset row ``i // G``), so the trainer and
+the loss are those of single-turn GRPO. A row's completion is everything after the prompt, in order:
+the model's turns, the appended scaffolding and observations. The completion mask is 1 exactly on
+the tokens the model generated, and the sampler's log-probs cover those tokens, so old-policy ratios
+and the KL penalty apply to model tokens only while the whole conversation stays in context for the
+log-prob pass.
 
 Appended text is found from the chat template itself: with ``history`` the conversation up to
 and including the model's last turn (as an assistant message) and ``obs`` the environment's
@@ -330,7 +330,7 @@ class MultiTurnConfig:
 
 @dataclasses.dataclass
 class Episodes:
-    """Finished episodes, one per batch row (prompt-major, generation-minor).
+    """Finished episodes, one per batch row (row ``i``: episode ``i % G`` of prompt ``i // G``).
 
     Attributes:
         prompt_ids: ``(R, P)`` left-padded prompt ids (repeated per generation).
@@ -474,9 +474,9 @@ def run_episodes(
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl import MultiTurnConfig, run_episodes
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training.rl import MultiTurnConfig, run_episodes
         >>> template = "{% for m in messages %}{{ m.content }}={% endfor %}"
         >>> tok = Tokenizer.for_characters("0123456789+=goaein", chat_template=template)
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
@@ -682,13 +682,11 @@ def turn_step_rewards(episodes: Episodes) -> np.ndarray:
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl import (
-        ...     MultiTurnConfig,
-        ...     run_episodes,
-        ...     turn_step_rewards,
-        ... )
+        >>> import numpy as np
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
+        >>> from artifex.generative_models.training.rl import (
+        ...     MultiTurnConfig, run_episodes, turn_step_rewards)
         >>> template = "{% for m in messages %}{{ m.content }}={% endfor %}"
         >>> tok = Tokenizer.for_characters("0123456789+=goaein", chat_template=template)
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
@@ -701,7 +699,6 @@ def turn_step_rewards(episodes: Episodes) -> np.ndarray:
         >>> episodes = run_episodes(CausalLM(cfg, rngs=nnx.Rngs(0)), tok, [{"prompt": "go"}],
         ...                         OneTurn, MultiTurnConfig(max_turns=1, max_new_tokens=2,
         ...                         max_completion_tokens=8), key=jax.random.key(0))
-        >>> import numpy as np
         >>> step = turn_step_rewards(episodes)
         >>> np.nansum(step).item(), int((~np.isnan(step)).sum())  # one reward, at the turn's end
         (0.5, 1)
@@ -735,7 +732,7 @@ class MultiTurnRolloutResult(Rollout):
     """A :class:`~artifex.generative_models.training.rl.rollout.Rollout` with its episodes.
 
     Attributes:
-        batch: The prompt-major ``GRPOBatch``.
+        batch: The ``GRPOBatch`` (row ``i`` of prompt ``i // G``).
         rows: The dataset rows, one per prompt.
         prompts: The rendered prompts, one per prompt.
         completions: The model's final turn of each episode.
@@ -745,8 +742,7 @@ class MultiTurnRolloutResult(Rollout):
         episodes: The :class:`Episodes` (turns, tool calls, limits, per-turn rewards).
 
     Examples:
-        >>> from artifex.generative_models.training.rl import MultiTurnRolloutResult
-        >>> from artifex.generative_models.training.rl.rollout import Rollout
+        >>> from artifex.generative_models.training.rl import MultiTurnRolloutResult, Rollout
         >>> issubclass(MultiTurnRolloutResult, Rollout)  # the loop reads it like a Rollout
         True
     """
@@ -782,16 +778,12 @@ class MultiTurnRollout:
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl import (
-        ...     MultiTurnConfig,
-        ...     MultiTurnRollout,
-        ...     environment_reward,
-        ... )
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
-        >>> from artifex.generative_models.training.rl import (
+        >>> from artifex.generative_models.training import (
         ...     GRPOConfig, RewardCombiner, RolloutConfig)
-        >>> from artifex.generative_models.training.rl.rollout import Policy
+        >>> from artifex.generative_models.training.rl import (
+        ...     MultiTurnConfig, MultiTurnRollout, Policy, environment_reward)
         >>> template = "{% for m in messages %}{{ m.content }}={% endfor %}"
         >>> tok = Tokenizer.for_characters("0123456789+=goaein", chat_template=template)
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,
