@@ -37,19 +37,31 @@ def _gp(prompt: str) -> str:
 # A docstring example as mkdocstrings renders it: prompts .gp, outputs .go, a traceback .gt/.gr.
 CONSOLE = "\n".join(
     [
-        _line(1, _gp(">>> ") + '<span class="kn">import</span><span class="w"> </span>'
-              '<span class="nn">math</span>'),
-        _line(2, _gp(">>> ") + '<span class="k">for</span> <span class="n">x</span> '
-              '<span class="ow">in</span> <span class="p">(</span><span class="mi">1</span>'
-              '<span class="p">,</span> <span class="mi">4</span><span class="p">):</span>'),
-        _line(3, _gp("... ") + '    <span class="nb">print</span><span class="p">(</span>'
-              '<span class="n">math</span><span class="o">.</span><span class="n">sqrt</span>'
-              '<span class="p">(</span><span class="n">x</span><span class="p">))</span>'),
+        _line(
+            1,
+            _gp(">>> ") + '<span class="kn">import</span><span class="w"> </span>'
+            '<span class="nn">math</span>',
+        ),
+        _line(
+            2,
+            _gp(">>> ") + '<span class="k">for</span> <span class="n">x</span> '
+            '<span class="ow">in</span> <span class="p">(</span><span class="mi">1</span>'
+            '<span class="p">,</span> <span class="mi">4</span><span class="p">):</span>',
+        ),
+        _line(
+            3,
+            _gp("... ") + '    <span class="nb">print</span><span class="p">(</span>'
+            '<span class="n">math</span><span class="o">.</span><span class="n">sqrt</span>'
+            '<span class="p">(</span><span class="n">x</span><span class="p">))</span>',
+        ),
         _line(4, '<span class="go">1.0</span>'),
         _line(5, '<span class="go">2.0</span>'),
-        _line(6, _gp(">>> ") + '<span class="n">math</span><span class="o">.</span>'
-              '<span class="n">sqrt</span><span class="p">(</span><span class="o">-</span>'
-              '<span class="mi">1</span><span class="p">)</span>'),
+        _line(
+            6,
+            _gp(">>> ") + '<span class="n">math</span><span class="o">.</span>'
+            '<span class="n">sqrt</span><span class="p">(</span><span class="o">-</span>'
+            '<span class="mi">1</span><span class="p">)</span>',
+        ),
         _line(7, '<span class="gt">Traceback (most recent call last):</span>'),
         _line(8, '<span class="w">    </span>...'),
         _line(9, '<span class="gr">ValueError</span>: math domain error'),
@@ -129,9 +141,9 @@ def test_without_the_script_the_copy_has_prompts(tmp_path):
 
 def test_material_reads_data_copy():
     material = pytest.importorskip("material")
-    bundle = next((Path(material.__file__).parent / "templates/assets/javascripts").glob(
-        "bundle.*.min.js"
-    ))
+    bundle = next(
+        (Path(material.__file__).parent / "templates/assets/javascripts").glob("bundle.*.min.js")
+    )
     assert 'closest("[data-copy]")' in bundle.read_text(), (
         "Material's copy button no longer reads data-copy: docs/javascripts/copy_examples.js "
         "needs another way in"

@@ -29,7 +29,6 @@ from tests.test_doc_examples import ROOT, _modules
 
 MAX_WORDS = 400
 
-_SECTION_RE = re.compile(r"^[ \t]*([A-Z][A-Za-z ]*):[ \t]*$", re.MULTILINE)
 _SINGULAR_RE = re.compile(r"^[ \t]*Example::?[ \t]*$", re.MULTILINE)
 _DATE_RE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 _MACHINE_RE = re.compile(r"\b(EPYC|Xeon|H100|H200|A100|GFLOP/s)\b")
@@ -176,12 +175,12 @@ def test_no_dates_or_machine_names():
 
 
 def test_the_checks_can_fail():
-    doc = '''Adds.
+    doc = """Adds.
 
     Example:
         >>> add(1, 2)
         3
-    '''
+    """
     assert _SINGULAR_RE.search(doc)
     assert not doctest.DocTestParser().get_examples(_examples_section(doc))
     assert _examples_section(doc.replace("Example:", "Examples:")).strip().startswith(">>>")
