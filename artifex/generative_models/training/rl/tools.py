@@ -1,24 +1,28 @@
 """Tools for multi-turn rollouts: JSON schemas, tool-call parsing and guarded execution.
 
-A tool is a plain Python callable with type hints and a Google-style docstring:
+A tool is a plain Python callable with type hints and a Google-style docstring (a summary line and
+an ``Args`` entry per parameter). :func:`tool_schema` turns it into the JSON schema chat templates
+expect in their ``tools`` argument (``{"type": "function", "function": {"name", "description",
+"parameters"}}``, the layout of transformers' ``get_json_schema``). :func:`parse_tool_calls` reads
+the calls a model wrote in its template family's format (Qwen2.5 / Qwen3
+``<tool_call>{json}</tool_call>`` blocks, or Llama 3's bare ``{"name": ..., "parameters": ...}``
+JSON), and :class:`ToolRunner` executes them on the host with a timeout. Nothing a tool or the model
+does can crash the run: an exception, a malformed call, an unknown tool, bad arguments, a timeout or
+a non-text result all become an error message for the model (and are counted).
 
-    def multiply(a: int, b: int) -> int:
-        \"\"\"Multiplies two integers.
-
-        Args:
-            a: The first factor.
-            b: The second factor.
-        \"\"\"
-        return a * b
-
-:func:`tool_schema` turns it into the JSON schema chat templates expect in their ``tools``
-argument (``{"type": "function", "function": {"name", "description", "parameters"}}``, the
-layout of transformers' ``get_json_schema``). :func:`parse_tool_calls` reads the calls a model
-wrote in its template family's format (Qwen2.5 / Qwen3 ``<tool_call>{json}</tool_call>`` blocks,
-or Llama 3's bare ``{"name": ..., "parameters": ...}`` JSON), and :class:`ToolRunner` executes
-them on the host with a timeout. Nothing a tool or the model does can crash the run: an
-exception, a malformed call, an unknown tool, bad arguments, a timeout or a non-text result all
-become an error message for the model (and are counted).
+Examples:
+    >>> from artifex.generative_models.training.rl import tool_schema
+    >>> def multiply(a: int, b: int) -> int:
+    ...     '''Multiplies two integers.
+    ...
+    ...     Args:
+    ...         a: The first factor.
+    ...         b: The second factor.
+    ...     '''
+    ...     return a * b
+    >>> schema = tool_schema(multiply)["function"]
+    >>> schema["name"], schema["description"], schema["parameters"]["required"]
+    ('multiply', 'Multiplies two integers.', ['a', 'b'])
 """
 
 from __future__ import annotations
