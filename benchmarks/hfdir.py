@@ -21,6 +21,9 @@ Q05: Qwen2.5-0.5B's shape (vocab 151936, width 896, 24 layers, 14 q / 2 kv heads
 tied, q/k/v biases, RoPE 1e6), 8 prompts x 8 generations, 256 + 512 tokens, beta 0.04, AdamW
 1e-6: the accelerator workload of ``docs/benchmarks.md`` (about 140 TFLOP per update, 8 N T with
 each prompt encoded once per group, T = 34,816 tokens; far too much for a 2-core CPU).
+Long: Qwen2.5-1.5B's shape (vocab 151936, width 1536, 28 layers, 12 q / 2 kv heads of 128, MLP
+8960, tied, q/k/v biases, RoPE 1e6), 8 prompts x 8 generations, 256 + 2,048 tokens, beta 0.04,
+AdamW 1e-6: the long-completion workload of ``benchmarks/accelerator.py`` (bf16, rematerialized).
 """
 
 from __future__ import annotations
@@ -106,6 +109,31 @@ WORKLOADS: dict[str, dict] = {
             "max_position_embeddings": 32768,
         },
     },
+    "long": {
+        "name": "Long",
+        "num_prompts": 8,
+        "num_generations": 8,
+        "prompt_length": 256,
+        "completion_length": 2048,
+        "beta": 0.04,
+        "learning_rate": 1e-6,
+        "seed": 0,
+        "model": {
+            "model_type": "qwen2",
+            "vocab_size": 151936,
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_layers": 28,
+            "num_heads": 12,
+            "num_kv_heads": 2,
+            "head_dim": 128,
+            "rope_theta": 1_000_000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "attention_bias": True,
+            "max_position_embeddings": 32768,
+        },
+    },
 }
 
 PAD, EOS = 0, 1
@@ -163,7 +191,7 @@ def ensure_dir(name: str, root: str, *, real_model: str | None = None) -> str:
     """Writes (once) and returns the workload directory ``root/<name>``.
 
     Args:
-        name: "w1", "w2" or "q05".
+        name: A key of ``WORKLOADS`` ("w1", "w2", "q05", "long", or one added by a caller).
         root: Parent directory.
         real_model: For W2, a Hugging Face directory with real weights and tokenizer (its files
             are symlinked into the workload directory); None writes random weights.

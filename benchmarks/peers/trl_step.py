@@ -1,9 +1,10 @@
-"""One GRPO step with Hugging Face TRL's GRPOTrainer on the CPU, on a shared workload directory.
+"""One GRPO step with Hugging Face TRL's GRPOTrainer (CPU or CUDA), on a shared workload directory.
 
 Run in the TRL venv (see ``benchmarks/peers/README.md``), not in the project's Python:
 
     /tmp/artifex-peers/trl/bin/python benchmarks/peers/trl_step.py --model-dir DIR \
-        [--windows 5] [--max-retries 10] [--dtype bfloat16] [--grad-accum N]
+        [--windows 5] [--max-retries 10] [--dtype bfloat16] [--grad-accum N] [--device cuda]
+        [--gradient-checkpointing]
 
 ``DIR`` is written by ``benchmarks/hfdir.py`` (W1 or W2): TRL loads the same ``config.json`` +
 ``model.safetensors`` that ours loads (``GRPOTrainer(model=DIR)``: transformers'
@@ -150,7 +151,20 @@ def main(argv: list[str] | None = None) -> int:
         "generation batch (still one generation and one update per step; ours: "
         "ours_worker.py --microbatches N)",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where TRL runs (cuda: use_cpu=False, the first GPU)",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="TRL's gradient_checkpointing (ours: ours_worker.py --remat)",
+    )
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
     t_start = time.perf_counter()
     with open(os.path.join(args.model_dir, "workload.json")) as fh:
         _W.update(json.load(fh))
@@ -192,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             optim="adamw_torch",
             max_steps=max_steps,
             use_vllm=False,
-            use_cpu=True,
+            use_cpu=args.device == "cpu",
+            gradient_checkpointing=args.gradient_checkpointing,
             bf16=False,
             fp16=False,
             model_init_kwargs={"dtype": args.dtype},
@@ -249,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
             "transformers": transformers.__version__,
             "torch": torch.__version__,
         },
-        "device": "cpu",
+        "device": "cpu" if args.device == "cpu" else torch.cuda.get_device_name(0),
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "device_peak_bytes": (
+            torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+        ),
         "dtype": args.dtype,
         "grad_accum": args.grad_accum,
         "threads": torch.get_num_threads(),

@@ -1,0 +1,62 @@
+"""The accounting of benchmarks/accelerator.py: parameter counts and rooflines.
+
+The script itself is a benchmark (it runs in benchmarks/, not as a timed test); what it computes
+from a workload is checked here against a real model's parameter count and a hand count.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+from benchmarks import accelerator, hfdir
+
+
+def _count(model: nnx.Module) -> dict[str, int]:
+    out = {"matmul": 0, "other": 0}
+    for x in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        kind = "matmul" if np.ndim(x) == 2 else "other"  # norms and biases are vectors
+        out[kind] += int(np.size(x))
+    return out
+
+
+def test_the_parameter_counts_match_a_real_model_of_every_workload_shape():
+    for name in ("w1", "w2", "q05", "long"):
+        small = accelerator.small(hfdir.WORKLOADS[name], name)["model"]
+        config = CausalLMConfig(**small, param_dtype="float32")
+        counted = _count(CausalLM(config, rngs=nnx.Rngs(0)))
+        # tied: the embedding is the output projection, counted once, as a matmul
+        assert accelerator.all_params(small) == counted["matmul"], name
+        assert accelerator.matmul_params(small) == counted["matmul"], name
+
+
+def test_the_rooflines_by_hand():
+    w = {
+        "num_prompts": 2,
+        "num_generations": 4,
+        "prompt_length": 10,
+        "completion_length": 20,
+        "beta": 0.04,
+        "model": {
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_layers": 3,
+            "num_heads": 2,
+            "num_kv_heads": 1,
+            "head_dim": 4,
+            "vocab_size": 32,
+            "tie_word_embeddings": False,
+        },
+    }
+    per_layer = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16  # q, k+v, o, gate+up+down
+    n = 3 * per_layer + 8 * 32
+    probe = {"copy_bytes_per_s": 1e9, "matmul_flops_per_s": {"bfloat16": 1e12}}
+    roof = accelerator.rooflines(w, {"dtype": "bfloat16", "remat": True}, probe)
+    tokens = 8 * 30
+    assert roof["update_flops"] == (6 + 2 + 2) * n * tokens
+    cache_per_token = 2 * 3 * 1 * 4 * 2  # k and v, layers, kv heads, head dim, bf16 bytes
+    weights = (n + 8 * 32) * 2  # the untied embedding is read too
+    expected = (weights + 8 * (10 + 10) * cache_per_token) / 1e9
+    np.testing.assert_allclose(roof["decode_step_s"], expected)
