@@ -19,7 +19,9 @@ are marked private (the ``public`` filter of mkdocstrings skips them), never del
 built-in dataclasses extension, which runs after every configured extension, builds each
 dataclass's ``__init__`` from the class's fields; deleting them left ``GRPOConfig.__init__``
 with ``self`` only, so the reference showed ``GRPOConfig()`` and griffe warned about every
-documented parameter.
+documented parameter. Classes made dataclasses by ``flax.struct.dataclass`` (or
+``chex.dataclass``), which griffe does not know, get their ``__init__`` here
+(:func:`dataclass_init`).
 """
 
 from __future__ import annotations
@@ -134,6 +136,72 @@ def roles(text: str, obj: griffe.Object) -> str:
     return _ROLE_RE.sub(replace, text)
 
 
+# Decorators that make a class a dataclass besides ``dataclasses.dataclass`` (which griffe's
+# built-in extension handles): griffe does not know them, so the class had no ``__init__``.
+_OTHER_DATACLASS_DECORATORS = frozenset({"flax.struct.dataclass", "chex.dataclass"})
+
+
+def _call_arguments(value: Any) -> dict[str, Any] | None:
+    """Keyword arguments of a ``field(...)`` call expression (any module's), else None."""
+    if isinstance(value, griffe.ExprCall) and str(value.function).split(".")[-1] == "field":
+        return {a.name: a.value for a in value.arguments if isinstance(a, griffe.ExprKeyword)}
+    return None
+
+
+def dataclass_init(cls: griffe.Class) -> None:
+    """Gives a flax/chex dataclass the ``__init__`` that its decorator generates.
+
+    The parameters are the class's annotated fields in order (properties and ``ClassVar``
+    attributes excepted), with the defaults of their values or of their
+    ``field(default=...)``; a field with ``init=False`` is left out. Does nothing for other
+    classes and for a class that defines ``__init__``.
+
+    Args:
+        cls: A class of the loaded package.
+    """
+    paths = {d.value.canonical_path for d in cls.decorators if isinstance(d.value, griffe.Expr)}
+    paths |= {str(d.value) for d in cls.decorators}
+    if "__init__" in cls.members or not paths & _OTHER_DATACLASS_DECORATORS:
+        return
+    params = [griffe.Parameter("self", kind=griffe.ParameterKind.positional_or_keyword)]
+    for member in cls.members.values():
+        if member.is_alias or not member.is_attribute or member.annotation is None:
+            continue
+        # Properties, and ClassVar attributes (griffe labels them class attributes only), as
+        # griffe's own dataclasses extension decides.
+        labels = member.labels
+        if {"property", "cached_property"} & labels or (
+            "class-attribute" in labels and "instance-attribute" not in labels
+        ):
+            continue
+        default = member.value
+        field = _call_arguments(member.value)
+        if field is not None:
+            if str(field.get("init")) == "False":
+                continue
+            default = field.get("default")
+            if "default_factory" in field:
+                default = griffe.ExprCall(function=field["default_factory"], arguments=[])
+        params.append(
+            griffe.Parameter(
+                member.name,
+                annotation=member.annotation,
+                kind=griffe.ParameterKind.positional_or_keyword,
+                default=default,
+            )
+        )
+    init = griffe.Function(
+        "__init__",
+        lineno=0,
+        endlineno=0,
+        parent=cls,
+        parameters=griffe.Parameters(*params),
+        returns="None",
+    )
+    cls.set_member("__init__", init)
+    cls.labels.add("dataclass")
+
+
 class RestToMarkdown(griffe.Extension):
     """Rewrites reST math blocks and roles in every docstring of the loaded package."""
 
@@ -153,6 +221,7 @@ class RestToMarkdown(griffe.Extension):
         if obj.docstring is not None:
             obj.docstring.value = roles(literal_markers(math_blocks(obj.docstring.value)), obj)
         if obj.is_class:
+            dataclass_init(obj)
             # Hidden, not deleted: griffe's dataclasses extension runs after this one and builds
             # a dataclass's ``__init__`` (the signature and its defaults) from these members, and
             # the Attributes section takes its types from them.
