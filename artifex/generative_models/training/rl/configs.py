@@ -3,27 +3,39 @@
 One frozen, keyword-only, validated dataclass covers GRPO and the variants the field has named
 since DeepSeekMath. Each variant is a setting, not a new trainer:
 
-- GRPO (Shao et al., 2024): the defaults -- ``scale_rewards="group"``,
-  ``loss_aggregation="sequence_mean"``, ``kl_estimator="k3"``.
-- Dr. GRPO (Liu et al., 2025): ``scale_rewards="none"``, ``loss_aggregation="constant_length"``,
-  ``beta=0``.
-- DAPO (Yu et al., 2025): ``clip_param=0.2``, ``clip_param_high=0.28``,
+- GRPO (Shao et al., 2024, arXiv:2402.03300): the defaults -- ``scale_rewards="group"``,
+  ``loss_aggregation="sequence_mean"``, ``kl_estimator="k3"``; ``gamma`` discounts per-step
+  rewards (process supervision, sec. 4.1.3).
+- Dr. GRPO (Liu et al., 2025, arXiv:2503.20783): ``scale_rewards="none"``,
+  ``loss_aggregation="constant_length"``, ``beta=0``.
+- DAPO (Yu et al., 2025, arXiv:2503.14476): ``clip_param=0.2``, ``clip_param_high=0.28``,
   ``loss_aggregation="token_mean"``, ``beta=0`` (plus dynamic sampling in the training loop).
-- GSPO (Zheng et al., 2025): ``importance_sampling_level="sequence"``, ``clip_param=3e-4``,
-  ``clip_param_high=4e-4``.
-- RLOO (Ahmadian et al., 2024): ``baseline="leave_one_out"``, ``scale_rewards="none"``.
-- CISPO (MiniMax-M1, 2025): ``policy_loss="cispo"``, ``cispo_max_weight=5.0``,
+- GSPO (Zheng et al., 2025, arXiv:2507.18071): ``importance_sampling_level="sequence"``,
+  ``clip_param=3e-4``, ``clip_param_high=4e-4``; GSPO-token: ``"sequence_token"``.
+- RLOO (Ahmadian et al., 2024, arXiv:2402.14740): ``baseline="leave_one_out"``,
+  ``scale_rewards="none"``.
+- Batch-level reward scaling (Liu et al., 2025, arXiv:2508.08221): ``scale_rewards="batch"``.
+- Dual clipping (Ye et al., 2020, arXiv:1912.09729): ``dual_clip``.
+- CISPO (MiniMax-M1, arXiv:2506.13585): ``policy_loss="cispo"``, ``cispo_max_weight=5.0``,
   ``loss_aggregation="token_mean"``.
-- SAPO (Gao et al., 2025): ``policy_loss="sapo"`` with ``sapo_temperature_pos/neg``.
-- VESPO: ``policy_loss="vespo"`` with ``vespo_k_pos/neg`` and ``vespo_lambda_pos/neg``.
-- LUSPO: ``importance_sampling_level="sequence"``, ``loss_aggregation="sequence_sum"``.
-- GSPO-token: ``importance_sampling_level="sequence_token"``.
-- Importance-weighted KL (DeepSeek-V3.2): ``kl_importance_weighted=True``.
-- Sampler/trainer mismatch correction (TIS, MIS, IcePop): ``sampler_correction`` with
-  ``sampler_correction_level``, ``sampler_ratio_min`` and ``sampler_ratio_max``.
-- Off-policy sequence masking (DeepSeek-V3.2): ``off_policy_mask_threshold``.
-- High-entropy token training (Wang et al., 2025): ``top_entropy_quantile=0.2``.
-- REINFORCE++ and pass@k advantages: ``advantage_estimator``.
+- SAPO (Gao et al., 2025, arXiv:2511.20347): ``policy_loss="sapo"`` with
+  ``sapo_temperature_pos/neg``.
+- VESPO (arXiv:2602.10693): ``policy_loss="vespo"`` with ``vespo_k_pos/neg`` and
+  ``vespo_lambda_pos/neg``.
+- LUSPO (arXiv:2602.05261): ``importance_sampling_level="sequence"``,
+  ``loss_aggregation="sequence_sum"``.
+- DeepSeek-V3.2 (arXiv:2512.02556): ``kl_importance_weighted=True`` (importance-weighted KL) and
+  ``off_policy_mask_threshold`` (off-policy sequence masking, eq. 9).
+- Sampler/trainer mismatch correction (TIS, MIS, IcePop; arXiv:2510.18855): ``sampler_correction``
+  with ``sampler_correction_level``, ``sampler_ratio_min`` and ``sampler_ratio_max``.
+- High-entropy token training (Wang et al., 2025, arXiv:2506.01939): ``top_entropy_quantile=0.2``.
+- REINFORCE++ (arXiv:2501.03262) and pass@k (arXiv:2508.10751) advantages:
+  ``advantage_estimator``.
+
+The KL estimators ``k1``, ``k2`` and ``k3`` are Schulman's (2020, "Approximating KL
+Divergence"); formulas of every option are in the docstrings of
+:mod:`~artifex.generative_models.training.rl.losses` and
+:mod:`~artifex.generative_models.training.rl.advantages`.
 """
 
 from __future__ import annotations
@@ -76,94 +88,65 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class GRPOConfig:
-    r"""Hyper-parameters of the GRPO objective and update.
+    """Hyper-parameters of the GRPO objective and update.
 
-    For a prompt with ``G`` completions ``o_i`` and rewards ``r_i``, the loss is the negative of
-    (DeepSeekMath, eq. 3)
-
-    .. math::
-
-        \frac{1}{G}\sum_i \frac{1}{|o_i|}\sum_t \Big[\min\big(\rho_{i,t} \hat A_{i,t},
-        \operatorname{clip}(\rho_{i,t}, 1-\varepsilon_{low}, 1+\varepsilon_{high})\hat A_{i,t}\big)
-        - \beta\, D_{KL}[\pi_\theta \| \pi_{ref}]_{i,t} + c_H\, H_{i,t}\Big]
-
-    with ``rho = pi_theta / pi_old`` and ``A_i = (r_i - mean(r)) / (std(r) + eps)``. The
-    variants (Dr. GRPO, DAPO, GSPO, RLOO, ...) are settings of these fields: see
-    :mod:`~artifex.generative_models.training.rl.configs`.
+    Variants (Dr. GRPO, DAPO, GSPO, ...) are settings, listed with their papers in
+    :mod:`~artifex.generative_models.training.rl.configs`; the objective (DeepSeekMath, eq. 3) is
+    written out in :mod:`~artifex.generative_models.training.rl.objective`.
 
     Attributes:
-        num_generations: Group size ``G >= 2``; row ``i`` of a batch belongs to prompt ``i // G``.
-        clip_param: ``epsilon_low`` in (0, 1); also ``epsilon_high`` unless that is set.
-        clip_param_high: ``epsilon_high > 0`` (DAPO's clip-higher, arXiv:2503.14476).
-        dual_clip: ``c > 1`` caps a negative-advantage token's loss at ``c * |A|``
-            (arXiv:1912.09729).
-        beta: KL coefficient >= 0; 0 skips the reference model.
-        kl_estimator: KL estimate from ``log_r = log pi_ref - log pi_theta`` (Schulman, 2020):
-            ``"k1"`` ``-log_r``, ``"k2"`` ``log_r**2 / 2``, ``"k3"`` ``exp(log_r) - log_r - 1``.
-        entropy_coeff: Weight ``c_H >= 0`` of the entropy bonus.
-        gamma: Discount in (0, 1] of per-step ``step_rewards`` (DeepSeekMath sec. 4.1.3).
-        scale_rewards: Divide centered rewards by the ``"group"`` std, the ``"batch"`` std
-            (arXiv:2508.08221) or ``"none"`` (Dr. GRPO, arXiv:2503.20783).
-        std_ddof: Delta degrees of freedom of that std, 1 (Bessel) or 0.
+        num_generations: Group size ``G >= 2``: completions per prompt.
+        clip_param: ``epsilon_low`` in (0, 1), also ``epsilon_high`` by default.
+        clip_param_high: ``epsilon_high > 0`` (DAPO).
+        dual_clip: ``c > 1`` bounding negative-advantage losses by ``c |A|``.
+        beta: KL coefficient >= 0.
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (Schulman, 2020).
+        entropy_coeff: Entropy bonus weight >= 0.
+        gamma: Per-step reward discount in (0, 1].
+        scale_rewards: Scale by the ``"group"`` or ``"batch"`` std, or ``"none"``.
+        std_ddof: Delta degrees of freedom of the std, 1 or 0.
         advantage_eps: ``eps >= 0`` added to the std.
-        baseline: ``"group_mean"`` or ``"leave_one_out"`` (RLOO, arXiv:2402.14740).
-        loss_aggregation: ``"sequence_mean"`` (GRPO), ``"token_mean"`` (DAPO),
-            ``"constant_length"`` (Dr. GRPO) or ``"sequence_sum"`` (LUSPO); see
-            :func:`~artifex.generative_models.training.rl.aggregate_loss`.
-        max_completion_length: Length of ``"constant_length"``; ``None``: the batch's width.
-        importance_sampling_level: Ratios per ``"token"``, per ``"sequence"`` (GSPO,
-            arXiv:2507.18071) or ``"sequence_token"`` (GSPO-token).
-        max_grad_norm: Bound (> 0) on the gradient's global L2 norm; ``None``: no clipping.
-        temperature: ``tau > 0``; the policy sampled and optimized is ``softmax(logits / tau)``.
-        policy_loss: ``"clip"`` (PPO/GRPO), ``"cispo"`` (arXiv:2506.13585), ``"sapo"``
-            (arXiv:2511.20347) or ``"vespo"`` (arXiv:2602.10693).
-        cispo_max_weight: CISPO's cap ``eps_max > 0`` on the importance weight.
-        sapo_temperature_pos: SAPO gate temperature (> 0) where ``A > 0``.
-        sapo_temperature_neg: SAPO gate temperature (> 0) where ``A <= 0``.
-        vespo_k_pos: VESPO power ``k >= 0`` where ``A >= 0``.
-        vespo_lambda_pos: VESPO decay ``lambda > 0`` where ``A >= 0``.
-        vespo_k_neg: VESPO power ``k >= 0`` where ``A < 0``.
-        vespo_lambda_neg: VESPO decay ``lambda > 0`` where ``A < 0``.
-        kl_importance_weighted: Weight the KL estimate by the ratio to the sampler
-            (DeepSeek-V3.2, arXiv:2512.02556).
-        sampler_correction: Sampler/trainer mismatch correction (arXiv:2510.18855):
-            ``"truncate"`` (TIS), ``"mask"`` (MIS, IcePop) or ``"none"``.
-        sampler_correction_level: Its ratio per ``"token"``, ``"sequence"`` or
-            ``"geometric"`` (mean of the log ratios).
-        sampler_ratio_min: Lower bound (>= 0) of that ratio; ``None``: unbounded.
-        sampler_ratio_max: Upper bound (> 0) of that ratio; ``None``: unbounded.
-        off_policy_mask_threshold: Leave out negative-advantage completions this far
-            off-policy (DeepSeek-V3.2, eq. 9); ``None``: off.
-        top_entropy_quantile: Fraction in [0, 1] of highest-entropy tokens trained
-            (arXiv:2506.01939).
-        advantage_estimator: ``"grpo"``, ``"reinforce_pp"``, ``"reinforce_pp_baseline"``
-            (arXiv:2501.03262) or ``"pass_at_k"`` (arXiv:2508.10751).
+        baseline: ``"group_mean"`` or ``"leave_one_out"`` (RLOO).
+        loss_aggregation: ``"sequence_mean"``, ``"token_mean"``, ``"constant_length"`` or
+            ``"sequence_sum"``.
+        max_completion_length: ``"constant_length"``'s length; ``None``: batch width.
+        importance_sampling_level: Ratios per ``"token"``, ``"sequence"`` (GSPO) or
+            ``"sequence_token"``.
+        max_grad_norm: Gradient-norm bound > 0; ``None``: none.
+        temperature: Sampling temperature ``tau > 0``.
+        policy_loss: ``"clip"``, ``"cispo"``, ``"sapo"`` or ``"vespo"``.
+        cispo_max_weight: CISPO's importance-weight cap > 0.
+        sapo_temperature_pos: SAPO temperature > 0 where ``A > 0``.
+        sapo_temperature_neg: SAPO temperature > 0 where ``A <= 0``.
+        vespo_k_pos: VESPO ``k >= 0`` for ``A >= 0``.
+        vespo_lambda_pos: VESPO ``lambda > 0`` where ``A >= 0``.
+        vespo_k_neg: VESPO ``k >= 0`` where ``A < 0``.
+        vespo_lambda_neg: VESPO ``lambda > 0`` where ``A < 0``.
+        kl_importance_weighted: Weight the KL by the sampler ratio (DeepSeek-V3.2).
+        sampler_correction: ``"truncate"`` (TIS), ``"mask"`` (MIS) or ``"none"``.
+        sampler_correction_level: Sampler ratio per ``"token"``, ``"sequence"`` or ``"geometric"``.
+        sampler_ratio_min: Sampler ratio lower bound >= 0; ``None``: none.
+        sampler_ratio_max: Sampler ratio upper bound > 0; ``None``: none.
+        off_policy_mask_threshold: Off-policy sequence mask ``delta``; ``None``: off.
+        top_entropy_quantile: Fraction in [0, 1] of highest-entropy tokens trained.
+        advantage_estimator: ``"grpo"``, ``"reinforce_pp"``, ``"reinforce_pp_baseline"`` or
+            ``"pass_at_k"``.
         pass_at_k: ``k >= 1`` of ``"pass_at_k"``.
-        remat: Recompute decoder activations in the backward pass: less memory, one more
-            forward pass, same values.
-        remat_every: With ``remat``, recompute only every n-th layer; not with ``scan_layers``.
-        scan_layers: Run the update's decoder layers as one ``jax.lax.scan``: faster compile
-            for deep models, slower updates on the CPU, same values.
-        layerwise_update: Run a ``CausalLM`` update as per-layer programs, whose compile time
-            does not grow with depth; needs ``remat=True`` and ``remat_every=1``.
-        optimizer_by_layer: Let ``GRPOTrainer`` update one layer per program (faster compile)
-            where the result is the same: an element-wise optimizer, 8 or more layers,
-            parameters on the CPU (XLA:CPU's compile time is what it shortens), no mesh.
+        remat: Recompute decoder activations backward (less memory, same values).
+        remat_every: With ``remat``, recompute only every n-th layer.
+        scan_layers: Scan the update's decoder layers (faster compile, same values).
+        layerwise_update: Per-layer update programs (needs ``remat``).
+        optimizer_by_layer: Per-layer optimizer programs in ``GRPOTrainer`` where equivalent.
 
     Raises:
-        TypeError: If a field has the wrong type (``num_generations=4.0``, ``beta="0.1"``).
-        ValueError: If a field is out of range, not one of its choices, or contradicts
-            another field.
+        TypeError: A wrongly typed field.
+        ValueError: A field out of range or inconsistent with another.
 
     Examples:
         >>> from artifex.generative_models.training import GRPOConfig
         >>> config = GRPOConfig(num_generations=4, clip_param_high=0.28, beta=0.0)
         >>> config.num_generations, config.clip_param, config.clip_param_high
         (4, 0.2, 0.28)
-        >>> GRPOConfig(num_generations=1)
-        Traceback (most recent call last):
-            ...
-        ValueError: GRPOConfig.num_generations must be an int >= 2, got 1
     """
 
     num_generations: int = 4

@@ -223,9 +223,9 @@ def causal_lm_log_probs(
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies of completions under a causal LM.
 
-    Runs the model over ``[prompt ; completion]`` (prompt left-padded, positions derived from the
-    attention mask) and projects only the ``T`` hidden states that predict completion tokens,
-    chunked by :func:`chunked_token_log_probs`.
+    Runs the model over ``[prompt ; completion]`` (positions from the attention mask) and
+    projects only the ``T`` hidden states that predict completion tokens, chunked by
+    :func:`chunked_token_log_probs`.
 
     With ``shared_prompt_group=G`` (every ``G`` consecutive rows share one prompt, as in a GRPO
     batch) each prompt is encoded once and its ``G`` completions attend to it: the same values,
@@ -235,31 +235,29 @@ def causal_lm_log_probs(
 
     Args:
         model: A causal LM with ``hidden_states(ids, attention_mask=..., cache=...)``,
-            ``init_cache`` and ``output_embedding() -> (D, V)`` (and optionally
-            ``output_embedding_rows() -> (V, D) or None``, used first when it gives a matrix).
+            ``init_cache`` and ``output_embedding() -> (D, V)`` (or
+            ``output_embedding_rows() -> (V, D)``, used first when not None).
         prompt_ids: ``(B, P)`` int, left-padded, ``P >= 1``.
         completion_ids: ``(B, T)`` int.
         prompt_mask: ``(B, P)`` 1 on real prompt tokens; ``None`` means no padding.
         chunk_size: Rows per logits chunk (see :func:`chunked_token_log_probs`).
-        temperature: Logits are divided by it (to score under the sampling distribution).
+        temperature: Logits are divided by it (the sampling temperature).
         shared_prompt_group: ``G`` when rows ``i`` and ``i // G * G`` always have the same
             prompt; ``None`` or 1 encodes every row's prompt.
         remat: Rematerialize the decoder layers in the backward pass (gradient checkpointing:
             about one more forward pass, less memory, same values), or every n-th layer (an
             int n >= 1); the model's ``hidden_states`` must accept ``remat=``.
         scan_layers: Run the decoder layers as one ``jax.lax.scan`` over
-            ``model.layer_stack()``, whatever ``model.scan_layers`` says: same values, faster
-            to compile for deep models, somewhat slower on the CPU. Layers of different
-            structures (``layer_stack()`` is None) run unrolled.
+            ``model.layer_stack()`` (unrolled where it is None): same values, faster to compile
+            for deep models, somewhat slower on the CPU.
 
     Returns:
         ``(log_probs, entropy)``, each ``(B, T)`` float32.
 
     Raises:
-        ValueError: If ``prompt_ids`` has no column, or ``completion_ids`` or ``prompt_mask``
-            does not match its rows (and columns), or ``remat`` is an int below 1.
-        TypeError: If ``scan_layers`` is set and the model has no ``layer_stack`` method, or
-            ``remat`` is neither a bool nor an int.
+        ValueError: If the shapes do not match or ``remat`` is an int below 1.
+        TypeError: If ``scan_layers`` is set without ``layer_stack``, or ``remat`` is neither a
+            bool nor an int.
 
     Examples:
         >>> import jax.numpy as jnp
