@@ -132,11 +132,14 @@ class GRPOConfig:
         advantage_estimator: ``"grpo"``, ``"reinforce_pp"``, ``"reinforce_pp_baseline"`` or
             ``"pass_at_k"``.
         pass_at_k: ``k >= 1`` of ``"pass_at_k"``.
+        mask_truncated_completions: Leave completions cut off before EOS out of the loss (DAPO).
         remat: Recompute decoder activations backward (less memory, same values).
         remat_every: With ``remat``, recompute only every n-th layer.
         scan_layers: Scan the update's decoder layers (faster compile, same values).
         layerwise_update: Per-layer update programs (needs ``remat``).
         optimizer_by_layer: Per-layer optimizer programs in ``GRPOTrainer`` where equivalent.
+        update_without_advantage: Apply updates whose advantages are all zero (only KL and
+            entropy move the policy); ``False`` skips them.
 
     Raises:
         TypeError: A wrongly typed field.
@@ -183,11 +186,13 @@ class GRPOConfig:
     top_entropy_quantile: float = 1.0
     advantage_estimator: AdvantageEstimator = "grpo"
     pass_at_k: int = 1
+    mask_truncated_completions: bool = False
     remat: bool = False
     remat_every: int = 1
     scan_layers: bool = False
     layerwise_update: bool = False
     optimizer_by_layer: bool = True
+    update_without_advantage: bool = False
 
     def __post_init__(self) -> None:
         # Wrong type: TypeError; right type, out of range: ValueError (utils.validation).
@@ -221,6 +226,7 @@ class GRPOConfig:
             raise ValueError(msg)
         check_bool(f + "layerwise_update", self.layerwise_update)
         check_bool(f + "optimizer_by_layer", self.optimizer_by_layer)
+        check_bool(f + "update_without_advantage", self.update_without_advantage)
         if self.layerwise_update and (not self.remat or self.remat_every > 1 or self.scan_layers):
             msg = (
                 "GRPOConfig.layerwise_update=True recomputes every decoder layer in the backward "
@@ -269,6 +275,7 @@ class GRPOConfig:
             raise ValueError(msg)
         check_float(f + "top_entropy_quantile", self.top_entropy_quantile, minimum=0.0, maximum=1.0)
         check_int(f + "pass_at_k", self.pass_at_k, minimum=1)
+        check_bool(f + "mask_truncated_completions", self.mask_truncated_completions)
         if self.pass_at_k > 1 and self.advantage_estimator != "pass_at_k":
             msg = (
                 f"GRPOConfig.pass_at_k={self.pass_at_k} is only used with "

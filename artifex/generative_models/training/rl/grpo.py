@@ -1273,9 +1273,18 @@ class GRPOTrainer:
             logger.warning(
                 "every reward of this batch is NaN (no reward signal): the reward metrics are "
                 "NaN and %s; check the reward functions",
-                "only the entropy bonus was applied"
+                "only the KL and entropy terms were applied"
                 if applied
                 else "the update was skipped (parameters unchanged)",
+            )
+        elif host.get("advantage_signal", 1.0) == 0 and ok:
+            logger.warning(
+                "every advantage of this batch is zero (each group's rewards are equal): %s",
+                "only the KL and entropy terms were applied "
+                "(GRPOConfig.update_without_advantage=True)"
+                if applied
+                else "the update was skipped (parameters and optimizer unchanged; "
+                "GRPOConfig.update_without_advantage=True applies such updates)",
             )
         if not ok:
             bad = [

@@ -55,7 +55,11 @@ from artifex.generative_models.training.rl.optimizer_split import (
     group_tree,
     lower_programs,
 )
-from artifex.generative_models.training.rl.state import GRPOTrainState, apply_gradients
+from artifex.generative_models.training.rl.state import (
+    GRPOTrainState,
+    advantage_signal,
+    apply_gradients,
+)
 from artifex.generative_models.utils.compile_options import jit
 
 __all__ = ["LayerwiseStep", "check_layerwise_model"]
@@ -326,6 +330,7 @@ class LayerwiseStep:
             (loss, metrics), (d_params, dh) = grad(params, h)
             if not precomputed:
                 metrics.update(_reward_metrics(batch, advantages))
+            metrics["advantage_signal"] = advantage_signal(advantages, batch.completion_mask)
             return loss, metrics, d_params, dh
 
         def finish(params, opt_state, step, pieces, loss, metrics, batch):

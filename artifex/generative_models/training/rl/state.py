@@ -49,6 +49,7 @@ from artifex.generative_models.utils.validation import check_int
 __all__ = [
     "GRPOTrainState",
     "NonFiniteUpdateError",
+    "advantage_signal",
     "init_train_state",
     "make_grpo_gradients",
     "make_grpo_log_probs",
@@ -469,6 +470,7 @@ def make_grpo_gradients(
             metrics = _combine_micro_metrics(micro_metrics)
         if not precomputed:  # a loop that precomputes advantages reports these once per batch
             metrics.update(_reward_metrics(batch, advantages))
+        metrics["advantage_signal"] = advantage_signal(advantages, batch.completion_mask)
         return loss, metrics, grads
 
     return grpo_gradients
@@ -574,11 +576,14 @@ def _guard_decision(
         ``reward_signal`` added.
     """
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_ok & opt_ok
-    # A batch without any reward signal (all rewards NaN) moves nothing: its only gradients
-    # would be the KL term (and Adam's momentum, weight decay) acting blindly. An entropy
-    # bonus is a signal of its own that the user asked for: then the update is applied.
+    # A batch without any advantage signal (every group's rewards equal, or none) moves
+    # nothing unless asked to: its only gradients would be the KL and entropy terms, which
+    # Adam takes at full step size whatever their scale, step after step.
     signal = _has_reward_signal(batch)
-    apply = ok & (signal | (config.entropy_coeff > 0.0))
+    if config.update_without_advantage:
+        apply = ok & (signal | (config.entropy_coeff > 0.0))
+    else:
+        apply = ok & (metrics["advantage_signal"] > 0)
     f32 = jnp.float32
     metrics = dict(metrics, grad_norm=grad_norm.astype(f32))
     metrics["update_applied"] = apply.astype(f32)
@@ -653,6 +658,33 @@ def _micro(batch: GRPOBatch, num_microbatches: int) -> GRPOBatch:
     if (batch.batch_size // num_microbatches) % batch.group_size:
         micro = micro.replace(shared_prompts=False)
     return micro
+
+
+def advantage_signal(advantages: jax.Array, completion_mask: jax.Array) -> jax.Array:
+    """1.0 where any advantage that reaches the loss is nonzero, else 0.0 (traceable).
+
+    Args:
+        advantages: ``(B,)`` per-sequence or ``(B, T)`` per-token advantages.
+        completion_mask: ``(B, T)``: the tokens that count.
+
+    Returns:
+        A float32 scalar.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl.state import advantage_signal
+        >>> mask = jnp.array([[1, 1], [1, 0]])
+        >>> float(advantage_signal(jnp.zeros(2), mask))
+        0.0
+        >>> float(advantage_signal(jnp.array([0.0, 0.5]), mask))
+        1.0
+        >>> float(advantage_signal(jnp.array([[0.0, 0.0], [0.0, 2.0]]), mask))  # masked out
+        0.0
+    """
+    counted = jnp.asarray(completion_mask) > 0
+    adv = jnp.asarray(advantages, jnp.float32)
+    counted = jnp.any(counted, axis=-1) if adv.ndim == 1 else counted
+    return jnp.any((adv != 0) & counted).astype(jnp.float32)
 
 
 def _has_reward_signal(batch: GRPOBatch) -> jax.Array:

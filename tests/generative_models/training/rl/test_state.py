@@ -278,3 +278,61 @@ def test_guarded_update_keeps_no_second_copy_of_the_parameters_and_moments():
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.state.params))
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < 2 * param_bytes, (temp, param_bytes)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one_program", "optimizer_by_layer"])
+def test_a_batch_without_advantage_signal_moves_nothing_unless_asked(split):
+    # Every group's rewards equal: every advantage is 0, and only the KL and the entropy bonus
+    # (on by default) would move the policy, at Adam's full step size. By default the update is
+    # skipped; update_without_advantage=True applies it (the earlier behaviour).
+    from artifex.generative_models.training import GRPOTrainer
+
+    def trainer(**options):
+        # 8 layers: the optimizer runs layer by layer on the CPU
+        cfg = CausalLMConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_layers=8 if split else 1,
+            num_heads=2,
+            num_kv_heads=1,
+            max_position_embeddings=32,
+        )
+        policy = CausalLM(cfg, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(policy, optax.adam(1e-2), wrt=nnx.Param)
+        config = GRPOConfig(num_generations=4, beta=0.0, entropy_coeff=0.01, **options)
+        return GRPOTrainer(policy, optimizer, config)
+
+    batch = lm_batch(0)
+    flat = jnp.repeat(jnp.asarray([0.0, 1.0]), 4)[: batch.rewards.shape[0]]
+    batch = batch.replace(rewards=flat.astype(batch.rewards.dtype))
+    for options, moves in (({}, False), ({"update_without_advantage": True}, True)):
+        t = trainer(**options)
+        before = jax.tree.map(np.array, nnx.state(t.model, nnx.Param))
+        metrics = t.train_step(batch)
+        after = jax.tree.map(np.array, nnx.state(t.model, nnx.Param))
+        diff = jax.tree.map(lambda a, b: bool((a != b).any()), before, after)
+        changed = any(jax.tree.leaves(diff))
+        assert metrics["advantage_signal"] == 0.0
+        assert changed is moves, options
+        assert int(t.optimizer.step[...]) == int(moves)
+        assert (type(t.compiled_step()).__name__ == "_SplitStep") is split
+    # One group whose rewards differ is a signal: the update is applied by default.
+    spread = batch.rewards.at[0].set(5.0)
+    t = trainer()
+    metrics = t.train_step(batch.replace(rewards=spread))
+    assert metrics["advantage_signal"] == 1.0 and int(t.optimizer.step[...]) == 1
+
+
+def test_advantage_signal_against_numpy():
+    from artifex.generative_models.training.rl.state import advantage_signal
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        mask = rng.integers(0, 2, (6, 5))
+        adv = np.where(rng.random((6, 5)) < 0.2, rng.normal(size=(6, 5)), 0.0)
+        want = float(np.any((adv != 0) & (mask > 0)))
+        assert float(advantage_signal(jnp.asarray(adv), jnp.asarray(mask))) == want
+        seq = np.where(rng.random(6) < 0.3, rng.normal(size=6), 0.0)
+        want = float(np.any((seq != 0) & mask.any(axis=1)))
+        assert float(advantage_signal(jnp.asarray(seq), jnp.asarray(mask))) == want
