@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import re
@@ -240,3 +241,65 @@ def test_griffe_hides_undocumented_fields_without_deleting_them(griffe_package):
     init = config.members["__init__"]
     assert init.parameters["beta"].default == "0.01"
     assert str(init.parameters["kl_estimator"].default) == "'k3'"
+
+
+def _griffe_rst():
+    spec = importlib.util.spec_from_file_location(
+        "_griffe_rst", ROOT / "docs" / "_hooks" / "griffe_rst.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_ADMONITION = """Parses a call.
+
+Example:
+    >>> calls = parse("x")
+    >>> calls[0][:2]
+    ('a', 'b')
+
+Returns:
+    The calls."""
+
+_FENCED_ADMONITION = """Parses a call.
+
+Example:
+    ```pycon
+    >>> calls = parse("x")
+    >>> calls[0][:2]
+    ('a', 'b')
+    ```
+
+Returns:
+    The calls."""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # An Example: admonition's doctest becomes a code block (not blockquotes with a
+        # [0][:2] reference link), without a blank line under the title.
+        (_ADMONITION, _FENCED_ADMONITION),
+        # In a paragraph: a blank line before the fence; output runs to a blank line or a dedent.
+        ("Text.\n>>> f(1)\n2\n\nMore.", "Text.\n\n```pycon\n>>> f(1)\n2\n```\n\nMore."),
+        ("- item\n  >>> f(1)\n- next", "- item\n  ```pycon\n  >>> f(1)\n  ```\n\n- next"),
+        # Left alone: an Examples section, a fenced block, an indented code block.
+        ("Examples:\n    >>> f(1)\n    2", None),
+        ("Text:\n\n```python\n>>> f(1)\n```", None),
+        ("Text:\n\n    >>> f(1)\n    2\n\nMore.", None),
+    ],
+)
+def test_doctest_blocks(text, expected):
+    assert _griffe_rst().doctest_blocks(text) == (text if expected is None else expected)
+
+
+def test_fenced_admonition_parses_as_an_admonition_with_code(griffe_package):
+    import griffe
+
+    function = griffe.Function("parse", parent=griffe_package)
+    docstring = griffe.Docstring(_griffe_rst().doctest_blocks(_ADMONITION), parent=function)
+    sections = docstring.parse("google")
+    kinds = [section.kind.value for section in sections]
+    assert kinds == ["text", "admonition", "returns"], kinds
+    assert sections[1].value.contents.startswith("```pycon\n>>> calls")

@@ -6,6 +6,9 @@ know. When the package has been loaded, this extension rewrites, in every docstr
 - ``.. math::`` blocks into ``$$ ... $$`` blocks (typeset by MathJax through arithmatex);
 - the literal-block marker ``text::`` into ``text:`` (the indented block after it is already a
   Markdown code block), and a lone ``Example::`` into a bold label, not a Google section;
+- ``>>>`` examples outside an ``Examples:`` section (in an ``Example:`` admonition, say) into
+  ``pycon`` code blocks, which Markdown would otherwise show as nested blockquotes, with
+  reference links made of their subscripts (:func:`doctest_blocks`);
 - ``:func:`name```, ``:class:`~pkg.mod.Name``` and the other Python roles into links to the
   object's API entry (``~`` shows the last component only). Names are resolved like Python
   would, from the object's class and module; a link whose target is not rendered anywhere falls
@@ -93,6 +96,64 @@ def literal_markers(text: str) -> str:
         return f"{indent}{body}:"
 
     return "\n".join(line for line in map(convert, text.splitlines()) if line is not None)
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def doctest_blocks(text: str) -> str:
+    """Puts ``>>>`` examples outside an ``Examples:`` section into ``pycon`` code blocks.
+
+    griffe shows the ``>>>`` lines of an ``Examples:`` section as code; anywhere else (an
+    ``Example:`` or ``Note:`` admonition, a description) they are Markdown prose, where ``>>>``
+    makes nested blockquotes and ``x[0][:2]`` a reference link that autorefs cannot resolve (a
+    warning, so a failed strict build). A run of such lines, up to a blank line or a dedent,
+    becomes a fenced block. Examples sections, fenced blocks and indented code blocks (after a
+    blank line, four columns deeper than the text before them) are left as they are.
+
+    Args:
+        text: A docstring (after :func:`literal_markers`).
+
+    Returns:
+        The docstring with those examples fenced.
+    """
+    lines = text.splitlines()
+    out: list[str] = []
+    in_examples = in_fence = False
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.strip()
+        if stripped and _indent(line) == 0 and not in_fence:
+            in_examples = stripped.lower() == "examples:"
+        if stripped.startswith(("```", "~~~")):
+            in_fence = not in_fence
+        if in_examples or in_fence or not stripped.startswith(">>>") or _indented_code(out, line):
+            out.append(line)
+            i += 1
+            continue
+        indent = line[: _indent(line)]
+        block = []
+        while i < len(lines) and lines[i].strip() and _indent(lines[i]) >= len(indent):
+            block.append(lines[i])
+            i += 1
+        # A blank line before the fence, except after a shallower line (a section or admonition
+        # title, or the first line of a description), where it would end what the block is in.
+        if out and out[-1].strip() and _indent(out[-1]) >= len(indent):
+            out.append("")
+        out += [f"{indent}```pycon", *block, f"{indent}```"]
+        if i < len(lines) and lines[i].strip():
+            out.append("")
+    return "\n".join(out)
+
+
+def _indented_code(before: list[str], line: str) -> bool:
+    """Whether ``line``, after the lines ``before``, is in a Markdown indented code block."""
+    if not before or before[-1].strip():
+        return False  # no blank line before it: a paragraph's or an admonition's text
+    text = [b for b in before if b.strip()]
+    return bool(text) and _indent(line) >= _indent(text[-1]) + 4
 
 
 def _resolve(name: str, obj: griffe.Object) -> str | None:
@@ -219,7 +280,8 @@ class RestToMarkdown(griffe.Extension):
             return
         seen.add(obj.path)
         if obj.docstring is not None:
-            obj.docstring.value = roles(literal_markers(math_blocks(obj.docstring.value)), obj)
+            text = doctest_blocks(literal_markers(math_blocks(obj.docstring.value)))
+            obj.docstring.value = roles(text, obj)
         if obj.is_class:
             dataclass_init(obj)
             # Hidden, not deleted: griffe's dataclasses extension runs after this one and builds
