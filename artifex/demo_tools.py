@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -106,7 +107,13 @@ class ToolDemoConfig:
         warmup_examples: Formatted examples for the supervised warm-up.
         tool_fraction: Fraction of warm-up examples that call the tool (the rest answer
             directly).
-        warmup_steps: Supervised steps.
+        warmup_max_steps: Most supervised steps.
+        warmup_target: The warm-up stops once greedy accuracy on ``warmup_validation``
+            training problems (not the held-out ones) reaches this, checked every
+            ``warmup_check_every`` steps: where the warm-up ends depends on the machine's
+            rounding, so it ends on a measured accuracy, not a step count.
+        warmup_validation: Validation problems for ``warmup_target``.
+        warmup_check_every: Supervised steps between two validations.
         grpo_steps: GRPO steps.
         prompts_per_step: Prompts per step.
         num_generations: Episodes per prompt.
@@ -124,7 +131,10 @@ class ToolDemoConfig:
     num_eval: int = 100
     warmup_examples: int = 1024
     tool_fraction: float = 0.5
-    warmup_steps: int = 600
+    warmup_max_steps: int = 3000
+    warmup_target: float = 0.6
+    warmup_validation: int = 50
+    warmup_check_every: int = 100
     grpo_steps: int = 40
     prompts_per_step: int = 8
     num_generations: int = 8
@@ -244,17 +254,24 @@ def tool_warmup(
     batch_size: int = 32,
     learning_rate: float = 3e-3,
     seed: int = 0,
+    stop: Callable[[], bool] | None = None,
+    check_every: int = 100,
 ) -> list[float]:
     """Teacher-forced training on the model-written pieces only (the loss mask of GRPO).
+
+    Training stops after ``steps``, or earlier at the first check (every ``check_every``
+    steps) where ``stop()`` returns True.
 
     Args:
         model: The model (updated in place).
         tokenizer: Its tokenizer.
         examples: From :func:`tool_warmup_rows`.
-        steps: Optimizer steps.
+        steps: Most optimizer steps.
         batch_size: Examples per step.
         learning_rate: Adam learning rate.
         seed: Seeds the example sampling.
+        stop: Optional early-stopping test, e.g. "validation accuracy >= 0.6".
+        check_every: Steps between calls of ``stop``.
 
     Returns:
         The loss of each step.
@@ -302,9 +319,11 @@ def tool_warmup(
 
     rng = np.random.default_rng(seed)
     losses = []
-    for _ in range(steps):
+    for i in range(steps):
         idx = rng.integers(0, len(seqs), size=batch_size)
         losses.append(float(step(model, optimizer, ids[idx], attn[idx], loss_mask[idx])))
+        if stop is not None and (i + 1) % check_every == 0 and stop():
+            break
     return losses
 
 
@@ -345,13 +364,36 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
     reward = math_answer_reward(last_number_fallback=True)
     rcfg = RolloutConfig(max_new_tokens=multi.max_new_tokens)
 
+    holder = Policy(model, GRPOConfig())  # evaluation samples with the model as it is
+    # Validation problems: the last training rows (the warm-up and GRPO use the first ones).
+    val_rows = train_rows[-cfg.warmup_validation :] if cfg.warmup_validation else []
+    warmup_checks: list[float] = []
+
+    def accurate_enough() -> bool:
+        acc = rollout_fn.evaluate(holder, tokenizer, val_rows, reward, rcfg)["eval/pass@1"]
+        warmup_checks.append(acc)
+        return acc >= cfg.warmup_target
+
     t0 = time.perf_counter()
     warm = tool_warmup_rows(
         tokenizer, train_rows[: cfg.warmup_examples], cfg.tool_fraction, cfg.seed
     )
-    losses = tool_warmup(model, tokenizer, warm, steps=cfg.warmup_steps, seed=cfg.seed)
+    losses = tool_warmup(
+        model,
+        tokenizer,
+        warm,
+        steps=cfg.warmup_max_steps,
+        seed=cfg.seed,
+        stop=accurate_enough if val_rows else None,
+        check_every=cfg.warmup_check_every,
+    )
     t_warmup = time.perf_counter() - t0
-    holder = Policy(model, GRPOConfig())  # evaluation samples with the model as it is
+    if val_rows and (not warmup_checks or warmup_checks[-1] < cfg.warmup_target):
+        say(
+            f"warning: the warm-up ended after {len(losses)} steps below its target "
+            f"(validation accuracy {warmup_checks[-1] if warmup_checks else float('nan'):.2f} "
+            f"< {cfg.warmup_target}); GRPO starts from a weaker model"
+        )
     factory = rollout_fn.environment_factory
 
     def sampled(m: CausalLM) -> dict[str, float]:
@@ -426,6 +468,8 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
         "train_tool_call_rate_last_5_steps": float(
             np.mean([m["multiturn/tool_call_rate"] for m in hist[-5:]])
         ),
+        "warmup_steps": len(losses),
+        "warmup_validation_accuracy": warmup_checks,
         "warmup_seconds": round(t_warmup, 1),
         "grpo_seconds": round(t_grpo, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1),

@@ -14,7 +14,9 @@ def test_short_tool_demo_writes_its_summary(tmp_path):
     cfg = ToolDemoConfig(
         num_eval=4,
         warmup_examples=16,
-        warmup_steps=4,
+        warmup_max_steps=4,
+        warmup_validation=2,
+        warmup_check_every=2,
         grpo_steps=2,
         prompts_per_step=2,
         num_generations=2,
