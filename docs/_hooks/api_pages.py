@@ -77,6 +77,7 @@ GROUPS: tuple[Group, ...] = (
         "loop with its logging and evaluation.",
         (
             f"{_RL}.rollout",
+            f"{_RL}.truncation",
             f"{_RL}.loop",
             f"{_RL}.multiturn",
             f"{_RL}.tools",

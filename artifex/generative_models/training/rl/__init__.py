@@ -207,6 +207,9 @@ from artifex.generative_models.training.rl.losses import (
     vespo_weights,
 )
 
+# Training options around the loss (see docs/algorithm.md).
+from artifex.generative_models.training.rl.truncation import mask_truncated_completions
+
 __all__ += [
     "cispo_surrogate",
     "entropy_quantile_threshold",
@@ -218,3 +221,5 @@ __all__ += [
     "sapo_surrogate",
     "vespo_weights",
 ]
+
+__all__ += ["mask_truncated_completions"]

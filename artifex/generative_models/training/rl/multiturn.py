@@ -56,6 +56,7 @@ from artifex.generative_models.training.rl.rollout import (
     as_policy,
 )
 from artifex.generative_models.training.rl.tools import ToolRunner, parse_tool_calls
+from artifex.generative_models.training.rl.truncation import mask_truncated_completions
 from artifex.generative_models.utils.validation import (
     check_bool,
     check_callable,
@@ -862,6 +863,8 @@ class MultiTurnRollout:
             group_size=k,
             shared_prompts=True,
         )
+        if policy.config.mask_truncated_completions:  # a model turn cut by a token limit
+            batch = mask_truncated_completions(batch, np.asarray(ep.token_limit, bool))
         if self.config.turn_rewards_as_step_rewards:
             batch = batch.replace(step_rewards=jnp.asarray(turn_step_rewards(ep)))
         if _needs_sampler_log_probs(policy.config):
@@ -886,6 +889,7 @@ class MultiTurnRollout:
             rewards_per_function=np.asarray(combined.per_function),
             reward_names=list(rewards.names),
             truncated=ep.token_limit | ep.turn_limit,
+            lengths=np.asarray(ep.completion_mask).sum(axis=1),
             episodes=ep,
         )
 

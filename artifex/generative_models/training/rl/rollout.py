@@ -34,6 +34,7 @@ from artifex.generative_models.inference.sampling import (
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.rewards import RewardCombiner
+from artifex.generative_models.training.rl.truncation import mask_truncated_completions
 from artifex.generative_models.training.sharding import (
     batch_partition_spec,
     host_array,
@@ -226,6 +227,9 @@ class Rollout:
         rewards_per_function: ``(B, F)`` raw rewards of each function (NaN: none).
         reward_names: The functions' names.
         truncated: ``(B,)`` rows that hit ``max_new_tokens`` without EOS.
+        lengths: ``(B,)`` completion lengths in tokens before
+            ``GRPOConfig.mask_truncated_completions`` zeroed any mask row (``None``: read them
+            from the batch's completion mask).
 
     Examples:
         >>> import jax
@@ -256,6 +260,7 @@ class Rollout:
     rewards_per_function: np.ndarray
     reward_names: list[str]
     truncated: np.ndarray
+    lengths: np.ndarray | None = None
 
     def metrics(self) -> dict[str, float]:
         """Per-rollout statistics: each reward function's mean, truncation rate, lengths.
@@ -267,7 +272,9 @@ class Rollout:
         for name, column in zip(self.reward_names, self.rewards_per_function.T, strict=True):
             valid = ~np.isnan(column)
             out[f"rewards/{name}"] = float(column[valid].mean()) if valid.any() else float("nan")
-        lengths = host_array(self.batch.completion_mask).sum(axis=1)
+        lengths = self.lengths
+        if lengths is None:
+            lengths = host_array(self.batch.completion_mask).sum(axis=1)
         out["completion_length_max"] = float(lengths.max())
         out["truncated_fraction"] = float(np.mean(self.truncated))
         return out
@@ -645,6 +652,8 @@ def rollout(
         group_size=k,
         shared_prompts=True,
     )
+    if grpo.mask_truncated_completions:  # DAPO's overlong filtering (truncation.py)
+        batch = mask_truncated_completions(batch, out.truncated)
     if _needs_sampler_log_probs(grpo):
         batch = batch.replace(sampler_log_probs=out.log_probs)
     if placement is not None:  # back onto the training mesh
@@ -670,6 +679,7 @@ def rollout(
         rewards_per_function=_all_rows(combined.per_function, mesh),
         reward_names=list(rewards.names),
         truncated=_all_rows(sampled.truncated, mesh),
+        lengths=_all_rows(sampled.lengths, mesh),
     )
 
 

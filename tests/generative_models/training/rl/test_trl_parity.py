@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig, grpo_objective
+from artifex.generative_models.training.rl.truncation import mask_truncated_completions
 
 FIXTURES = pathlib.Path(__file__).parents[3] / "fixtures" / "trl_variants"
 CASES = json.loads((FIXTURES / "cases.json").read_text())
@@ -53,6 +54,7 @@ def trl_to_config(kw: dict, options: dict, meta: dict) -> GRPOConfig:
         policy_loss=_POLICY_LOSS.get(loss_type, "clip"),
         off_policy_mask_threshold=kw.get("off_policy_mask_threshold"),
         top_entropy_quantile=kw.get("top_entropy_quantile", 1.0),
+        mask_truncated_completions=kw.get("mask_truncated_completions", False),
     )
     if loss_type == "cispo":
         out["cispo_max_weight"] = eps if eps_high is None else eps_high
@@ -73,10 +75,20 @@ def trl_to_config(kw: dict, options: dict, meta: dict) -> GRPOConfig:
     return GRPOConfig(**out)
 
 
-def _batch(options: dict) -> GRPOBatch:
+_EOS = 2  # the fixture's end-of-sequence id
+
+
+def _truncated() -> np.ndarray:
+    """Rows whose last completion token is not EOS, as the sampler reports them."""
+    lengths = INPUTS["completion_mask"].sum(axis=1).astype(int)
+    last = INPUTS["completion_ids"][np.arange(len(lengths)), lengths - 1]
+    return last != _EOS
+
+
+def _batch(options: dict, config: GRPOConfig | None = None) -> GRPOBatch:
     f32 = {k: jnp.asarray(v, jnp.float32) for k, v in INPUTS.items()}
     b, t = f32["completion_mask"].shape
-    return GRPOBatch(
+    batch = GRPOBatch(
         prompt_ids=jnp.zeros((b, 2), jnp.int32),
         completion_ids=jnp.zeros((b, t), jnp.int32),
         completion_mask=f32["completion_mask"],
@@ -87,6 +99,9 @@ def _batch(options: dict) -> GRPOBatch:
         advantages=f32["advantages"],
         group_size=CASES["meta"]["shape"]["G"],
     )
+    if config is not None and config.mask_truncated_completions:  # what the rollout does
+        batch = mask_truncated_completions(batch, _truncated())
+    return batch
 
 
 def test_fixture_is_trl_1_16_and_covers_every_variant():
@@ -96,6 +111,7 @@ def test_fixture_is_trl_1_16_and_covers_every_variant():
         "grpo", "bnpo", "dr_grpo", "dapo", "gspo", "grpo_beta", "kl_bias_corrected",
         "cispo", "sapo", "luspo", "vespo", "is_token_truncate", "is_token_mask",
         "is_sequence_truncate", "is_sequence_mask", "off_policy_mask", "top_entropy",
+        "mask_truncated_grpo", "mask_truncated_dapo", "mask_truncated_dr_grpo",
     ):  # fmt: skip
         assert needed in names
 
@@ -104,7 +120,7 @@ def test_fixture_is_trl_1_16_and_covers_every_variant():
 def test_loss_and_gradient_match_trl(name):
     case = CASES["cases"][name]
     config = trl_to_config(case["trl_kwargs"], case["options"], CASES["meta"])
-    batch = _batch(case["options"])
+    batch = _batch(case["options"], config)
     log_probs = jnp.asarray(INPUTS["log_probs"], jnp.float32)
     entropy = jnp.asarray(INPUTS["entropy"], jnp.float32)
 
@@ -147,5 +163,19 @@ def test_the_settings_change_the_loss():
         ("off_policy_mask_sampler", "is_token_truncate"),
         ("top_entropy", "dapo"),
         ("vespo_is_token_truncate", "vespo"),
+        ("mask_truncated_grpo", "grpo_beta"),
+        ("mask_truncated_dapo", "dapo"),
+        ("mask_truncated_dr_grpo", "dr_grpo"),
+        ("mask_truncated_gspo_kl", "kl_bias_corrected_sequence"),
+        ("mask_truncated_is_sequence_mask", "dapo"),
     ):
         assert abs(loss[variant] - loss[base]) > 1e-4, (variant, base)
+
+
+def test_truncated_rows_are_the_cut_ones_and_their_gradient_is_zero():
+    """The fixture cuts rows 0 and 4; TRL's gradient there is 0 in every masked case."""
+    assert _truncated().tolist() == [True, False, False, False, True, False, False, False]
+    for name, case in CASES["cases"].items():
+        if case["trl_kwargs"].get("mask_truncated_completions"):
+            np.testing.assert_array_equal(GRADS[name][_truncated()], 0.0)
+            assert np.abs(GRADS[name][~_truncated()]).max() > 1e-3
