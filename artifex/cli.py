@@ -442,9 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--format-pattern", default=None, help="regex for the format reward")
     tr.add_argument(
         "--overlong-cache",
-        type=int,
+        type=_non_negative(int),
         default=None,
-        help="DAPO soft-overlong buffer (default max_new_tokens // 4)",
+        help="DAPO soft-overlong buffer L_cache in tokens, at most --max-new-tokens: the "
+        "overlong reward falls from 0 to -1 over the last L_cache tokens (default "
+        "max_new_tokens // 4)",
     )
     tr.add_argument("--learning-rate", type=_non_negative(float), default=1e-6)
     tr.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant")
@@ -886,7 +888,16 @@ def _build_rewards(args: argparse.Namespace, num_generations: int, max_new_token
         elif name == "format":
             funcs.append(rw.format_reward(args.format_pattern))
         elif name == "overlong":
-            cache = args.overlong_cache or max(max_new_tokens // 4, 1)
+            cache = args.overlong_cache
+            if cache is None:
+                cache = max(max_new_tokens // 4, 1)
+            elif not 1 <= cache <= max_new_tokens:
+                msg = (
+                    f"--overlong-cache must be between 1 and --max-new-tokens "
+                    f"({max_new_tokens}), got {cache} (the penalty ramps over the last "
+                    "L_cache tokens)"
+                )
+                raise ValueError(msg)
             funcs.append(rw.soft_overlong_penalty(max_new_tokens, cache))
         else:
             funcs.append(_import_reward(name))

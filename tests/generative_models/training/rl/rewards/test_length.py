@@ -111,3 +111,22 @@ def test_soft_overlong_penalty_errors():
         soft_overlong_penalty(10, 11)
     with pytest.raises(ValueError, match="shape"):
         overlong_penalty([[1, 2]], 10, 4)
+
+
+def test_equals_trl_get_soft_overlong_punishment():
+    """TRL 1.16's own ``trl.rewards.get_soft_overlong_punishment`` on a grid of lengths,
+    recorded by ``tests/fixtures/make_trl_variant_fixtures.py`` in TRL's environment (TRL reads
+    ``len(completion_ids)``, the rollout's ``completion_length``: EOS included)."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[4] / "fixtures" / "trl_variants" / "overlong.json"
+    record = json.loads(path.read_text())
+    assert record["trl"] == "1.16.0" and len(record["cases"]) >= 5
+    for case in record["cases"]:
+        l_max, cache = case["max_completion_len"], case["soft_punish_cache"]
+        reward = soft_overlong_penalty(l_max, cache)
+        n = len(case["lengths"])
+        ours = reward(["q"] * n, ["c"] * n, completion_length=case["lengths"])
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(case["rewards"]))
+        assert min(case["rewards"]) == -1.0  # the grid reaches past L_max

@@ -1,0 +1,41 @@
+"""``artifex-grpo train`` flags of the training options (truncation masking, the overlong
+reward, reference sync, evaluation with k samples, step rewards): parsed into the settings the
+library reads, bad values named by their flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from artifex.cli import _build_rewards, build_parser
+
+BASE = ["train", "--model", "m", "--data", "d.jsonl"]
+
+
+def _args(*extra: str):
+    return build_parser().parse_args([*BASE, *extra])
+
+
+def test_overlong_reward_reads_its_cache_and_refuses_a_bad_one():
+    args = _args("--reward", "overlong", "--overlong-cache", "3")
+    reward = _build_rewards(args, num_generations=4, max_new_tokens=8).funcs[0]
+    # L_max = max_new_tokens = 8, L_cache = 3: 0 up to 5 tokens, then -1/3 per token.
+    assert reward(["q"] * 4, ["a"] * 4, completion_length=[5, 6, 7, 8]) == pytest.approx(
+        [0.0, -1 / 3, -2 / 3, -1.0]
+    )
+    default = _build_rewards(_args("--reward", "overlong"), 4, 8).funcs[0]
+    assert default(["q"], ["a"], completion_length=[7]) == [-0.5]  # L_cache = 8 // 4
+    for bad in ("9", "0"):
+        with pytest.raises(
+            ValueError,
+            match=f"--overlong-cache must be between 1 and --max-new-tokens \\(8\\), got {bad}",
+        ):
+            _build_rewards(_args("--reward", "overlong", "--overlong-cache", bad), 4, 8)
+    with pytest.raises(SystemExit):
+        _args("--reward", "overlong", "--overlong-cache", "-1")
+
+
+def test_mask_truncated_completions_flag():
+    args = _args("--reward", "math", "--mask-truncated-completions")
+    assert vars(args)["GRPOConfig.mask_truncated_completions"] is True
+    args = _args("--reward", "math", "--mask-truncated-completions", "false")
+    assert vars(args)["GRPOConfig.mask_truncated_completions"] is False
