@@ -950,10 +950,10 @@ def train(
         >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
         >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
         >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2, beta=0.0))
-        >>> def has_digit(prompts, completions, **columns):
-        ...     return [float(any(ch.isdigit() for ch in c)) for c in completions]
+        >>> def first_better(prompts, completions, **columns):  # differs within each group
+        ...     return [float(i % 2 == 0) for i in range(len(completions))]
         >>> dataset = [{"prompt": f"{a}+{a}="} for a in range(4)]
-        >>> result = train(trainer, tok, dataset, has_digit,
+        >>> result = train(trainer, tok, dataset, first_better,
         ...                TrainConfig(num_steps=2, prompts_per_step=1, progress=False),
         ...                RolloutConfig(max_new_tokens=2))
         >>> len(result.history), "reward_mean" in result.history[-1], int(optimizer.step[...])

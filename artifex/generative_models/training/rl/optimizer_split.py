@@ -595,8 +595,9 @@ class LayerOptimizer:
         >>> optimizer = LayerOptimizer(tx, GRPOConfig(max_grad_norm=None))
         >>> fn = dict(optimizer.programs, prepare_apply=optimizer.prepare_apply)
         >>> batch = GRPOBatch.zeros(1, 2, 2, 2).replace(rewards=jnp.array([1.0, 0.0]))
-        >>> (new, _, step), metrics = optimizer.run(fn, split, state, grads, jnp.array(0.0), {},
-        ...                                         batch)
+        >>> objective_metrics = {"advantage_signal": jnp.array(1.0)}  # the batch has signal
+        >>> (new, _, step), metrics = optimizer.run(fn, split, state, grads, jnp.array(0.0),
+        ...                                         objective_metrics, batch)
         >>> new["layers"][1]["w"].tolist(), int(step), round(float(metrics["grad_norm"]) ** 2, 4)
         ([0.5, 0.5], 1, 7.0)
     """
@@ -706,7 +707,8 @@ class LayerOptimizer:
                 donated to the last programs).
             grads: Each group's gradient.
             loss: The objective's value.
-            metrics: The objective's metrics.
+            metrics: The objective's metrics (``advantage_signal`` among them, which the guard
+                reads unless ``update_without_advantage``).
             batch: The batch (for its reward signal).
 
         Returns:
