@@ -171,8 +171,9 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
 
     Raises:
         FileNotFoundError: If the file or directory does not exist.
-        ValueError: On a line that is not a JSON object (the file and line are named), an
-            unknown extension, a directory that is not a saved dataset, or a missing split.
+        ValueError: On a line that is not a JSON object or repeats a key (the file and line
+            are named), an unknown extension, a directory that is not a saved dataset, or a
+            missing split.
         ImportError: For Parquet or Arrow without ``pyarrow`` installed.
 
     Examples:
@@ -184,6 +185,8 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
         >>> load_rows(path)
         [{'prompt': '1+2=', 'answer': '3'}]
     """
+    from artifex.generative_models.utils.strict_parse import json_loads_unique
+
     if os.path.isdir(path):
         return _load_saved_dataset(path, split)
     if not os.path.isfile(path):
@@ -196,7 +199,7 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
         try:
-            data = json.loads(text)
+            data = json_loads_unique(text, path)
         except json.JSONDecodeError as err:
             msg = (
                 f"{path}:{err.lineno}: invalid JSON ({err.msg}, column {err.colno}): fix the "
@@ -221,7 +224,7 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json_loads_unique(line, path, line=i)
                 except json.JSONDecodeError as err:
                     msg = (
                         f"{path}:{i}: invalid JSON ({err.msg}, column {err.colno}): fix that "
@@ -344,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> args.command, args.steps, args.task
         ('demo', 10, 'tools')
     """
+    from artifex.cli_checks import _non_empty, positive_float, positive_int
     from artifex.generative_models.training.rl.configs import GRPOConfig
     from artifex.generative_models.training.rl.loop import TrainConfig
     from artifex.generative_models.training.rl.rollout import RolloutConfig
@@ -480,18 +484,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE:FACTORY",
         help="a zero-argument factory of environments (reset(row), step(text)) by import path",
     )
-    mt.add_argument("--tool-format", choices=("qwen", "llama3"), default="qwen")
-    mt.add_argument("--tool-timeout", type=float, default=10.0, help="seconds per tool call")
-    mt.add_argument("--max-turns", type=int, default=4, help="model turns per episode")
+    mt.add_argument(
+        "--tool-format", choices=("qwen", "llama3"), default=None, help="default: qwen (--tools)"
+    )
+    mt.add_argument(
+        "--tool-timeout",
+        type=positive_float,
+        default=None,
+        help="seconds per tool call (default 10; --tools)",
+    )
+    mt.add_argument(
+        "--max-turns", type=positive_int, default=None, help="model turns per episode (default 4)"
+    )
     mt.add_argument(
         "--max-completion-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="tokens after the prompt per episode (default 4 * max_new_tokens)",
     )
     mt.add_argument(
         "--stop-string",
         action="append",
+        type=_non_empty,
         default=None,
         help="text that ends a model turn (repeatable; default </tool_call>)",
     )
@@ -528,6 +542,12 @@ def _add_convert_parser(sub: Any) -> None:
         default="float32",
         help="dtype of the dequantized weights (default: %(default)s)",
     )
+    conv.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the model directory OUT_DIR holds (without it, a non-empty OUT_DIR is an "
+        "error); every file of the old model goes",
+    )
     conv.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
     conv.set_defaults(compilation_cache=None, reuse_host_memory=False)  # nothing is compiled
 
@@ -535,14 +555,20 @@ def _add_convert_parser(sub: Any) -> None:
 def _convert(args: argparse.Namespace) -> int:
     from artifex.generative_models.models.causal_lm import convert_gguf
 
-    out = convert_gguf(args.gguf_file, args.out_dir, dtype=args.dtype)
+    out = convert_gguf(args.gguf_file, args.out_dir, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote the Hugging Face model directory {out} ({args.dtype})")
     return 0
 
 
 # ------------------------------------------------------------------------------ config files
 def _read_config(path: str) -> dict[str, Any]:
-    """The mapping of a ``--config`` file (.yaml/.yml or .json); errors name the file and line."""
+    """The mapping of a ``--config`` file (.yaml/.yml or .json); errors name the file and line.
+
+    A key repeated in one mapping is an error (naming the file, the line and the key), not the
+    last value silently.
+    """
+    from artifex.generative_models.utils.strict_parse import json_loads_unique, yaml_load_unique
+
     if not os.path.isfile(path):
         msg = f"config file not found: {path} (--config)"
         raise FileNotFoundError(msg)
@@ -555,7 +581,7 @@ def _read_config(path: str) -> dict[str, Any]:
             msg = f"reading {path} needs PyYAML: pip install pyyaml (or use a .json file)"
             raise ImportError(msg) from err
         try:
-            data = yaml.safe_load(text)
+            data = yaml_load_unique(text, path)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
@@ -564,7 +590,7 @@ def _read_config(path: str) -> dict[str, Any]:
             raise ValueError(msg) from None
     elif path.endswith(".json"):
         try:
-            data = json.loads(text)
+            data = json_loads_unique(text, path)
         except json.JSONDecodeError as err:
             msg = f"{path}:{err.lineno}: invalid JSON ({err.msg}, column {err.colno}): fix the file"
             raise ValueError(msg) from None
@@ -701,6 +727,9 @@ def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str
 # ------------------------------------------------------------------------------ multi-host
 def _add_distributed_options(parser: argparse.ArgumentParser) -> None:
     """Options of a multi-process (multi-host) run and of the device mesh."""
+    from artifex.cli_checks import positive_float, positive_int
+    from artifex.generative_models.training.rendezvous import DEFAULT_TIMEOUT_S
+
     group = parser.add_argument_group(
         "multi-host",
         "Run one `artifex-grpo train` per host (process) with the same arguments. Unset values "
@@ -715,16 +744,39 @@ def _add_distributed_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="call jax.distributed.initialize() even with nothing set (auto-detection)",
     )
-    group.add_argument("--mesh-fsdp", type=int, default=1, help="FSDP axis size (default 1)")
-    group.add_argument("--mesh-tensor", type=int, default=1, help="tensor axis size (default 1)")
+    group.add_argument(
+        "--distributed-timeout",
+        type=positive_float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long every process waits for the others to start before it stops with an "
+        "error naming the missing ones (default %(default)g)",
+    )
+    group.add_argument(
+        "--mesh-fsdp", type=positive_int, default=1, help="FSDP axis size (default 1)"
+    )
+    group.add_argument(
+        "--mesh-tensor", type=positive_int, default=1, help="tensor axis size (default 1)"
+    )
 
 
 def _setup_devices(args: argparse.Namespace) -> Any:
     """Joins the multi-host run when asked and builds the mesh (``None``: one device)."""
     from artifex.generative_models.training.sharding import initialize_distributed, make_mesh
 
+    if args.coordinator_address is not None and (args.num_processes or 1) > 1:
+        print(
+            f"artifex-grpo: process {args.process_id} of {args.num_processes}: waiting up to "
+            f"{args.distributed_timeout:g} s for every process at {args.coordinator_address} "
+            "(--distributed-timeout)",
+            file=sys.stderr,
+        )
     joined = initialize_distributed(
-        args.coordinator_address, args.num_processes, args.process_id, auto=args.distributed
+        args.coordinator_address,
+        args.num_processes,
+        args.process_id,
+        auto=args.distributed,
+        timeout=args.distributed_timeout,
     )
     if joined or args.mesh_fsdp > 1 or args.mesh_tensor > 1:
         return make_mesh(fsdp=args.mesh_fsdp, tensor=args.mesh_tensor)
@@ -938,9 +990,63 @@ def _import_reward(path: str) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from artifex.cli_checks import check_multi_turn_flags, check_run_paths, default_checkpoint_dir
+    from artifex.generative_models.training.logging import is_primary_process
+    from artifex.generative_models.training.rl.configs import GRPOConfig
+    from artifex.generative_models.training.rl.loop import TrainConfig, check_writable_dir
+    from artifex.generative_models.training.rl.rollout import RolloutConfig
+    from artifex.generative_models.training.run_lock import RunLock
+
+    if not os.path.isdir(args.model):
+        msg = f"model directory not found: {args.model}"
+        raise FileNotFoundError(msg)
+    check_multi_turn_flags(args)
+    loop_kwargs = _collect(args, TrainConfig)
+    if "num_steps" not in loop_kwargs:
+        msg = "--num-steps is required for train"
+        raise ValueError(msg)
+    loop_kwargs.setdefault("log_dir", os.path.join(os.path.dirname(args.output) or ".", "logs"))
+    default_checkpoints = "checkpoint_dir" not in loop_kwargs
+    if default_checkpoints:  # a run is always resumable unless --checkpoint-dir none
+        loop_kwargs["checkpoint_dir"] = default_checkpoint_dir(args.output)
+    loop = TrainConfig(**loop_kwargs)
+    check_run_paths(args.output, args.model, loop.checkpoint_dir)
+    mesh = _setup_devices(args)  # first: jax.distributed.initialize precedes any computation
+    grpo = GRPOConfig(**_collect(args, GRPOConfig))
+    rollout_config = RolloutConfig(**_collect(args, RolloutConfig))
+
+    # Pre-flight: every output location is checked (and --output held for this run) before
+    # anything expensive happens.
+    check_writable_dir(args.output, "--output")
+    output_lock = RunLock(args.output, "--output")
+    if is_primary_process():
+        output_lock.acquire()
+        if default_checkpoints:
+            print(
+                f"artifex-grpo: checkpoints go to {loop.checkpoint_dir} (beside --output; "
+                "--checkpoint-dir sets another, --checkpoint-dir none keeps none)",
+                file=sys.stderr,
+            )
+        elif loop.checkpoint_dir is None:
+            print(
+                "artifex-grpo: no checkpoints (--checkpoint-dir none): a run that is stopped or "
+                "whose export fails loses its training",
+                file=sys.stderr,
+            )
+    try:
+        return _train_held(args, loop, grpo, rollout_config, mesh)
+    finally:
+        output_lock.release()
+
+
+def _train_held(
+    args: argparse.Namespace, loop: Any, grpo: Any, rollout_config: Any, mesh: Any
+) -> int:
+    """``train`` once ``--output`` is held: load, train, export."""
     import optax
     from flax import nnx
 
+    from artifex.cli_checks import export_failed, interrupted_message, run_fingerprint
     from artifex.generative_models.models.causal_lm import (
         LoRAConfig,
         Tokenizer,
@@ -948,31 +1054,10 @@ def _train(args: argparse.Namespace) -> int:
         from_pretrained,
         merge_lora,
     )
-    from artifex.generative_models.training.rl.configs import GRPOConfig
+    from artifex.generative_models.training.logging import is_primary_process
     from artifex.generative_models.training.rl.grpo import GRPOTrainer
-    from artifex.generative_models.training.rl.loop import (
-        TrainConfig,
-        check_tokenizer_fits,
-        check_writable_dir,
-        train,
-    )
-    from artifex.generative_models.training.rl.rollout import RolloutConfig
+    from artifex.generative_models.training.rl.loop import check_tokenizer_fits, train
 
-    if not os.path.isdir(args.model):
-        msg = f"model directory not found: {args.model}"
-        raise FileNotFoundError(msg)
-    mesh = _setup_devices(args)  # first: jax.distributed.initialize precedes any computation
-    grpo = GRPOConfig(**_collect(args, GRPOConfig))
-    loop_kwargs = _collect(args, TrainConfig)
-    if "num_steps" not in loop_kwargs:
-        msg = "--num-steps is required for train"
-        raise ValueError(msg)
-    loop_kwargs.setdefault("log_dir", os.path.join(os.path.dirname(args.output) or ".", "logs"))
-    loop = TrainConfig(**loop_kwargs)
-    rollout_config = RolloutConfig(**_collect(args, RolloutConfig))
-
-    # Pre-flight: every output location is checked before anything expensive happens.
-    check_writable_dir(args.output, "--output")
     column = rollout_config.prompt_column
     rows = _prompts_as_chat(load_rows(args.data, args.split), column, args.apply_chat_template)
     eval_rows = None
@@ -985,11 +1070,8 @@ def _train(args: argparse.Namespace) -> int:
     model = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
     check_tokenizer_fits(tokenizer, model)
     notice = float32_precision_notice(model)
-    if notice is not None:
-        from artifex.generative_models.training.logging import is_primary_process
-
-        if is_primary_process():  # once per run, not once per host
-            print(notice, file=sys.stderr)
+    if notice is not None and is_primary_process():  # once per run, not once per host
+        print(notice, file=sys.stderr)
 
     rewards = _build_rewards(args, grpo.num_generations, rollout_config.max_new_tokens)
 
@@ -1032,20 +1114,37 @@ def _train(args: argparse.Namespace) -> int:
     trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference, mesh=mesh)
     hooks = _multi_turn_hooks(args, rollout_config)
     result = train(
-        trainer, tokenizer, rows, rewards, loop, rollout_config, eval_dataset=eval_rows, **hooks
+        trainer,
+        tokenizer,
+        rows,
+        rewards,
+        loop,
+        rollout_config,
+        eval_dataset=eval_rows,
+        fingerprint_extra=run_fingerprint(args, total),
+        **hooks,
     )
+    step = result.start_step + len(result.history)
+    advice = {"resume": loop.resume, "overwrite": loop.overwrite}
     if result.interrupted is not None:
-        where = loop.checkpoint_dir or "nowhere (no --checkpoint-dir)"
+        if is_primary_process():
+            print(
+                interrupted_message(result.interrupted, step, loop.checkpoint_dir, **advice),
+                file=sys.stderr,
+            )
+        return EXIT_INTERRUPTED
+    if result.start_step >= loop.num_steps and is_primary_process():
         print(
-            f"artifex-grpo: stopped by {result.interrupted}; the last checkpoint is in {where}: "
-            "run the same command again to resume (the model was not exported)",
+            f"artifex-grpo: note: the checkpoint in {loop.checkpoint_dir} is at step "
+            f"{result.start_step} (--num-steps {loop.num_steps}): nothing was trained; the "
+            f"exported model is step {result.start_step}'s",
             file=sys.stderr,
         )
-        return EXIT_INTERRUPTED
     final = merge_lora(model) if args.lora_rank > 0 else model
-    final.save_pretrained(args.output)  # every process gathers; process 0 writes
-    from artifex.generative_models.training.logging import is_primary_process
-
+    try:
+        final.save_pretrained(args.output)  # every process gathers; process 0 writes
+    except OSError as err:
+        raise export_failed(err, args.output, step, loop.checkpoint_dir, **advice) from err
     if not is_primary_process():
         return 0
     if result.evaluations:
@@ -1129,9 +1228,13 @@ def _first_line(err: BaseException) -> str:
 _HINTS = (
     ("NonFiniteUpdateError", "lower --learning-rate or set --max-grad-norm, then resume"),
     ("RewardFunctionError", "fix the reward function or the dataset columns it reads"),
-    ("IncompatibleCheckpointError", "resume with the original settings, or use --overwrite"),
+    (
+        "IncompatibleCheckpointError",
+        "resume with the original settings, use --overwrite, or another --checkpoint-dir",
+    ),
     ("CorruptCheckpointError", "delete the damaged checkpoint directory, or use --overwrite"),
     ("PermissionError", "choose a writable location"),
+    ("LogDirectoryInUseError", ""),  # the message says what to do
     ("FileExistsError", "pass --resume true, --overwrite, or another --checkpoint-dir"),
     ("OSError", "check the path and the free disk space"),
 )

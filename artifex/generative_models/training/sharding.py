@@ -996,6 +996,7 @@ def initialize_distributed(
     process_id: int | None = None,
     *,
     auto: bool = False,
+    timeout: float | None = None,
 ) -> bool:
     """Joins this process to a multi-host JAX run (``jax.distributed.initialize``) when asked.
 
@@ -1011,12 +1012,19 @@ def initialize_distributed(
         num_processes: Number of processes in the run.
         process_id: This process's index in ``[0, num_processes)``.
         auto: Initialize even when nothing is set (cluster auto-detection).
+        timeout: Seconds to wait for every process: the address is checked first and the
+            processes meet before JAX starts, so a process that does not come is named in a
+            :class:`~artifex.generative_models.training.rendezvous.DistributedStartError`
+            (see :func:`~artifex.generative_models.training.rendezvous.join_processes`).
+            ``None``: JAX's own wait (it aborts the process after 300 s).
 
     Returns:
         Whether ``jax.distributed.initialize`` was called.
 
     Raises:
-        ValueError: ``num_processes`` < 1, or ``process_id`` outside ``[0, num_processes)``.
+        ValueError: ``num_processes`` < 1, ``process_id`` outside ``[0, num_processes)``, or
+            (with ``timeout``) a malformed or unresolvable coordinator address.
+        DistributedStartError: (with ``timeout``) not every process came in time.
 
     Examples:
         >>> from artifex.generative_models.training import initialize_distributed
@@ -1041,6 +1049,11 @@ def initialize_distributed(
     ):
         msg = f"process_id must be in [0, num_processes={num_processes}), got {process_id}"
         raise ValueError(msg)
+    if timeout is not None:
+        from artifex.generative_models.training.rendezvous import join_processes
+
+        join_processes(coordinator_address, num_processes, process_id, timeout)
+        return True
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,

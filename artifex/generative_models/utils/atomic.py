@@ -4,7 +4,10 @@ Every file is written under a temporary name in its own directory (so the rename
 a file system), flushed and ``fsync``-ed, then renamed over the final name with ``os.replace``
 (atomic on POSIX and Windows), and the directory is ``fsync``-ed so the rename survives a power
 loss. A write that fails (a full disk, an exception, a kill) leaves the previous file untouched
-and, at worst, a temporary file that :func:`remove_temp_files` cleans up on the next write.
+and, at worst, a temporary file. The next completed write of the same file removes the
+temporaries of it that killed writers left (:func:`commit_file`), and a model export removes
+those of its whole directory (:func:`remove_temp_files`); a temporary whose writer process is
+still running is never touched.
 """
 
 from __future__ import annotations
@@ -13,13 +16,31 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from typing import IO, Any
 
 __all__ = ["atomic_write", "atomic_write_json", "commit_file", "remove_temp_files", "temp_path"]
 
-#: Temporary files are named ``.<final name>.artifex-tmp-<random>``.
+#: Temporary files are named ``.<final name>.artifex-tmp-<pid>-<random>`` (the writer's pid).
 TEMP_MARKER = ".artifex-tmp-"
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether the process that wrote the temporary ``name`` is no longer running here."""
+    pid_text = name.rpartition(TEMP_MARKER)[2].partition("-")[0]
+    if not pid_text.isdigit():
+        return True  # not a name this module writes: nobody is writing it
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return False  # this process's own write, possibly in progress in another thread
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: a live process of another user
+        return False
+    return False
 
 
 def temp_path(path: str | os.PathLike[str]) -> str:
@@ -83,6 +104,8 @@ def commit_file(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> No
         os.close(fd)
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    directory, name = os.path.split(os.path.abspath(path))
+    remove_temp_files(directory, target=name)  # left by earlier writes of it that were killed
 
 
 @contextlib.contextmanager
@@ -156,30 +179,48 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | N
         fh.write(text)
 
 
-def remove_temp_files(directory: str | os.PathLike[str]) -> list[str]:
-    """Deletes the temporary files an interrupted atomic write left in ``directory``.
+def remove_temp_files(
+    directory: str | os.PathLike[str], *, target: str | None = None
+) -> list[str]:
+    """Deletes the temporaries that killed atomic writes left in ``directory``.
+
+    Only temporaries whose writer process is no longer running on this machine are removed
+    (their names hold the writer's pid): a write in progress in another process keeps its file.
+    Temporary directories (a model converted into a staging directory) are removed too.
 
     Args:
         directory: The directory (missing: nothing to do).
+        target: Only the temporaries of this final name (``"model.safetensors"``); ``None``:
+            those of every name.
 
     Returns:
         The names removed.
 
     Examples:
-        >>> import os, tempfile
-        >>> from artifex.generative_models.utils import remove_temp_files, temp_path
+        >>> import os, subprocess, sys, tempfile
+        >>> from artifex.generative_models.utils import remove_temp_files
         >>> directory = tempfile.mkdtemp()
-        >>> open(temp_path(os.path.join(directory, "a.json")), "w").close()  # left by a crash
+        >>> gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+        ...                       capture_output=True, text=True).stdout.strip()  # has exited
+        >>> open(os.path.join(directory, f".a.json.artifex-tmp-{gone}-0a1b"), "w").close()
+        >>> remove_temp_files(directory, target="b.json")  # another file's: kept
+        []
         >>> len(remove_temp_files(directory)), os.listdir(directory)
         (1, [])
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return []
+    prefix = "." if target is None else f".{target}{TEMP_MARKER}"
     removed = []
     for name in os.listdir(directory):
-        if name.startswith(".") and TEMP_MARKER in name:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(directory, name))
-                removed.append(name)
+        if not (name.startswith(prefix) and TEMP_MARKER in name) or not _writer_gone(name):
+            continue
+        full = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+            else:
+                os.remove(full)
+            removed.append(name)
     return removed

@@ -192,7 +192,7 @@ def signal_at_step(sig, step, prompts_per_step=LOOP["prompts_per_step"]):
             os.kill(os.getpid(), sig)
         return REWARD(prompts, completions, **kw)
 
-    reward.__name__ = "math_answer"
+    reward.__name__ = REWARD.__name__  # the same reward (a resume compares the names)
     return reward
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -41,7 +42,12 @@ from artifex.generative_models.models.causal_lm.config import (
 from artifex.generative_models.models.causal_lm.hf_io import hf_tensor_map, write_hf_checkpoint
 from artifex.generative_models.models.causal_lm.rope import rope_inv_frequencies
 from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
-from artifex.generative_models.utils.atomic import atomic_write_json
+from artifex.generative_models.utils.atomic import (
+    TEMP_MARKER,
+    atomic_write_json,
+    remove_temp_files,
+    temp_path,
+)
 
 __all__ = [
     "GGUF_ARCHITECTURES",
@@ -520,6 +526,13 @@ class _GGUFTensors(Mapping[str, np.ndarray]):
     def __getitem__(self, hf_name: str) -> np.ndarray:
         t = self._sources[hf_name]
         x = _dequantize(self._package, t, t.data, self._source).reshape(self._shapes[hf_name])
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+        if bad:
+            msg = (
+                f"{self._source}: tensor {t.name!r} holds {bad} NaN or infinite values (of "
+                f"{x.size}): the file is damaged or was written from a diverged model"
+            )
+            raise ValueError(msg)
         if self._config.model_type == "llama":
             if ".self_attn.q_proj." in hf_name:
                 x = _unpermute_rotary(x, self._config.num_heads, t.name)
@@ -614,6 +627,15 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> 
         msg = f"{source}: missing tensor 'token_embd.weight'"
         raise ValueError(msg)
     config = _config(scalars, arrays, shapes, rope_factors, dt.name, source)
+    num_tokens = len(arrays.get("tokenizer.ggml.tokens") or ())
+    if num_tokens > config.vocab_size:
+        msg = (
+            f"{source}: the tokenizer has {num_tokens} tokens (tokenizer.ggml.tokens) but "
+            f"token_embd.weight has only {config.vocab_size} rows: token ids "
+            f"{config.vocab_size}..{num_tokens - 1} would have no embedding; the file's "
+            "tokenizer and weights do not belong together"
+        )
+        raise ValueError(msg)
     expected = hf_tensor_map(config)
     unexpected = sorted(sources[n].name for n in set(sources) - set(expected))
     if unexpected:
@@ -636,6 +658,7 @@ def convert_gguf(
     *,
     dtype: str | Any = "float32",
     max_shard_size: int | str | None = None,
+    overwrite: bool = False,
 ) -> str:
     """Converts a GGUF file into a Hugging Face checkpoint directory.
 
@@ -644,18 +667,30 @@ def convert_gguf(
     the chat template and special tokens), which `CausalLM.from_pretrained`,
     `Tokenizer.from_pretrained` and transformers read.
 
+    The files are written into a temporary directory beside `out_dir`, which then takes
+    `out_dir`'s place, so `out_dir` holds exactly the converted model: with `overwrite`, no file
+    of the model it held before stays (an old `chat_template.jinja` or weight shard would be
+    read with the new weights). A conversion that fails leaves `out_dir` as it was; the
+    temporary directory of one that was killed is removed by the next conversion into
+    `out_dir`.
+
     Args:
         path: The `.gguf` file.
-        out_dir: Output directory (created if needed).
+        out_dir: Output directory (created if needed): empty or new, or a model directory to
+            replace with `overwrite`.
         dtype: "float32" (default) or "bfloat16".
         max_shard_size: Optional largest safetensors shard ("2GB"...); None writes one file.
+        overwrite: Replace the model directory `out_dir` holds (the whole directory).
 
     Returns:
         The output directory.
 
     Raises:
         FileNotFoundError: If `path` does not exist.
-        ValueError: As `read_gguf`, or if `out_dir` exists and is not a directory.
+        FileExistsError: `out_dir` is not empty and `overwrite` is off.
+        ValueError: As `read_gguf` (also: more tokens than embedding rows, NaN or infinite
+            weights), if `out_dir` exists and is not a directory, or if `overwrite` is asked
+            for a directory without a `config.json` (not a model directory).
 
     Examples:
         >>> import os, tempfile
@@ -674,17 +709,65 @@ def convert_gguf(
     if os.path.exists(directory) and not os.path.isdir(directory):
         msg = f"output {directory!r} exists and is not a directory"
         raise ValueError(msg)
+    parent, name = os.path.split(os.path.abspath(directory))
+    remove_temp_files(parent, target=name)  # staging directories of killed conversions
+    if os.path.isdir(directory):
+        remove_temp_files(directory)
+        held = sorted(n for n in os.listdir(directory) if TEMP_MARKER not in n)
+        if held and not overwrite:
+            msg = (
+                f"output {directory} is not empty ({', '.join(held[:5])}"
+                f"{', ...' if len(held) > 5 else ''}): convert into a new or empty directory, "
+                "or replace the model there, every file of it, with overwrite=True (--overwrite)"
+            )
+            raise FileExistsError(msg)
+        if held and "config.json" not in held:
+            msg = (
+                f"output {directory} holds no config.json, so it is not a model directory: "
+                "overwrite replaces a model directory only; choose a new or empty directory"
+            )
+            raise ValueError(msg)
     checkpoint = read_gguf(path, dtype=dtype)
     config = checkpoint.config
-    write_hf_checkpoint(checkpoint.tensors, config, directory, max_shard_size=max_shard_size)
-    eos = config.eos_token_ids + tuple(
-        e for e in checkpoint.tokenizer.eos_ids if e not in config.eos_token_ids
-    )
-    generation = {
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": list(eos) if len(eos) > 1 else (eos[0] if eos else None),
-        "pad_token_id": config.pad_token_id,
-    }
-    atomic_write_json(os.path.join(directory, "generation_config.json"), generation)
-    checkpoint.tokenizer.save_pretrained(directory)
+    staging = temp_path(directory)
+    try:
+        os.makedirs(staging)
+        write_hf_checkpoint(checkpoint.tensors, config, staging, max_shard_size=max_shard_size)
+        eos = config.eos_token_ids + tuple(
+            e for e in checkpoint.tokenizer.eos_ids if e not in config.eos_token_ids
+        )
+        generation = {
+            "bos_token_id": config.bos_token_id,
+            "eos_token_id": list(eos) if len(eos) > 1 else (eos[0] if eos else None),
+            "pad_token_id": config.pad_token_id,
+        }
+        atomic_write_json(os.path.join(staging, "generation_config.json"), generation)
+        checkpoint.tokenizer.save_pretrained(staging)
+        _replace_directory(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return directory
+
+
+def _replace_directory(new: str, directory: str) -> None:
+    """Puts the complete directory ``new`` in the place of ``directory`` (if any)."""
+    if not os.path.exists(directory):
+        os.rename(new, directory)
+        return
+    old = temp_path(directory)  # a kill in between leaves it for the next conversion to remove
+    try:
+        os.rename(directory, old)
+    except OSError:  # a mount point, or a directory that cannot be renamed: empty it instead
+        for entry in os.listdir(directory):
+            full = os.path.join(directory, entry)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+            else:
+                os.remove(full)
+        for entry in os.listdir(new):
+            os.replace(os.path.join(new, entry), os.path.join(directory, entry))
+        os.rmdir(new)
+        return
+    os.rename(new, directory)
+    shutil.rmtree(old, ignore_errors=True)

@@ -41,19 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.training.checkpointing import (
-    CheckpointManager,
-    training_fingerprint,
-)
-from artifex.generative_models.training.logging import (
-    CompletionLog,
-    MetricLogger,
-    is_primary_process,
-)
+from artifex.generative_models.training.checkpointing import training_fingerprint
+from artifex.generative_models.training.logging import CompletionLog, is_primary_process
 from artifex.generative_models.training.rl.advantages import nonconstant_groups
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.objective import _reward_metrics, compute_advantages
 from artifex.generative_models.training.rl.optimizer_split import interrupt_scope
+from artifex.generative_models.training.rl.preflight import check_writable_dir, open_run_outputs
+from artifex.generative_models.training.rl.reward_scale import check_reward_scale
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollout import (
     Policy,
@@ -517,46 +512,6 @@ def _pass_metrics(s: np.ndarray, pass_threshold: float) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------ reliability
-def check_writable_dir(path: str | os.PathLike[str], what: str = "directory") -> str:
-    """Creates ``path`` if needed and checks that a file can be written in it.
-
-    Args:
-        path: The directory.
-        what: How to name it in the error (e.g. ``"--output"``).
-
-    Returns:
-        The absolute path.
-
-    Raises:
-        NotADirectoryError: ``path`` (or a parent) is an existing file.
-        PermissionError: The directory cannot be created or written.
-
-    Examples:
-        >>> import os, tempfile
-        >>> from artifex.generative_models.training.rl.loop import check_writable_dir
-        >>> path = check_writable_dir(os.path.join(tempfile.mkdtemp(), "runs", "logs"), "--log-dir")
-        >>> os.path.isdir(path), os.path.isabs(path)
-        (True, True)
-    """
-    path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path) and not os.path.isdir(path):
-        msg = f"{what} {path} is an existing file, not a directory: choose another path"
-        raise NotADirectoryError(msg)
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".artifex-write-probe-{os.getpid()}")
-        with open(probe, "w", encoding="utf-8") as fh:
-            fh.write("ok")
-        os.remove(probe)
-    except (NotADirectoryError, FileExistsError) as err:
-        msg = f"{what} {path} cannot be created: a parent is a file ({err})"
-        raise NotADirectoryError(msg) from err
-    except OSError as err:
-        msg = f"{what} {path} is not writable ({err.strerror or err}): choose another path"
-        raise PermissionError(msg) from err
-    return path
-
-
 def check_tokenizer_fits(tokenizer: Any, model: Any) -> None:
     """Checks that every id the tokenizer can produce is in the model's vocabulary.
 
@@ -900,6 +855,7 @@ def train(
     rollout_placement: Any = None,
     rollout_fn: Callable[..., Rollout] | None = None,
     evaluate_fn: Callable[..., dict[str, float]] | None = None,
+    fingerprint_extra: Mapping[str, Any] | None = None,
 ) -> TrainResult:
     """Trains ``trainer``'s policy with GRPO on prompts from ``dataset``.
 
@@ -922,6 +878,11 @@ def train(
             :class:`~artifex.generative_models.training.rl.multiturn.MultiTurnRollout`.
         evaluate_fn: Replaces :func:`evaluate` (same signature), e.g.
             ``MultiTurnRollout.evaluate``.
+        fingerprint_extra: JSON-able settings outside the trainer that change the results (the
+            pretrained weights' identity, the optimizer's settings: ``artifex-grpo train``
+            passes them): recorded in every checkpoint under ``"run"``, and a resumed run must
+            match them, as it must match the configs, the reward functions (names, weights,
+            mode) and the dataset.
 
     Returns:
         A :class:`TrainResult`.
@@ -931,7 +892,10 @@ def train(
         IncompatibleCheckpointError: Resuming from a checkpoint written by another setup (or
             on another dataset, unless ``allow_dataset_change``).
         FileExistsError: ``checkpoint_dir`` holds checkpoints while ``resume`` and
-            ``overwrite`` are off (checked before the first step).
+            ``overwrite`` are off, or ``log_dir`` holds the logs of a run with another
+            ``checkpoint_dir`` (checked before the first step).
+        DirectoryInUseError: Another run, still running, holds ``checkpoint_dir`` or
+            ``log_dir`` (:mod:`~artifex.generative_models.training.run_lock`).
         NotADirectoryError: An output directory is an existing file (before the first step).
         PermissionError: An output directory is not writable (before the first step).
         NonFiniteUpdateError: An update was not finite (the step and metric are named; the
@@ -1020,67 +984,27 @@ def train(
     # The run's PRNG key lives in the train state (and so in every checkpoint): each step's
     # sampling key is ``fold_in(rng, step)``.
     trainer.rng = jax.random.key(config.seed)
-    # Pre-flight: every output location is checked before the first (expensive) step.
-    # Only process 0 writes logs; every process writes its checkpoint shards.
-    for name in ("log_dir", "checkpoint_dir") if is_primary_process() else ("checkpoint_dir",):
-        if getattr(config, name) is not None:
-            check_writable_dir(getattr(config, name), f"TrainConfig.{name}")
+    weights = getattr(rewards, "weights", None)
     fingerprint = training_fingerprint(
         trainer.config,
         trainer.state.params,
         loop=config.fingerprint,
         max_new_tokens=rcfg.max_new_tokens,
         dataset=dataset_fingerprint(dataset),
+        rewards={
+            "names": list(rewards.names),
+            "weights": None if weights is None else [float(w) for w in np.ravel(weights)],
+            "mode": rewards.mode,
+        },
+        **({} if fingerprint_extra is None else {"run": dict(fingerprint_extra)}),
     )
-    manager = None
-    start_step = 0
-    if config.checkpoint_dir is not None:
-        manager = CheckpointManager(config.checkpoint_dir, max_to_keep=config.keep_checkpoints)
-        existing = manager.all_steps()
-        if existing and config.overwrite:
-            manager.delete_all()
-        elif existing and not config.resume:
-            manager.close()
-            msg = (
-                f"checkpoint directory {manager.directory} already holds checkpoints (steps "
-                f"{existing}) and resume is off: continue that run with resume=True "
-                "(--resume true), delete them with overwrite=True (--overwrite), or choose "
-                "another directory"
-            )
-            raise FileExistsError(msg)
-        elif existing:
-            restored, meta = manager.restore(
-                trainer.checkpoint_state(),
-                fingerprint=fingerprint,
-                ignore=("dataset",) if config.allow_dataset_change else (),
-            )
-            trainer.load_checkpoint_state(restored)
-            start_step = int(meta["step"])
-            data.restore(meta["data"])
-
-    if config.overwrite and config.log_dir is not None and is_primary_process():
-        # A run started over logs from step 0 again: the old run's records go (else its
-        # evaluation before training would stay beside the new one's).
-        for name in ("metrics.jsonl", "completions.jsonl"):
-            path = os.path.join(config.log_dir, name)
-            if os.path.isfile(path):
-                os.remove(path)
-    logger = MetricLogger(
-        jsonl_path=None
-        if config.log_dir is None
-        else os.path.join(config.log_dir, "metrics.jsonl"),
-        resume_step=start_step if start_step > 0 else None,
-        tensorboard_dir=None if config.log_dir is None else os.path.join(config.log_dir, "tb"),
-        progress_total=config.num_steps if config.progress else None,
-        progress_initial=start_step,
-    )
-    samples = CompletionLog(
-        os.path.join(config.log_dir, "completions.jsonl")
-        if config.log_dir is not None and config.log_completions_every
-        else None,
-        print_rows=config.completions_to_print,
-        keep_until=start_step if start_step > 0 else None,
-    )
+    # Pre-flight: every output location is checked and locked, and a checkpoint restored,
+    # before the first (expensive) step.
+    outputs = open_run_outputs(config, trainer, fingerprint)
+    manager, start_step = outputs.manager, outputs.start_step
+    logger, samples = outputs.logger, outputs.samples
+    if outputs.record is not None:
+        data.restore(outputs.record["data"])
     history: list[dict[str, float]] = []
     evaluations: list[tuple[int, dict[str, float]]] = []
 
@@ -1149,6 +1073,12 @@ def train(
                 batch.replace(advantages=_advantages(batch, trainer.config))
             )
             batch_metrics = _batch_metrics(batch)
+            check_reward_scale(
+                host_array(batch.rewards),
+                batch.group_size,
+                group_ids=None if batch.group_ids is None else host_array(batch.group_ids),
+                step=step,
+            )
             if step == start_step + 1:  # a run that cannot learn is told so at once
                 note = reward_signal_diagnosis(host_array(ro.batch.rewards), ro.batch.group_size)
                 if note is not None and is_primary_process():
@@ -1234,10 +1164,7 @@ def train(
             save(config.num_steps)
     finally:
         stop.uninstall()
-        logger.close()
-        samples.close()
-        if manager is not None:
-            manager.close()
+        outputs.close()
     return TrainResult(
         history=history, evaluations=evaluations, start_step=start_step, interrupted=interrupted
     )
