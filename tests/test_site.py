@@ -276,8 +276,10 @@ def _dom(body: str) -> str:
         (
             '<span class="arithmatex"><span class="MathJax_Preview"></span>'
             '<span class="MathJax_Error">[Math Processing Error]</span></span>',
-            {"math": 1, "rendered": 0, "errors": 2, "raw": 1},
+            {"math": 1, "rendered": 0, "errors": 1, "raw": 1},
         ),
+        # The error as text only (no error element): counted once.
+        ("<p>[Math Processing Error]</p>", {"errors": 1}),
         # MathJax never ran: the TeX is left in the text.
         ('<p>with <span class="arithmatex">\\(x_0\\)</span></p>', {"math": 1, "raw": 2}),
         # A TeX error box, and delimiters in prose outside any arithmatex element.

@@ -176,7 +176,10 @@ class DomReader(html.parser.HTMLParser):
 
     def handle_data(self, data: str) -> None:
         """Counts errors, raw delimiters and examples in text."""
-        self.errors += data.count("Math Processing Error")
+        if not any(
+            classes & _ERROR_CLASSES or name == "mjx-merror" for name, classes in self.stack
+        ):
+            self.errors += data.count("Math Processing Error")  # unless its element counted
         if self.not_prose:
             if any(name in ("pre", "code") for name, _ in self.stack):
                 self.ex_code += len(_PROMPT_RE.findall(data))
