@@ -212,6 +212,16 @@ def run_fingerprint(args: argparse.Namespace, total_updates: int) -> dict[str, A
         A JSON-able dict: ``model`` (the model directory's
         :func:`~artifex.generative_models.utils.fingerprint.directory_fingerprint`),
         ``dtype``, ``optimizer``, ``lora`` and ``rewards`` settings.
+
+    Examples:
+        >>> from artifex.cli import build_parser
+        >>> from artifex.cli_checks import run_fingerprint
+        >>> args = build_parser().parse_args(
+        ...     ["train", "--model", "tests/fixtures/qwen2_tiny", "--data", "rows.jsonl",
+        ...      "--reward", "math"])  # from the repository root
+        >>> fingerprint = run_fingerprint(args, total_updates=100)
+        >>> sorted(fingerprint), fingerprint["rewards"]["reward"]
+        (['dtype', 'lora', 'model', 'optimizer', 'rewards'], ['math'])
     """
     from artifex.generative_models.utils.fingerprint import directory_fingerprint
 

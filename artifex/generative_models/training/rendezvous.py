@@ -165,6 +165,23 @@ def wait_for_processes(
             ids), no process 0 answered, two processes claimed one id, or a process was
             started with another number of processes.
         ValueError: A bad address or ``timeout``.
+
+    Examples:
+        >>> import socket, threading
+        >>> from artifex.generative_models.training.rendezvous import (
+        ...     DistributedStartError, wait_for_processes)
+        >>> with socket.socket() as s:  # a free port for process 0
+        ...     s.bind(("127.0.0.1", 0))
+        ...     address = f"127.0.0.1:{s.getsockname()[1]}"
+        >>> process_1 = threading.Thread(target=wait_for_processes, args=(address, 2, 1, 30))
+        >>> process_1.start()
+        >>> wait_for_processes(address, 2, 0, timeout=30)  # returns once process 1 has come
+        >>> process_1.join()
+        >>> try:
+        ...     wait_for_processes(address, 2, 0, timeout=0.5)  # process 1 does not come again
+        ... except DistributedStartError as error:
+        ...     print(error)
+        process 0 of 2: process 1 did not join at 127.0.0.1:... within 0.5 s ...
     """
     if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
         msg = f"--distributed-timeout must be a number of seconds > 0, got {timeout!r}"
@@ -330,6 +347,13 @@ def join_processes(
         ValueError: A bad address or ``timeout`` (before anything starts).
         DistributedStartError: The processes did not all come (see
             :func:`wait_for_processes`).
+
+    Examples:
+        >>> from artifex.generative_models.training.rendezvous import join_processes
+        >>> def initialize(**kwargs):  # stands in for jax.distributed.initialize
+        ...     print(sorted(kwargs))
+        >>> join_processes("127.0.0.1:12345", 1, 0, timeout=5, initialize=initialize)
+        ['coordinator_address', 'initialization_timeout', 'num_processes', 'process_id']
     """
     if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
         msg = f"--distributed-timeout must be a number of seconds > 0, got {timeout!r}"
