@@ -39,3 +39,20 @@ def test_mask_truncated_completions_flag():
     assert vars(args)["GRPOConfig.mask_truncated_completions"] is True
     args = _args("--reward", "math", "--mask-truncated-completions", "false")
     assert vars(args)["GRPOConfig.mask_truncated_completions"] is False
+
+
+def test_reference_sync_flags_build_the_config():
+    from artifex.cli import _collect
+    from artifex.generative_models.training.rl.configs import GRPOConfig
+
+    args = _args("--reward", "math", "--beta", "0.04", "--sync-ref-model",
+                 "--ref-model-mixup-alpha", "0.5", "--ref-model-sync-steps", "64")  # fmt: skip
+    config = GRPOConfig(**_collect(args, GRPOConfig))
+    assert (config.sync_ref_model, config.ref_model_mixup_alpha, config.ref_model_sync_steps) == (
+        True,
+        0.5,
+        64,
+    )
+    with pytest.raises(ValueError, match="needs beta > 0"):
+        GRPOConfig(**_collect(_args("--reward", "math", "--beta", "0", "--sync-ref-model"),
+                              GRPOConfig))  # fmt: skip

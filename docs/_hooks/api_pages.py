@@ -67,6 +67,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_GM}.training",
             f"{_RL}.grpo",
             f"{_RL}.state",
+            f"{_RL}.ref_sync",
             f"{_RL}.layerwise",
             f"{_RL}.optimizer_split",
         ),

@@ -90,7 +90,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 class GRPOConfig:
     """Hyper-parameters of the GRPO objective and update.
 
-    Variants (Dr. GRPO, DAPO, GSPO, ...) are settings, listed with their papers in
+    Variants are settings, listed with their papers in
     :mod:`~artifex.generative_models.training.rl.configs`; the objective (DeepSeekMath, eq. 3) is
     written out in :mod:`~artifex.generative_models.training.rl.objective`.
 
@@ -132,7 +132,10 @@ class GRPOConfig:
         advantage_estimator: ``"grpo"``, ``"reinforce_pp"``, ``"reinforce_pp_baseline"`` or
             ``"pass_at_k"``.
         pass_at_k: ``k >= 1`` of ``"pass_at_k"``.
-        mask_truncated_completions: Leave completions cut off before EOS out of the loss (DAPO).
+        mask_truncated_completions: DAPO's overlong filtering.
+        sync_ref_model: TR-DPO reference sync.
+        ref_model_mixup_alpha: Policy weight in [0, 1].
+        ref_model_sync_steps: Updates per sync.
         remat: Recompute decoder activations backward (less memory, same values).
         remat_every: With ``remat``, recompute only every n-th layer.
         scan_layers: Scan the update's decoder layers (faster compile, same values).
@@ -187,6 +190,9 @@ class GRPOConfig:
     advantage_estimator: AdvantageEstimator = "grpo"
     pass_at_k: int = 1
     mask_truncated_completions: bool = False
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     remat: bool = False
     remat_every: int = 1
     scan_layers: bool = False
@@ -276,6 +282,26 @@ class GRPOConfig:
         check_float(f + "top_entropy_quantile", self.top_entropy_quantile, minimum=0.0, maximum=1.0)
         check_int(f + "pass_at_k", self.pass_at_k, minimum=1)
         check_bool(f + "mask_truncated_completions", self.mask_truncated_completions)
+        check_bool(f + "sync_ref_model", self.sync_ref_model)
+        check_float(
+            f + "ref_model_mixup_alpha", self.ref_model_mixup_alpha, minimum=0.0, maximum=1.0
+        )
+        check_int(f + "ref_model_sync_steps", self.ref_model_sync_steps, minimum=1)
+        if self.sync_ref_model and self.beta == 0.0:
+            msg = (
+                "GRPOConfig.sync_ref_model=True needs beta > 0: with beta=0 there is no "
+                "reference to sync"
+            )
+            raise ValueError(msg)
+        if not self.sync_ref_model and (
+            self.ref_model_mixup_alpha != 0.6 or self.ref_model_sync_steps != 512
+        ):
+            msg = (
+                "GRPOConfig.ref_model_mixup_alpha and ref_model_sync_steps are only used with "
+                f"sync_ref_model=True, got alpha={self.ref_model_mixup_alpha}, "
+                f"steps={self.ref_model_sync_steps} with sync_ref_model=False"
+            )
+            raise ValueError(msg)
         if self.pass_at_k > 1 and self.advantage_estimator != "pass_at_k":
             msg = (
                 f"GRPOConfig.pass_at_k={self.pass_at_k} is only used with "

@@ -48,6 +48,11 @@ from artifex.generative_models.training.rl.optimizer_split import (
     interrupt_scope,
     lower_programs,
 )
+from artifex.generative_models.training.rl.ref_sync import (
+    check_sync_setup,
+    reference_sync_due,
+    sync_reference,
+)
 from artifex.generative_models.training.rl.rollout import Policy
 from artifex.generative_models.training.rl.state import (
     GRPOTrainState,
@@ -657,6 +662,14 @@ class GRPOTrainer:
             else log_prob_fn
         )
         self._lora_reference = reference_model is None and _is_lora_only(model, self.wrt)
+        _, params, frozen = nnx.split(model, self.wrt, ...)
+        check_sync_setup(
+            config,
+            lora_only=_is_lora_only(model, self.wrt),
+            reference=self._reference_state,
+            params=nnx.as_pure(params),
+            frozen=nnx.as_pure(frozen),
+        )
         self._warned_no_reference = False
         self._num_traces = 0
         self._auto_eligible: bool | None = None  # auto_microbatches' model and device test
@@ -735,7 +748,8 @@ class GRPOTrainer:
         """The part of the train state a checkpoint holds: everything but the reference.
 
         Returns:
-            ``self.state`` with ``reference=None`` (a frozen reference is rebuilt, not saved).
+            ``self.state`` with ``reference=None`` (a frozen reference is rebuilt, not saved);
+            with ``GRPOConfig.sync_ref_model`` the reference too (it changes in training).
 
         Examples:
             >>> import optax
@@ -749,15 +763,48 @@ class GRPOTrainer:
             >>> trainer.state.reference is None, trainer.checkpoint_state().reference is None
             (False, True)
         """
+        if self.config.sync_ref_model:
+            return self.state
         return self.state.replace(reference=None)
 
     def load_checkpoint_state(self, state: GRPOTrainState) -> None:
         """Loads a restored :meth:`checkpoint_state`, keeping the current reference.
 
         Args:
-            state: The restored state (without a reference).
+            state: The restored state (without a reference; with ``sync_ref_model``, with the
+                synced reference, which replaces the current one).
         """
-        self.load_state(state.replace(reference=self.state.reference))
+        if state.reference is None:
+            state = state.replace(reference=self.state.reference)
+        self.load_state(state)
+
+    def maybe_sync_reference(
+        self, state: GRPOTrainState, metrics: Mapping[str, Any]
+    ) -> GRPOTrainState:
+        """TR-DPO's reference sync after an update, when it is due (``sync_ref_model``).
+
+        When the update was applied (``metrics["update_applied"]``) and brought the step count
+        to a multiple of ``ref_model_sync_steps``, the reference becomes
+        ``alpha * policy + (1 - alpha) * reference``
+        (:func:`~artifex.generative_models.training.rl.ref_sync.sync_reference`), in the
+        returned state, in this trainer and in ``reference_model``. ``train_step`` and the
+        training loop call it after every update.
+
+        Args:
+            state: The state an update returned.
+            metrics: That update's metrics (the compiled step's, with ``update_applied``).
+
+        Returns:
+            ``state``, with the synced reference when a sync was due.
+        """
+        if not self.config.sync_ref_model or float(metrics["update_applied"]) == 0:
+            return state
+        if not reference_sync_due(state.step, self.config):
+            return state
+        state = sync_reference(state, self.config.ref_model_mixup_alpha)
+        self._reference_state = state.reference
+        nnx.update(self.reference_model, state.reference)
+        return state
 
     def policy(self) -> Policy:
         """The rollout stage's view of this trainer: model, config, mesh and scorer.
@@ -1231,7 +1278,9 @@ class GRPOTrainer:
         with interrupt_scope():
             state, metrics = self.compiled_step(num_microbatches)(self.state, batch)
             self.store_update(state)
-        return self.host_metrics(metrics, step=state.step)
+        host = self.host_metrics(metrics, step=state.step)
+        self.maybe_sync_reference(state, metrics)
+        return host
 
     def store_update(self, state: GRPOTrainState) -> None:
         """Writes what an update changes (parameters, optimizer state, step) into the model.

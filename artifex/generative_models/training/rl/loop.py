@@ -1123,6 +1123,7 @@ def train(
                                 mb = trainer.place_batch(mb)
                             state, step_metrics = update_fn(state, mb)
                             updates.append(trainer.host_metrics(step_metrics, step=state.step))
+                            state = trainer.maybe_sync_reference(state, step_metrics)
                 except NonFiniteUpdateError as err:
                     msg = (
                         f"training step {step} (update {len(updates) + 1} of "
