@@ -1,5 +1,13 @@
 """Inference: a compiled KV-cache sampler for causal language models; SDE/ODE samplers for flows."""
 
+# Continuous batching: decode slots refilled as completions end
+from artifex.generative_models.inference.continuous import (
+    DEFAULT_MAX_SLOTS,
+    generate_continuous,
+    slot_buckets,
+    width_bucket,
+)
+
 # Multi-turn: KV-cache continuation across turns
 # flow-matching image models (Flow-GRPO)
 from artifex.generative_models.inference.flow_sampling import (
@@ -35,6 +43,7 @@ from artifex.generative_models.inference.sampling import (
 
 __all__ = [
     "DEFAULT_APPEND_BUCKETS",
+    "DEFAULT_MAX_SLOTS",
     "DEFAULT_PROMPT_BUCKETS",
     "ROW_GROUP_MAX_MATRIX_SIZE",
     "FlowSampler",
@@ -52,10 +61,13 @@ __all__ = [
     "gaussian_kl",
     "gaussian_log_prob",
     "generate",
+    "generate_continuous",
     "sample_flow",
     "sample_logits",
     "sde_step",
     "sde_transition",
+    "slot_buckets",
     "time_grid",
     "to_grpo_batch",
+    "width_bucket",
 ]
