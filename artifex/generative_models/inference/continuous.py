@@ -1,30 +1,26 @@
 r"""Continuous batching: decode slots refilled as completions end, over a length-bucketed cache.
 
 :func:`~artifex.generative_models.inference.sampling.generate` decodes a batch until its
-longest row ends; when completion lengths run from tens to thousands of tokens, most of its
-decoding steps go to rows that have finished. :func:`generate_continuous` returns the same
+longest row ends, so when completion lengths differ widely most of its decoding steps go to
+rows that have finished. :func:`generate_continuous` returns the same
 :class:`~artifex.generative_models.inference.sampling.SamplerOutput` and keeps a fixed number
 of *slots* busy instead:
 
 1. *Requests.* Output row ``i`` (prompt ``i // K``, generation ``i % K``) is one request with
    its own token budget; requests start in row order.
-2. *Prefill once per prompt.* A prompt is prefilled into a small store when its first request
-   is about to start; each of its ``K`` requests copies the prompt's keys, values and last
-   hidden state into its slot.
+2. *Prefill once per prompt*, when its first request is about to start; each of its ``K``
+   requests copies the prompt's keys, values and last hidden state into its slot.
 3. *Decoding.* One compiled program runs up to ``steps_per_call`` decoding steps of all slots;
    a slot whose request ends is refilled at that step, on the device, from a queue of waiting
-   requests. The host takes over every ``steps_per_call`` steps, or earlier when shapes must
-   change, to collect tokens, queue requests and prefill their prompts.
-4. *The cache.* Each slot holds its left-padded prompt and its tokens contiguously in ``W``
-   columns: the prompt width plus a power-of-two bucket of the longest live completion,
-   grown when a slot runs out of room and cut when the longest live completion fits half.
-   Once no request waits, the live slots are compacted into the smallest slot bucket
-   (:func:`slot_buckets`) that holds them. A decoding step is the model's ``hidden_states``
-   mapped (``jax.vmap``) over slots, each a one-row ``KVCache`` with its own write index.
+   requests. Between calls the host collects tokens, queues requests and prefills prompts.
+4. *The cache.* Each slot holds its left-padded prompt and its tokens in ``W`` columns: the
+   prompt width plus a power-of-two bucket of the longest live completion (grown and cut as
+   that changes). Once no request waits, the live slots are compacted into the smallest slot
+   bucket (:func:`slot_buckets`) that holds them. A decoding step is the model's
+   ``hidden_states`` mapped (``jax.vmap``) over slots, each a one-row ``KVCache``.
 
 Buckets rather than pages: without a paged-attention kernel, XLA attention over pages first
-gathers each slot's pages into one array, every layer and step (the cache's bytes again). A
-bucketed cache avoids that; its memory, ``slots x W``, is what pages would save.
+gathers each slot's pages into one array, every layer and step; a bucketed cache avoids that.
 
 Randomness: token ``t`` of request ``i`` is drawn with ``fold_in(fold_in(key, i), t)``, so the
 output does not depend on the number of slots or on when requests end. For a fixed key, greedy
@@ -531,20 +527,20 @@ def generate_continuous(
     Args:
         model: A causal LM, as for ``generate``.
         prompt_ids: ``(B, P)`` int token ids, left-padded.
-        prompt_mask: ``(B, P)`` 1 on real tokens; ``None`` means no padding.
+        prompt_mask: ``(B, P)`` 1 on real tokens (``None``: no padding).
         key: PRNG key; the output is a deterministic function of it.
         num_generations: ``K >= 1`` completions per prompt.
         max_new_tokens: ``N >= 1``, the output width and the largest token budget.
         max_new_tokens_per_request: Optional budgets in ``[1, N]``, ``(B,)`` or ``(B * K,)``.
-        temperature: ``tau >= 0``; 0 means greedy decoding.
+        temperature: ``tau >= 0``; 0 is greedy.
         top_k: Sample among the ``top_k`` most likely tokens only (``None``: all).
         top_p: Nucleus mass in (0, 1]; 1 disables nucleus sampling.
         eos_ids: Token id(s) that end a completion (default: the model config's).
-        pad_id: Filler (default: the config's pad id, else the first EOS id, else 0).
+        pad_id: As for ``generate``.
         stop_sequences: Token-id sequences that end a completion.
         stop_table: ``(S, V)`` int automaton of stop strings (``stop_string_table``), from
             state 0.
-        prompt_buckets: Prompt widths to left-pad to (``None``: no bucketing).
+        prompt_buckets: As for ``generate``.
         num_slots: Completions decoded at once (default: all, at most
             :data:`DEFAULT_MAX_SLOTS`).
         slot_levels: Slot counts to shrink through once no request waits
@@ -555,10 +551,8 @@ def generate_continuous(
         A ``SamplerOutput`` of ``B * K`` rows (row ``i``: prompt ``i // K``).
 
     Raises:
-        ValueError: An empty prompt row, a prompt too long for the model's positions plus
-            ``max_new_tokens``, an argument out of its range, mismatched shapes, token ids
-            outside the vocabulary, an empty stop sequence, or a ``stop_table`` of another
-            vocabulary.
+        ValueError: As for ``generate``, and for an empty stop sequence or a ``stop_table``
+            of another vocabulary.
         TypeError: Non-integer ids or budgets, a ``stop_table`` that is not a 2-D integer
             array, or another argument of the wrong type.
 
