@@ -192,6 +192,7 @@ def _decode(
     temperature: jax.Array,
     top_p: jax.Array,
     limit: jax.Array,
+    stop_table: jax.Array | None,
     *,
     max_new_tokens: int,
     top_k: int | None,
@@ -236,7 +237,12 @@ def _decode(
         recent = jnp.concatenate([c["recent"][:, 1:], token[:, None]], axis=1)
         recent = jnp.where(alive[:, None], recent, c["recent"])
         is_eos = alive & jnp.any(token[:, None] == eos[None, :], axis=-1)
-        is_stop = alive & ~is_eos & stop_hit(recent)
+        hit = stop_hit(recent)
+        state = c["stop_state"]
+        if stop_table is not None:  # stop strings: one automaton step per token
+            state = jnp.where(alive, stop_table[state, token], state)
+            hit = hit | (state == stop_table.shape[0] - 1)
+        is_stop = alive & ~is_eos & hit
         hidden, new_cache = model.hidden_states(
             token[:, None],
             attention_mask=alive[:, None].astype(jnp.int32),
@@ -252,6 +258,7 @@ def _decode(
             done=c["done"] | is_eos | is_stop,
             eos=c["eos"] | is_eos,
             stopped=c["stopped"] | is_stop,
+            stop_state=state,
             recent=recent,
             cache=new_cache,
             logits=jnp.where(alive[:, None], new_logits, c["logits"]),
@@ -266,6 +273,7 @@ def _decode(
         "eos": jnp.zeros((rows,), jnp.bool_),
         "stopped": jnp.zeros((rows,), jnp.bool_),
         "recent": jnp.full((rows, width), -1, jnp.int32),
+        "stop_state": jnp.zeros((rows,), jnp.int32),
         "cache": cache,
         "logits": logits.astype(jnp.float32),
         "step": jnp.zeros((), jnp.int32),
@@ -282,6 +290,28 @@ def _decode(
     )
 
 
+def _checked_stop_table(table: jax.Array | np.ndarray, vocab_size: int) -> jax.Array:
+    """``table`` as an int32 device array, its shape (and, on the host, values) checked."""
+    shape = getattr(table, "shape", None)
+    kind = getattr(table, "dtype", None)
+    if shape is None or len(shape) != 2 or kind is None or not np.issubdtype(kind, np.integer):
+        msg = (
+            "decode_turn: stop_table must be a 2-D integer array (states, vocabulary), got "
+            f"{type(table).__name__} of shape {shape} and dtype {kind}"
+        )
+        raise TypeError(msg)
+    if shape[0] < 2 or shape[1] != vocab_size:
+        msg = (
+            f"decode_turn: stop_table must have shape (S >= 2, {vocab_size}) for logits over "
+            f"{vocab_size} ids, got {tuple(shape)}"
+        )
+        raise ValueError(msg)
+    if isinstance(table, np.ndarray) and (table.min() < 0 or table.max() >= shape[0]):
+        msg = f"decode_turn: stop_table holds states outside [0, {shape[0]})"
+        raise ValueError(msg)
+    return jnp.asarray(table, jnp.int32)
+
+
 def decode_turn(
     model: nnx.Module,
     cache: KVCache,
@@ -296,14 +326,16 @@ def decode_turn(
     top_p: float = 1.0,
     eos_ids: Sequence[int] = (),
     stop_sequences: Sequence[Sequence[int]] = (),
+    stop_table: jax.Array | np.ndarray | None = None,
     pad_id: int = 0,
 ) -> TurnOutput:
     """Samples one turn for the active rows, continuing the cache.
 
     At each step every active row draws a token from its logits, the token is written to the
     cache (so the cache always holds the whole conversation) and the row stops after an
-    end-of-sequence id or when its last tokens equal one of ``stop_sequences``. Inactive rows
-    write invalid slots only. The loop ends when every row stopped or after ``limit`` steps.
+    end-of-sequence id, when its last tokens equal one of ``stop_sequences``, or when its
+    ``stop_table`` automaton reaches the match state. Inactive rows write invalid slots only.
+    The loop ends when every row stopped or after ``limit`` steps.
 
     Args:
         model: The causal LM.
@@ -317,7 +349,10 @@ def decode_turn(
         top_k: Optional top-k.
         top_p: Nucleus mass in (0, 1].
         eos_ids: Ids that end the turn (and, usually, the episode).
-        stop_sequences: Token-id sequences that end the turn (e.g. an encoded ``</tool_call>``).
+        stop_sequences: Token-id sequences that end the turn (exact ids: one tokenization).
+        stop_table: ``(S, V)`` automaton of stop strings
+            (:func:`~artifex.generative_models.inference.stop_strings.stop_string_table`):
+            a row stops when its turn's text contains one, however it was tokenized.
         pad_id: Filler id.
 
     Returns:
@@ -325,8 +360,10 @@ def decode_turn(
 
     Raises:
         ValueError: ``limit`` outside ``[1, max_new_tokens]``, the cache has fewer free slots
-            than ``limit``, an empty stop sequence, or a negative temperature.
-        TypeError: ``max_new_tokens`` or ``limit`` not an int, or ``temperature`` not a number.
+            than ``limit``, an empty stop sequence, a negative temperature, or a
+            ``stop_table`` of another width than the logits (or with states out of range).
+        TypeError: ``max_new_tokens`` or ``limit`` not an int, ``temperature`` not a number,
+            or ``stop_table`` not a 2-D integer array.
 
     Examples:
         >>> import jax, numpy as np
@@ -351,6 +388,8 @@ def decode_turn(
         msg = f"decode_turn: the cache has {free} free slots, the turn may need {limit}"
         raise ValueError(msg)
     stops = tuple(tuple(int(t) for t in s) for s in stop_sequences)
+    if stop_table is not None:
+        stop_table = _checked_stop_table(stop_table, logits.shape[-1])
     if any(len(s) == 0 for s in stops):
         msg = "decode_turn: stop_sequences must not contain an empty sequence"
         raise ValueError(msg)
@@ -367,6 +406,7 @@ def decode_turn(
         jnp.asarray(1.0 if greedy else temperature, jnp.float32),
         jnp.asarray(top_p, jnp.float32),
         jnp.asarray(limit, jnp.int32),
+        stop_table,
         max_new_tokens=int(max_new_tokens),
         top_k=top_k,
         use_top_p=top_p < 1.0,

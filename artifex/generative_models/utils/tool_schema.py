@@ -8,13 +8,14 @@ the multi-turn tool runner.
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-__all__ = ["tool_schema"]
+__all__ = ["tool_schema", "validate_arguments"]
 
 _SIMPLE_TYPES: dict[Any, str] = {
     int: "integer",
@@ -171,3 +172,160 @@ def tool_schema(func: Callable[..., Any]) -> dict[str, Any]:
             ret["description"] = returns
         function["return"] = ret
     return {"type": "function", "function": function}
+
+
+def _show(value: Any) -> str:
+    """A short description of a value for an error message."""
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+_KIND_NAMES = {
+    "integer": "an integer",
+    "number": "a number",
+    "string": "a string",
+    "boolean": "a boolean",
+    "null": "null",
+    "array": "an array",
+    "object": "an object",
+}
+
+
+def _conform(value: Any, schema: Mapping[str, Any], where: str) -> Any:
+    """``value`` checked against ``schema`` (and converted where JSON Schema allows it)."""
+    if value is None and schema.get("nullable"):
+        return None
+    if "anyOf" in schema:
+        for option in schema["anyOf"]:
+            try:
+                return _conform(value, option, where)
+            except ValueError:
+                continue
+        msg = f"{where} matches none of the allowed types, got {_show(value)}"
+        raise ValueError(msg)
+    kinds = schema.get("type", "any")
+    for kind in [kinds] if isinstance(kinds, str) else kinds:
+        ok, out = _as_kind(value, kind, schema, where)
+        if ok:
+            if "enum" in schema and not any(
+                out == e and type(out) is type(e) for e in schema["enum"]
+            ):
+                allowed = ", ".join(repr(e) for e in schema["enum"])
+                msg = f"{where} must be one of {allowed}, got {_show(value)}"
+                raise ValueError(msg)
+            return out
+    wanted = " or ".join(
+        _KIND_NAMES.get(k, k) for k in ([kinds] if isinstance(kinds, str) else kinds)
+    )
+    if schema.get("nullable"):
+        wanted += " or null"
+    msg = f"{where} must be {wanted}, got {_show(value)}"
+    raise ValueError(msg)
+
+
+def _as_kind(value: Any, kind: str, schema: Mapping[str, Any], where: str) -> tuple[bool, Any]:
+    """``(True, converted value)`` when ``value`` is of the JSON type ``kind``."""
+    if kind == "any":
+        return True, value
+    if kind == "null":
+        return value is None, value
+    if kind == "boolean":
+        return isinstance(value, bool), value
+    if kind == "string":
+        return isinstance(value, str), value
+    if kind in ("integer", "number"):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False, value
+        if isinstance(value, float) and not math.isfinite(value):
+            msg = f"{where} must be a finite number, got {_show(value)}"
+            raise ValueError(msg)
+        if kind == "number" or isinstance(value, int):
+            return True, value
+        # JSON Schema counts a number with a zero fractional part as an integer (3.0 is 3).
+        return (True, int(value)) if value.is_integer() else (False, value)
+    if kind == "array":
+        if not isinstance(value, list | tuple):
+            return False, value
+        if "prefixItems" in schema:
+            items = schema["prefixItems"]
+            if len(value) != len(items):
+                msg = f"{where} must have {len(items)} items, got {len(value)}"
+                raise ValueError(msg)
+            pairs = enumerate(zip(value, items, strict=True))
+            return True, [_conform(v, s, f"{where}[{i}]") for i, (v, s) in pairs]
+        if "items" in schema:
+            item = schema["items"]
+            return True, [_conform(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return True, list(value)
+    if kind == "object":
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            return False, value
+        if "additionalProperties" in schema:
+            extra = schema["additionalProperties"]
+            return True, {k: _conform(v, extra, f"{where}[{k!r}]") for k, v in value.items()}
+        return True, dict(value)
+    msg = f"{where} has a schema of unknown type {kind!r}"
+    raise ValueError(msg)
+
+
+def validate_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool call's arguments checked against the tool's JSON schema, converted where JSON allows.
+
+    Every required parameter must be present and no unknown one; each value must be of its
+    parameter's JSON type (recursively for array items and object values, ``enum`` for
+    ``Literal``, ``null`` for optional parameters). The only conversions are those under which
+    JSON Schema itself counts the value as of the type: a number with a zero fractional part is
+    an ``integer`` (``3.0`` becomes ``3``), a list given for a fixed-length tuple is checked item
+    by item (the tool receives a list), and an integer is a ``number``. Nothing else is
+    converted: ``"3"`` is not an integer, ``1`` is not a boolean, ``true`` is not a number, and
+    NaN or infinity is never a number (JSON has no such values).
+
+    Args:
+        schema: The tool's schema (what :func:`tool_schema` returns), or its ``parameters``.
+        arguments: The call's keyword arguments (decoded JSON).
+
+    Returns:
+        The arguments, converted.
+
+    Raises:
+        ValueError: A missing or unknown argument, or a value that does not fit its schema
+            (the message names the argument).
+        TypeError: ``arguments`` is not a mapping with string keys.
+
+    Examples:
+        >>> from artifex.generative_models.utils.tool_schema import (
+        ...     tool_schema, validate_arguments)
+        >>> def multiply(a: int, b: int) -> int:
+        ...     '''Multiplies two integers.
+        ...
+        ...     Args:
+        ...         a: The first factor.
+        ...         b: The second factor.
+        ...     '''
+        ...     return a * b
+        >>> validate_arguments(tool_schema(multiply), {"a": 6, "b": 7.0})
+        {'a': 6, 'b': 7}
+        >>> validate_arguments(tool_schema(multiply), {"a": "x", "b": 7})
+        Traceback (most recent call last):
+            ...
+        ValueError: argument 'a' must be an integer, got 'x' (str)
+    """
+    params = schema.get("function", {}).get("parameters", schema)
+    if not isinstance(arguments, Mapping) or not all(isinstance(k, str) for k in arguments):
+        msg = f"the arguments must be a mapping with string keys, got {_show(arguments)}"
+        raise TypeError(msg)
+    properties = params.get("properties", {})
+    for name in params.get("required", ()):
+        if name not in arguments:
+            msg = f"missing a required argument: {name!r}"
+            raise ValueError(msg)
+    for name in arguments:
+        if name not in properties:
+            msg = f"got an unexpected keyword argument {name!r}"
+            raise ValueError(msg)
+    return {
+        name: _conform(value, properties[name], f"argument {name!r}")
+        for name, value in arguments.items()
+    }

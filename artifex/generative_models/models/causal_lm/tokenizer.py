@@ -446,18 +446,44 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encode / decode
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, *, split_special_tokens: bool = False
+    ) -> list[int]:
         """Tokenises one text.
 
         Args:
             text: The text.
             add_special_tokens: Whether to let the post-processor add its special tokens
                 (e.g. a leading bos).
+            split_special_tokens: Encode special-token strings in ``text`` (``"<|im_end|>"``)
+                as plain text, never as their special ids (transformers' option of the same
+                name): for text that must not be able to write special tokens, such as a
+                tool's output placed in a conversation.
 
         Returns:
             The token ids.
+
+        Examples:
+            >>> from artifex.generative_models.models.causal_lm import Tokenizer
+            >>> tok = Tokenizer.for_characters("ab<>eos")
+            >>> tok.encode("a<eos>", add_special_tokens=False)
+            [4, 2]
+            >>> tok.encode("a<eos>", add_special_tokens=False, split_special_tokens=True)
+            [4, 6, 8, 9, 10, 7]
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        backend = self._plain_backend() if split_special_tokens else self.backend
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _plain_backend(self) -> _HFTokenizer:
+        """A copy of the backend that encodes special-token strings as plain text (cached)."""
+        cached = getattr(self, "_plain", None)
+        size = self.backend.get_vocab_size(with_added_tokens=True)
+        if cached is None or cached[0] is not self.backend or cached[1] != size:
+            plain = _HFTokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            cached = (self.backend, size, plain)
+            self._plain = cached
+        return cached[2]
 
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = True

@@ -30,7 +30,11 @@ stop), followed by ``render(history + obs, add_generation_prompt=True)`` minus
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import numbers
+import re
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -44,6 +48,7 @@ from artifex.generative_models.inference.sampling import (
     _per_layer_model,
     bucket_length,
 )
+from artifex.generative_models.inference.stop_strings import stop_string_table
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollout import (
@@ -55,11 +60,17 @@ from artifex.generative_models.training.rl.rollout import (
     _sampler_matches_loss,
     as_policy,
 )
-from artifex.generative_models.training.rl.tools import ToolRunner, parse_tool_calls
+from artifex.generative_models.training.rl.tools import (
+    DEFAULT_MAX_TOOL_THREADS,
+    ToolRunner,
+    live_tool_threads,
+    parse_tool_calls,
+)
 from artifex.generative_models.training.rl.truncation import mask_truncated_completions
 from artifex.generative_models.utils.validation import (
     check_bool,
     check_callable,
+    check_choice,
     check_int,
     check_str,
 )
@@ -145,6 +156,15 @@ class ToolEnvironment:
         prompt_column: The row's prompt column (a string becomes one user message; a list of
             messages is used as is).
         system_prompt: Optional system message put first.
+        max_threads: Most tool threads alive in the process at once, calls abandoned after
+            their timeout included (see :class:`~artifex.generative_models.training.rl.tools.
+            ToolRunner`); beyond it a call is not run and the model gets an error.
+
+    Attributes:
+        tool_calls: Calls in the current episode.
+        tool_errors: Failed calls (malformed, unknown tool, bad arguments, exception,
+            timeout, not text, overloaded).
+        tool_timeouts: Calls that timed out (their threads were abandoned).
 
     Examples:
         >>> from artifex.generative_models.training.rl import ToolEnvironment
@@ -175,14 +195,17 @@ class ToolEnvironment:
         timeout: float = 10.0,
         prompt_column: str = "prompt",
         system_prompt: str | None = None,
+        max_threads: int = DEFAULT_MAX_TOOL_THREADS,
     ):
-        self.runner = ToolRunner(tools, timeout=timeout)
+        check_choice("ToolEnvironment.tool_format", tool_format, ("qwen", "llama3"))
+        self.runner = ToolRunner(tools, timeout=timeout, max_threads=max_threads)
         self.tool_schemas = self.runner.schemas
         self.tool_format = tool_format
         self.prompt_column = prompt_column
         self.system_prompt = system_prompt
         self.tool_calls = 0
         self.tool_errors = 0
+        self.tool_timeouts = 0
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
         """Opening messages: the optional system prompt and the row's prompt.
@@ -215,6 +238,7 @@ class ToolEnvironment:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         self.tool_calls = 0
         self.tool_errors = 0
+        self.tool_timeouts = 0
         return messages
 
     def step(self, completion: str) -> tuple[list[Message] | None, float | None, bool]:
@@ -232,8 +256,13 @@ class ToolEnvironment:
         results = self.runner.run_all(calls)
         self.tool_calls += len(results)
         self.tool_errors += sum(r.error is not None for r in results)
+        self.tool_timeouts += sum(r.error == "timeout" for r in results)
+        # The name is rendered by the template as its own text: only a known tool's name is
+        # used (the model's spelling of an unknown one stays in the error message's content).
+        known = self.runner.tools
         messages = [
-            {"role": "tool", "name": r.name or "unknown", "content": r.content} for r in results
+            {"role": "tool", "name": r.name if r.name in known else "unknown", "content": r.content}
+            for r in results
         ]
         return messages, None, False
 
@@ -265,12 +294,21 @@ class MultiTurnConfig:
     """Limits and settings of multi-turn episodes.
 
     Attributes:
-        max_turns: Most model turns per episode.
+        max_turns: Most model turns per episode; at most ``max_completion_tokens`` (every
+            model turn writes at least one token, so more turns could never run).
         max_new_tokens: Most tokens per model turn (static shape of the turn program).
         max_completion_tokens: Most tokens after the prompt (model turns plus appended text);
             an episode that would exceed it ends ("token limit").
-        stop_strings: Texts that end a model turn besides EOS (encoded without special tokens;
-            the default ends a Qwen-style tool call).
+        stop_strings: Texts that end a model turn besides EOS (the default ends a Qwen-style
+            tool call). They are matched on the turn's decoded text (special tokens written
+            out), not on one tokenization: the turn ends at the token that completes the first
+            occurrence, whichever tokens wrote it (``" </tool_call>"`` and ``"}</tool_call>"``
+            included; see :mod:`~artifex.generative_models.inference.stop_strings`).
+        max_observation_chars: Most characters of one observation message's content (a tool
+            result, an environment's message). A longer content is cut to this many
+            characters and a notice saying how long it was is appended to the text the model
+            sees; the cuts are counted (``multiturn/truncated_observations_mean``). Cutting
+            before tokenizing keeps a runaway tool output from stalling the rollout.
         completion_buckets: Completion widths the batch is padded to (fewer recompiles).
         turn_rewards_as_step_rewards: Put the environment's per-turn rewards in the batch's
             ``step_rewards`` at the last model token of each turn, so that token advantages
@@ -280,7 +318,8 @@ class MultiTurnConfig:
 
     Raises:
         TypeError: A field of the wrong type (``max_turns=2.0``, ``stop_strings`` as a list).
-        ValueError: A field out of range, or ``max_new_tokens > max_completion_tokens``.
+        ValueError: A field out of range, ``max_new_tokens > max_completion_tokens`` or
+            ``max_turns > max_completion_tokens``.
 
     Examples:
         >>> from artifex.generative_models.training.rl import MultiTurnConfig
@@ -299,17 +338,26 @@ class MultiTurnConfig:
     stop_strings: tuple[str, ...] = ("</tool_call>",)
     completion_buckets: tuple[int, ...] = DEFAULT_PROMPT_BUCKETS
     turn_rewards_as_step_rewards: bool = False
+    max_observation_chars: int = 8192
 
     def __post_init__(self) -> None:
         # Wrong type: TypeError; right type, out of range: ValueError (utils.validation).
-        for name in ("max_turns", "max_new_tokens", "max_completion_tokens"):
+        for name in (
+            "max_turns",
+            "max_new_tokens",
+            "max_completion_tokens",
+            "max_observation_chars",
+        ):
             check_int(f"MultiTurnConfig.{name}", getattr(self, name), minimum=1)
-        if self.max_new_tokens > self.max_completion_tokens:
-            msg = (
-                f"MultiTurnConfig.max_new_tokens ({self.max_new_tokens}) must be <= "
-                f"max_completion_tokens ({self.max_completion_tokens})"
-            )
-            raise ValueError(msg)
+        for name in ("max_new_tokens", "max_turns"):
+            if getattr(self, name) > self.max_completion_tokens:
+                msg = (
+                    f"MultiTurnConfig.{name} ({getattr(self, name)}) must be <= "
+                    f"max_completion_tokens ({self.max_completion_tokens})"
+                )
+                if name == "max_turns":
+                    msg += ": every model turn writes at least one token"
+                raise ValueError(msg)
         for name in ("stop_strings", "completion_buckets"):
             value = getattr(self, name)
             if not isinstance(value, tuple):
@@ -353,6 +401,10 @@ class Episodes:
         model_tokens: ``(R,)`` tokens the model generated.
         turn_ends: ``(R, max_turns)`` completion index of the last model token of each turn
             (-1: no such turn).
+        tool_timeouts: ``(R,)`` tool calls that timed out (from the environment's
+            ``tool_timeouts`` counter); ``None``: not counted.
+        truncated_observations: ``(R,)`` observation messages cut to
+            ``MultiTurnConfig.max_observation_chars``; ``None``: not counted.
 
     Examples:
         >>> import dataclasses
@@ -379,9 +431,15 @@ class Episodes:
     turn_rewards: np.ndarray
     model_tokens: np.ndarray
     turn_ends: np.ndarray
+    tool_timeouts: np.ndarray | None = None
+    truncated_observations: np.ndarray | None = None
 
     def metrics(self) -> dict[str, float]:
         """Episode statistics: turns, tool calls and errors, limits, per-turn rewards.
+
+        ``multiturn/tool_threads_alive`` is read when this is called: the tool threads alive in
+        the process (:func:`~artifex.generative_models.training.rl.tools.live_tool_threads`),
+        which grows while hung tools are abandoned.
 
         Returns:
             Scalar metrics under ``multiturn/``.
@@ -394,11 +452,18 @@ class Episodes:
             "multiturn/turn_limit_fraction": float(self.turn_limit.mean()),
             "multiturn/token_limit_fraction": float(self.token_limit.mean()),
             "multiturn/model_tokens_mean": float(self.model_tokens.mean()),
+            "multiturn/tool_threads_alive": float(live_tool_threads()),
         }
-        for t in range(self.turn_rewards.shape[1]):
+        if self.tool_timeouts is not None:
+            out["multiturn/tool_timeouts_mean"] = float(np.mean(self.tool_timeouts))
+        if self.truncated_observations is not None:
+            out["multiturn/truncated_observations_mean"] = float(
+                np.mean(self.truncated_observations)
+            )
+        given = ~np.isnan(self.turn_rewards)
+        for t in np.flatnonzero(given.any(axis=0)):  # only the turns with a reward
             col = self.turn_rewards[:, t]
-            if (~np.isnan(col)).any():
-                out[f"multiturn/turn_reward_{t + 1}"] = float(np.nanmean(col))
+            out[f"multiturn/turn_reward_{t + 1}"] = float(np.nanmean(col))
         return out
 
 
@@ -409,10 +474,18 @@ def _render(tokenizer: Any, messages: list[Message], tools: Any, *, generation_p
     )
 
 
-def _appended_text(
+def _appended_segments(
     tokenizer: Any, history: list[Message], obs: list[Message], tools: Any, generated: str
-) -> str:
-    """Text to append after the model's turn ``generated`` (which ends ``history``)."""
+) -> list[tuple[str, bool]]:
+    """Text to append after the model's turn ``generated`` (which ends ``history``), in pieces.
+
+    Each piece is ``(text, plain)``: ``plain`` marks the content of an observation message as
+    the template rendered it, which is encoded with special-token strings split into plain
+    text (a tool's output cannot write special tokens); the rest is the template's own text.
+    The content's rendering is found by rendering the observations with random markers in
+    place of their contents, then each content alone, so that no content can pass itself off
+    as template text.
+    """
     probe = _render(
         tokenizer,
         [*history[:-1], {"role": "assistant", "content": _SENTINEL}],
@@ -426,15 +499,154 @@ def _appended_text(
             overlap = k
             break
     base = _render(tokenizer, history, tools, generation_prompt=False)
-    full = _render(tokenizer, [*history, *obs], tools, generation_prompt=True)
-    if not full.startswith(base):
+
+    def appended(messages: list[Message]) -> str:
+        full = _render(tokenizer, [*history, *messages], tools, generation_prompt=True)
+        if not full.startswith(base):
+            msg = (
+                "the chat template does not render the conversation as a prefix of its "
+                "continuation, so turns cannot be appended; got "
+                f"{base[-80:]!r} vs {full[len(base) - 80 : len(base)]!r}"
+            )
+            raise ValueError(msg)
+        return full[len(base) :]
+
+    text = appended(obs)
+    nonce = secrets.token_hex(8)
+    marks = {
+        i: f"ARTIFEX{nonce}OBS{i}END"
+        for i, m in enumerate(obs)
+        if isinstance(m.get("content"), str) and m["content"]
+    }
+    if not marks:
+        return [(closing[overlap:] + text, False)]
+
+    def marked(real: int | None) -> str:
+        return appended(
+            [
+                dict(m, content=marks[i]) if i in marks and i != real else m
+                for i, m in enumerate(obs)
+            ]
+        )
+
+    skeleton = marked(None)
+    rendered: dict[int, str] = {}
+    for i, mark in marks.items():
+        count = skeleton.count(mark)
+        if count:
+            alone = marked(i)
+            width = len(mark) + (len(alone) - len(skeleton)) // count
+            start = skeleton.index(mark)
+            rendered[i] = alone[start : start + width]
+    pieces: list[tuple[str, bool]] = [(closing[overlap:], False)]
+    last = 0
+    by_mark = {mark: i for i, mark in marks.items()}
+    for found in re.finditer("|".join(map(re.escape, by_mark)), skeleton):
+        pieces += [(skeleton[last : found.start()], False), (rendered[by_mark[found[0]]], True)]
+        last = found.end()
+    pieces.append((skeleton[last:], False))
+    if "".join(t for t, _ in pieces[1:]) != text:
         msg = (
-            "the chat template does not render the conversation as a prefix of its "
-            "continuation, so turns cannot be appended; got "
-            f"{base[-80:]!r} vs {full[len(base) - 80 : len(base)]!r}"
+            "the chat template renders an observation's content differently depending on the "
+            "other messages' contents, so the content cannot be kept apart from the template's "
+            "text (and encoded as plain text)"
         )
         raise ValueError(msg)
-    return closing[overlap:] + full[len(base) :]
+    merged: list[tuple[str, bool]] = []
+    for piece, plain in pieces:
+        if merged and merged[-1][1] == plain:
+            merged[-1] = (merged[-1][0] + piece, plain)
+        elif piece:
+            merged.append((piece, plain))
+    return merged
+
+
+def _appended_text(
+    tokenizer: Any, history: list[Message], obs: list[Message], tools: Any, generated: str
+) -> str:
+    """Text to append after the model's turn ``generated`` (which ends ``history``)."""
+    return "".join(t for t, _ in _appended_segments(tokenizer, history, obs, tools, generated))
+
+
+def _encode_segments(tokenizer: Any, segments: list[tuple[str, bool]]) -> list[int]:
+    """Ids of the appended pieces: the template's text as usual, contents as plain text."""
+    ids: list[int] = []
+    for text, plain in segments:
+        if plain:
+            ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        else:
+            ids += tokenizer.encode(text, add_special_tokens=False)
+    return ids
+
+
+def _check_plain_encoding(tokenizer: Any) -> None:
+    """The tokenizer can encode text with special-token strings as plain text."""
+    try:
+        params = inspect.signature(tokenizer.encode).parameters
+    except (TypeError, ValueError):
+        return
+    if "split_special_tokens" not in params and not any(
+        p.kind is p.VAR_KEYWORD for p in params.values()
+    ):
+        msg = (
+            f"run_episodes: {type(tokenizer).__name__}.encode has no split_special_tokens "
+            "option; observations are encoded with it so that a tool's output cannot write "
+            "special tokens (the library's Tokenizer has it)"
+        )
+        raise TypeError(msg)
+
+
+def _truncated(content: str, limit: int) -> str:
+    """``content`` cut to ``limit`` characters, with a notice the model sees."""
+    return (
+        content[:limit] + f"\n[truncated: the output has {len(content)} characters; the first "
+        f"{limit} are shown]"
+    )
+
+
+def _checked_step(env: Any, result: Any, row: int, turn: int) -> tuple[list, float | None, bool]:
+    """An environment's ``step`` result, checked: ``(observation, reward, done)``."""
+    where = f"{type(env).__name__}.step (episode {row}, turn {turn + 1})"
+    if not isinstance(result, tuple | list) or len(result) != 3:
+        msg = (
+            f"{where} must return (observation, reward, done), got "
+            f"{type(result).__name__} {str(result)[:80]}"
+        )
+        raise TypeError(msg)
+    obs, reward, done = result
+    if not isinstance(done, bool | np.bool_):
+        msg = f"{where} returned done={done!r} ({type(done).__name__}); expected a bool"
+        raise TypeError(msg)
+    if reward is not None:
+        if isinstance(reward, bool | np.bool_) or not isinstance(reward, numbers.Real):
+            msg = (
+                f"{where} returned reward={reward!r} ({type(reward).__name__}); expected a "
+                "real number or None (no reward)"
+            )
+            raise TypeError(msg)
+        if not math.isfinite(float(reward)):
+            msg = (
+                f"{where} returned reward={reward!r}; expected a finite number or None "
+                "(None is how an environment gives no reward)"
+            )
+            raise ValueError(msg)
+        reward = float(reward)
+    if obs is None:
+        obs = []
+    if not isinstance(obs, list | tuple):
+        msg = (
+            f"{where} returned observation of type {type(obs).__name__}; expected a list of "
+            "chat messages or None"
+        )
+        raise TypeError(msg)
+    for j, message in enumerate(obs):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            msg = (
+                f"{where} returned observation[{j}]={str(message)[:80]!r}; expected a chat "
+                "message (a mapping with a 'role' string)"
+            )
+            raise TypeError(msg)
+    return list(obs), reward, bool(done)
 
 
 def run_episodes(
@@ -451,6 +663,13 @@ def run_episodes(
     top_p: float = 1.0,
 ) -> Episodes:
     """Runs ``num_generations`` episodes per row with one KV cache carried across turns.
+
+    A turn ends at an end-of-sequence id or where its decoded text first contains one of
+    ``config.stop_strings``. Each ``step`` result is checked (``done`` a bool, the reward a
+    finite real number or ``None``, the observation a list of chat messages or ``None``).
+    Observation contents longer than ``config.max_observation_chars`` are cut, with a notice
+    the model reads; they are encoded with special-token strings split into plain text, so a
+    tool's output (or anything it read) cannot open or close a turn of the conversation.
 
     Args:
         model: The causal LM.
@@ -469,8 +688,13 @@ def run_episodes(
 
     Raises:
         ValueError: No rows, ``num_generations < 1``, the ``G`` episodes of a row open with
-            different messages, or the prompt does not fit the model's positions.
-        TypeError: ``num_generations`` is not an int.
+            different messages, the prompt does not fit the model's positions, or an
+            environment's ``step`` returned a reward that is NaN or infinite.
+        TypeError: ``num_generations`` is not an int, the tokenizer's ``encode`` has no
+            ``split_special_tokens`` option, or an environment's ``step`` returned something
+            other than ``(list of messages or None, real number or None, bool)`` (a string
+            ``done`` or reward, say); the message names the environment, the episode, the
+            turn and the field.
 
     Examples:
         >>> import jax
@@ -503,6 +727,7 @@ def run_episodes(
         msg = "run_episodes needs at least one row"
         raise ValueError(msg)
     g = check_int("run_episodes: num_generations", num_generations, minimum=1)
+    _check_plain_encoding(tokenizer)
     envs = [environment_factory() for _ in range(len(rows) * g)]
     histories: list[list[Message]] = []
     for i, env in enumerate(envs):
@@ -541,7 +766,12 @@ def run_episodes(
     logits = jnp.repeat(logits, g, axis=0)
 
     eos = tuple(tokenizer.eos_ids)
-    stops = tuple(tuple(tokenizer.encode(s, add_special_tokens=False)) for s in config.stop_strings)
+    # Stop strings are matched on the decoded text of each turn, whatever its tokenization.
+    stop_table = (
+        jnp.asarray(stop_string_table(tokenizer, config.stop_strings, logits.shape[-1]))
+        if config.stop_strings
+        else None
+    )
     comp_ids: list[list[int]] = [[] for _ in range(rows_n)]
     comp_mask: list[list[int]] = [[] for _ in range(rows_n)]
     comp_logp: list[list[float]] = [[] for _ in range(rows_n)]
@@ -552,6 +782,7 @@ def run_episodes(
     turn_rewards = np.full((rows_n, config.max_turns), np.nan)
     turn_ends = np.full((rows_n, config.max_turns), -1, np.int32)
     active = np.ones(rows_n, bool)
+    truncations = np.zeros(rows_n, np.int32)
     budget = config.max_completion_tokens
 
     for turn in range(config.max_turns):
@@ -573,7 +804,7 @@ def run_episodes(
             top_k=top_k,
             top_p=top_p,
             eos_ids=eos,
-            stop_sequences=stops,
+            stop_table=stop_table,
             pad_id=tokenizer.pad_id,
         )
         cache, logits = out.cache, out.logits
@@ -597,9 +828,9 @@ def run_episodes(
                 token_limit[r] = True
                 active[r] = False
                 continue
-            obs, reward, done = envs[r].step(text)
+            obs, reward, done = _checked_step(envs[r], envs[r].step(text), r, turn)
             if reward is not None:
-                turn_rewards[r, turn] = float(reward)
+                turn_rewards[r, turn] = reward
             if done:
                 active[r] = False
                 continue
@@ -607,10 +838,15 @@ def run_episodes(
                 turn_limit[r] = True
                 active[r] = False
                 continue
-            obs = list(obs or [])
+            cap = config.max_observation_chars
+            for j, message in enumerate(obs):
+                content = message.get("content")
+                if isinstance(content, str) and len(content) > cap:
+                    obs[j] = dict(message, content=_truncated(content, cap))
+                    truncations[r] += 1
             generated = tokenizer.decode(gen, skip_special_tokens=False)
-            text_in = _appended_text(tokenizer, histories[r], obs, tools[r], generated)
-            new = tokenizer.encode(text_in, add_special_tokens=False)
+            segments = _appended_segments(tokenizer, histories[r], obs, tools[r], generated)
+            new = _encode_segments(tokenizer, segments)
             if len(comp_ids[r]) + len(new) + 1 > budget:
                 token_limit[r] = True
                 active[r] = False
@@ -668,6 +904,8 @@ def run_episodes(
         turn_rewards=turn_rewards,
         model_tokens=c_mask.sum(axis=1).astype(np.int32),
         turn_ends=turn_ends,
+        tool_timeouts=np.asarray([getattr(e, "tool_timeouts", 0) for e in envs], np.int32),
+        truncated_observations=truncations,
     )
 
 
