@@ -117,7 +117,12 @@ GROUPS: tuple[Group, ...] = (
     Group(
         "Sampler",
         "Compiled KV-cache generation: K completions per prompt, and turn-by-turn decoding.",
-        (f"{_GM}.inference", f"{_GM}.inference.sampling", f"{_GM}.inference.multiturn"),
+        (
+            f"{_GM}.inference",
+            f"{_GM}.inference.sampling",
+            f"{_GM}.inference.multiturn",
+            f"{_GM}.inference.stop_strings",
+        ),
     ),
     Group(
         "Sharding",
