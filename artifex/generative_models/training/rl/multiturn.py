@@ -157,8 +157,8 @@ class ToolEnvironment:
             messages is used as is).
         system_prompt: Optional system message put first.
         max_threads: Most tool threads alive in the process at once, calls abandoned after
-            their timeout included (see :class:`~artifex.generative_models.training.rl.tools.
-            ToolRunner`); beyond it a call is not run and the model gets an error.
+            their timeout included (see :class:`ToolRunner`); beyond it a call is not run and
+            the model gets an error.
 
     Attributes:
         tool_calls: Calls in the current episode.

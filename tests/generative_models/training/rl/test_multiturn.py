@@ -291,7 +291,16 @@ def test_multi_turn_rollout_trains_one_step() -> None:
     metrics = trainer.train_step(b)
     assert np.isfinite(metrics["total_loss"])
     assert "multiturn/tool_calls_mean" in ro.metrics()
-    ev = ro_fn.evaluate(trainer, tok, rows, environment_reward, RolloutConfig(), pass_threshold=3)
+    # Every token's text is a stop string, so every greedy turn ends after one token whatever
+    # the model is (the step above may leave it unchanged: equal rewards, no advantage).
+    every = tuple(
+        tok.decode([i], skip_special_tokens=False)
+        for i in range(tok.vocab_size)
+        if i not in tok.eos_ids
+    )
+    ev = _scripted_rollout(stop_strings=every).evaluate(
+        trainer, tok, rows, environment_reward, RolloutConfig(), pass_threshold=3
+    )
     assert ev["eval/pass@1"] == 1.0  # two turns: rewards 1 + 2
     assert b.step_rewards is None
     # per-turn rewards as process-supervision step rewards train too
