@@ -1150,6 +1150,12 @@ def _train_held(
     if result.evaluations:
         first, last = result.evaluations[0][1], result.evaluations[-1][1]
         print(f"held-out pass@1: {first['eval/pass@1']:.3f} -> {last['eval/pass@1']:.3f}")
+        sampled = [k for k in last if k.startswith(("eval/pass@", "eval/mean@", "eval/maj@"))]
+        for key in sorted(set(sampled) - {"eval/pass@1"}, key=lambda k: (k[:9], len(k), k)):
+            print(
+                f"held-out {key[5:]} ({loop.eval_num_samples} samples per prompt): "
+                f"{first[key]:.3f} -> {last[key]:.3f}"
+            )
     print(f"saved the trained model to {args.output}")
     return 0
 

@@ -56,3 +56,29 @@ def test_reference_sync_flags_build_the_config():
     with pytest.raises(ValueError, match="needs beta > 0"):
         GRPOConfig(**_collect(_args("--reward", "math", "--beta", "0", "--sync-ref-model"),
                               GRPOConfig))  # fmt: skip
+
+
+def test_train_prints_the_sampled_evaluation(tmp_path, capsys):
+    """``--eval-num-samples 2``: the run ends with pass@2, mean@2 and maj@2, first -> last."""
+    import json
+
+    from artifex.cli import main
+    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+
+    tok = demo_tokenizer()
+    demo_model(tok).save_pretrained(str(tmp_path / "model"))
+    tok.save_pretrained(str(tmp_path / "model"))
+    rows, held_out = addition_dataset(num_eval=4)
+    for name, data in (("train", rows[:8]), ("eval", held_out)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    argv = ["train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "train.jsonl"),
+            "--eval-data", str(tmp_path / "eval.jsonl"), "--reward", "math",
+            "--num-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
+            "--max-new-tokens", "4", "--progress", "false", "--beta", "0",
+            "--eval-num-samples", "2", "--output", str(tmp_path / "out"),
+            "--checkpoint-dir", "none"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("pass@1", "pass@2", "mean@2", "maj@2"):
+        assert f"held-out {name}" in out, out
+    assert "held-out pass@2 (2 samples per prompt): " in out

@@ -140,8 +140,11 @@ def loop_keys(tmp_path_factory) -> set[str]:
     common += ["--num-steps", "2", "--prompts-per-step", "2", "--num-generations", "4"]
     common += ["--max-new-tokens", "4", "--progress", "false", "--beta", "0.04"]
     keys: set[str] = set()
-    for i, extra in enumerate(([], ["--dynamic-sampling", "true", "--max-resample-rounds", "1"])):
+    dynamic = ["--dynamic-sampling", "true", "--max-resample-rounds", "1"]
+    sampled = ["--eval-num-samples", "2"]  # pass@k, mean@n, maj@n
+    for i, extra in enumerate(([], [*dynamic, *sampled])):
         log_dir = tmp / f"logs{i}"
+        extra = [*extra, "--checkpoint-dir", str(tmp / f"checkpoints{i}")]  # one per run
         assert (
             main([*common, *extra, "--log-dir", str(log_dir), "--output", str(tmp / f"m{i}")]) == 0
         )
@@ -165,7 +168,7 @@ def test_every_metric_key_is_documented(source, metrics_page):
 
 def test_every_key_the_loop_logs_is_documented(tmp_path_factory, metrics_page):
     keys = loop_keys(tmp_path_factory)
-    for key in ("rollout_time", "step_time", "eval/pass@1", "rewards/format_reward"):
+    for key in ("rollout_time", "step_time", "eval/pass@1", "eval/maj@2", "rewards/format_reward"):
         assert key in keys, key
     assert any(k.startswith("dynamic_sampling/") for k in keys), sorted(keys)
     missing = undocumented(keys, metrics_page)

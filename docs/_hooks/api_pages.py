@@ -80,6 +80,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_RL}.rollout",
             f"{_RL}.truncation",
             f"{_RL}.loop",
+            f"{_RL}.evaluation_metrics",
             f"{_RL}.multiturn",
             f"{_RL}.tools",
             f"{_GM}.training.logging",

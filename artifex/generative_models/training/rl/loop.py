@@ -45,6 +45,10 @@ from artifex.generative_models.training.checkpointing import training_fingerprin
 from artifex.generative_models.training.logging import CompletionLog, is_primary_process
 from artifex.generative_models.training.rl.advantages import nonconstant_groups
 from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.evaluation_metrics import (
+    check_sampled_eval,
+    evaluate_sampled,
+)
 from artifex.generative_models.training.rl.objective import _reward_metrics, compute_advantages
 from artifex.generative_models.training.rl.optimizer_split import interrupt_scope
 from artifex.generative_models.training.rl.preflight import check_writable_dir, open_run_outputs
@@ -114,6 +118,8 @@ class TrainConfig:
             an evaluation set is given).
         pass_threshold: A greedy completion passes (pass@1) when its evaluation reward is at
             least this.
+        eval_num_samples: Samples per evaluation prompt for pass@k, mean@n and maj@n
+            (:mod:`~artifex.generative_models.training.rl.evaluation_metrics`); 1: greedy only.
         log_dir: Directory for ``metrics.jsonl`` and TensorBoard events (``None``: no files).
         checkpoint_dir: Orbax checkpoint directory (``None``: no checkpoints).
         checkpoint_every: Save every this many steps (0: only at the end).
@@ -153,6 +159,7 @@ class TrainConfig:
     max_resample_rounds: int = 4
     eval_every: int = 0
     pass_threshold: float = 1.0
+    eval_num_samples: int = 1
     log_dir: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -192,6 +199,7 @@ class TrainConfig:
             "num_minibatches",
             "gradient_accumulation_steps",
             "keep_checkpoints",
+            "eval_num_samples",
         ):
             if name == "gradient_accumulation_steps" and self.gradient_accumulation_steps is None:
                 continue
@@ -959,6 +967,15 @@ def train(
             raise ValueError(msg)
     if eval_dataset is not None and evaluate_fn is None:
         check_eval_row_groups(rcfg, len(eval_dataset), EVAL_BATCH_SIZE)
+    if config.eval_num_samples > 1 and eval_dataset is None:
+        msg = f"TrainConfig.eval_num_samples={config.eval_num_samples} needs an eval_dataset"
+        raise ValueError(msg)
+    check_sampled_eval(
+        config.eval_num_samples,
+        custom_evaluate=evaluate_fn is not None,
+        mesh=policy.mesh,
+        rollout_config=rcfg,
+    )
     length = policy.config.max_completion_length
     if rollout_fn is None and length is not None and length != rcfg.max_new_tokens:
         msg = (
@@ -1020,6 +1037,18 @@ def train(
             pass_threshold=config.pass_threshold,
             **({} if rollout_placement is None else {"placement": rollout_placement}),
         )
+        if config.eval_num_samples > 1:  # pass@k, maj@n (evaluation_metrics.py)
+            metrics = metrics | evaluate_sampled(
+                policy,
+                tokenizer,
+                eval_dataset,
+                eval_reward,
+                rcfg,
+                num_samples=config.eval_num_samples,
+                key=jax.random.fold_in(jax.random.fold_in(trainer.rng, 2**31 - 1), step),
+                pass_threshold=config.pass_threshold,
+                **({} if rollout_placement is None else {"placement": rollout_placement}),
+            )
         evaluations.append((step, metrics))
         logger.log(step, metrics, advance=False)
 

@@ -493,7 +493,9 @@ def math_answer_reward(
         name: the returned function's ``__name__`` (used in logs and errors).
 
     Returns:
-        A reward function ``f(prompts, completions, **columns) -> list[float | None]``.
+        A reward function ``f(prompts, completions, **columns) -> list[float | None]``; its
+        attribute ``extract_answer(completion)`` is the extraction above (maj@n evaluation
+        votes with it).
 
     Raises:
         ValueError: (here) if ``answer_column`` or ``name`` is empty, a reward value is not
@@ -554,4 +556,5 @@ def math_answer_reward(
         return rewards
 
     reward.__name__ = reward.__qualname__ = func_name
+    reward.extract_answer = extract  # the answer a majority vote compares (evaluation_metrics)
     return reward
