@@ -81,6 +81,9 @@ GROUPS: tuple[Group, ...] = (
             f"{_RL}.truncation",
             f"{_RL}.loop",
             f"{_RL}.evaluation_metrics",
+            f"{_RL}.preflight",
+            f"{_RL}.reward_scale",
+            f"{_GM}.training.run_lock",
             f"{_RL}.multiturn",
             f"{_RL}.tools",
             f"{_GM}.training.logging",
@@ -128,12 +131,12 @@ GROUPS: tuple[Group, ...] = (
     Group(
         "Sharding",
         "Meshes, partition rules and batch placement over devices and processes.",
-        (f"{_GM}.training.sharding", f"{_GM}.training.placement"),
+        (f"{_GM}.training.sharding", f"{_GM}.training.placement", f"{_GM}.training.rendezvous"),
     ),
     Group(
         "Checkpoints",
         "Saving and resuming training state, verified; atomic file writes.",
-        (f"{_GM}.training.checkpointing", f"{_GM}.utils.atomic"),
+        (f"{_GM}.training.checkpointing", f"{_GM}.utils.atomic", f"{_GM}.utils.fingerprint"),
     ),
     Group(
         "Flow-GRPO (images)",
@@ -155,11 +158,13 @@ GROUPS: tuple[Group, ...] = (
         (
             "artifex",
             "artifex.cli",
+            "artifex.cli_checks",
             "artifex.demo",
             "artifex.demo_tools",
             "artifex.flow_demo",
             f"{_GM}.utils",
             f"{_GM}.utils.validation",
+            f"{_GM}.utils.strict_parse",
             f"{_GM}.utils.tool_schema",
             f"{_GM}.utils.compile_options",
             f"{_GM}.utils.host_memory",

@@ -44,6 +44,12 @@ _HELD_GUARD = threading.Lock()
 class DirectoryInUseError(RuntimeError):
     """Another run (a live process) holds the directory's lock.
 
+    Args:
+        message: The error message (names the directory, the other run and what to do).
+        pid: The other run's process id.
+        host: The host it runs on.
+        lock_file: The lock file's path.
+
     Attributes:
         pid: The other run's process id.
         host: The host it runs on.

@@ -138,6 +138,13 @@ class RunOutputs:
         logger: The metric logger.
         samples: The completion log.
         locks: The directory locks held.
+
+    Examples:
+        >>> from artifex.generative_models.training.rl.preflight import RunOutputs
+        >>> outputs = RunOutputs(manager=None, start_step=0, record=None)  # nothing opened
+        >>> outputs.close()
+        >>> outputs.locks
+        []
     """
 
     manager: CheckpointManager | None
@@ -226,6 +233,19 @@ def open_run_outputs(config: Any, trainer: Any, fingerprint: Mapping[str, Any]) 
         IncompatibleCheckpointError: The checkpoint's fingerprint differs from this run's.
         NotADirectoryError: An output directory is an existing file.
         PermissionError: An output directory is not writable.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from artifex.generative_models.training import TrainConfig
+        >>> from artifex.generative_models.training.rl.preflight import open_run_outputs
+        >>> logs = tempfile.mkdtemp()
+        >>> config = TrainConfig(num_steps=10, log_dir=logs, progress=False)
+        >>> outputs = open_run_outputs(config, trainer=None, fingerprint={})  # no checkpoints
+        >>> outputs.start_step, outputs.manager is None, sorted(os.listdir(logs))
+        (0, True, ['.artifex-run.json', '.artifex-run.lock', 'metrics.jsonl'])
+        >>> outputs.close()
+        >>> sorted(os.listdir(logs))  # the lock is released
+        ['.artifex-run.json', 'metrics.jsonl']
     """
     _checked_dirs(config)
     out = RunOutputs(manager=None, start_step=0, record=None)
