@@ -129,3 +129,56 @@ def test_append_and_decode_check_capacity() -> None:
         decode_turn(model, cache, logits, np.array([True]), temperature=None, **turn)
     with pytest.raises(ValueError, match="decode_turn: temperature must be a number >= 0"):
         decode_turn(model, cache, logits, np.array([True]), temperature=-1.0, **turn)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_turn_stops_where_the_decoded_text_first_holds_a_stop_string(seed: int) -> None:
+    """With a ``stop_table``, each row stops at the first token after which ``decode`` of its
+    turn contains a stop string, whatever tokens wrote it; rows that run to the limit never
+    contain one."""
+    from artifex.generative_models.inference.stop_strings import stop_string_table
+    from artifex.generative_models.models.causal_lm import Tokenizer
+
+    # 4 special tokens and 36 characters: the model's 40 ids
+    tok = Tokenizer.for_characters("abcdefghijklmnopqrstuvwxyz0123456789")
+    assert tok.vocab_size == 40
+    stops = ["ab", "c", "<eos>x"]
+    table = stop_string_table(tok, stops)
+    model = _model(seed)
+    rows = 16
+    cache, logits = append_tokens(model, model.init_cache(rows, 64), [[5, 6]] * rows)
+    out = decode_turn(
+        model,
+        cache,
+        logits * 0.0,  # uniform first token
+        np.ones(rows, bool),
+        key=jax.random.key(seed),
+        max_new_tokens=24,
+        temperature=3.0,
+        stop_table=jnp.asarray(table),
+    )
+    toks, mask, stopped = np.asarray(out.tokens), np.asarray(out.mask), np.asarray(out.stopped)
+    hits = 0
+    for r in range(rows):
+        seq = [int(t) for t in toks[r, : int(mask[r].sum())]]
+        texts = [tok.decode(seq[: i + 1], skip_special_tokens=False) for i in range(len(seq))]
+        first = next((i for i, t in enumerate(texts) if any(s in t for s in stops)), None)
+        if stopped[r]:
+            assert first == len(seq) - 1
+            hits += 1
+        else:
+            assert first is None and len(seq) == 24
+    assert 4 <= hits < rows
+
+
+def test_decode_turn_checks_its_stop_table() -> None:
+    model = _model()
+    cache, logits = append_tokens(model, model.init_cache(1, 16), [[3, 4]])
+    turn = dict(key=jax.random.key(0), max_new_tokens=2)
+    active = np.array([True])
+    with pytest.raises(ValueError, match=r"stop_table must have shape \(S >= 2, 40\)"):
+        decode_turn(model, cache, logits, active, stop_table=np.zeros((3, 39), np.int32), **turn)
+    with pytest.raises(TypeError, match="2-D integer array"):
+        decode_turn(model, cache, logits, active, stop_table=np.zeros((3, 40)), **turn)
+    with pytest.raises(ValueError, match="states outside"):
+        decode_turn(model, cache, logits, active, stop_table=np.full((3, 40), 3), **turn)
