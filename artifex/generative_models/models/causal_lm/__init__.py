@@ -66,6 +66,12 @@ from artifex.generative_models.models.causal_lm.rope import (
     rope_inv_frequencies,
 )
 
+# Sequence classification (reward models)
+from artifex.generative_models.models.causal_lm.sequence_classification import (
+    CausalLMForSequenceClassification,
+    last_token_index,
+)
+
 # Tokenizer
 from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer, render_chat_template
 
@@ -111,6 +117,9 @@ __all__ = [  # noqa: RUF022 - grouped by topic, sorted within each group
     "lora_state",
     "merge_lora",
     "zero_lora_state",
+    # Sequence classification (reward models)
+    "CausalLMForSequenceClassification",
+    "last_token_index",
     # Tokenizer
     "Tokenizer",
     "render_chat_template",
