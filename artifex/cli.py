@@ -452,6 +452,20 @@ def build_parser() -> argparse.ArgumentParser:
         "overlong reward falls from 0 to -1 over the last L_cache tokens (default "
         "max_new_tokens // 4)",
     )
+    tr.add_argument(
+        "--step-reward",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="a step reward f(prompts, completions, steps, **columns) by import path, one "
+        "reward per step of each completion: process supervision (single-turn only)",
+    )
+    tr.add_argument(
+        "--step-separator",
+        default=None,
+        metavar="TEXT",
+        help="the text that ends a step for --step-reward (\\n and \\t read as newline and "
+        "tab; default \\n)",
+    )
     tr.add_argument("--learning-rate", type=_non_negative(float), default=1e-6)
     tr.add_argument("--lr-schedule", choices=("constant", "cosine", "linear"), default="constant")
     tr.add_argument("--warmup-steps", type=_non_negative(int), default=0)
@@ -964,6 +978,31 @@ def _build_rewards(args: argparse.Namespace, num_generations: int, max_new_token
     return rw.RewardCombiner(funcs, weights=args.reward_weights, mode=args.reward_mode)
 
 
+def _step_rewards(args: argparse.Namespace) -> Any:
+    """``--step-reward`` and ``--step-separator`` as a ``StepRewards`` (``None``: no flag)."""
+    if args.step_reward is None:
+        if args.step_separator is not None:
+            msg = "--step-separator is only used with --step-reward MODULE:FUNCTION"
+            raise ValueError(msg)
+        return None
+    from artifex.generative_models.training.rl.step_rewards import StepRewards
+
+    try:
+        func = import_object(args.step_reward)
+    except Exception as err:
+        msg = f"--step-reward {args.step_reward!r}: {type(err).__name__}: {err}"
+        raise ValueError(msg) from err
+    if not callable(func):
+        msg = f"--step-reward {args.step_reward!r} is a {type(func).__name__}, not a function"
+        raise TypeError(msg)
+    separator = args.step_separator if args.step_separator is not None else "\n"
+    separator = separator.replace("\\n", "\n").replace("\\t", "\t")
+    if not separator:
+        msg = "--step-separator must not be empty"
+        raise ValueError(msg)
+    return StepRewards(func, separator=separator)
+
+
 def _import_reward(path: str) -> Any:
     """A reward function given as ``--reward module:function``; errors name the flag."""
     try:
@@ -1122,6 +1161,7 @@ def _train_held(
         rollout_config,
         eval_dataset=eval_rows,
         fingerprint_extra=run_fingerprint(args, total),
+        step_rewards=_step_rewards(args),
         **hooks,
     )
     step = result.start_step + len(result.history)

@@ -59,7 +59,8 @@ def test_reference_sync_flags_build_the_config():
 
 
 def test_train_prints_the_sampled_evaluation(tmp_path, capsys):
-    """``--eval-num-samples 2``: the run ends with pass@2, mean@2 and maj@2, first -> last."""
+    """``--eval-num-samples 2``: the run ends with pass@2, mean@2 and maj@2, first -> last (the
+    run also trains on step rewards, ``--step-reward``)."""
     import json
 
     from artifex.cli import main
@@ -76,9 +77,30 @@ def test_train_prints_the_sampled_evaluation(tmp_path, capsys):
             "--num-steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
             "--max-new-tokens", "4", "--progress", "false", "--beta", "0",
             "--eval-num-samples", "2", "--output", str(tmp_path / "out"),
-            "--checkpoint-dir", "none"]  # fmt: skip
+            "--checkpoint-dir", "none",
+            "--step-reward", STEP_REWARD, "--step-separator", "+"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     for name in ("pass@1", "pass@2", "mean@2", "maj@2"):
         assert f"held-out {name}" in out, out
     assert "held-out pass@2 (2 samples per prompt): " in out
+
+
+STEP_REWARD = "tests.generative_models.training.rl.test_step_rewards:digit_steps"
+
+
+def test_step_reward_flags():
+    from artifex.cli import _step_rewards
+
+    assert _step_rewards(_args("--reward", "math")) is None
+    steps = _step_rewards(_args("--reward", "math", "--step-reward", STEP_REWARD))
+    assert steps.separator == "\n" and steps.name == "digit_steps"
+    steps = _step_rewards(_args("--reward", "math", "--step-reward", STEP_REWARD,
+                                "--step-separator", "\\n\\n"))  # fmt: skip
+    assert steps.separator == "\n\n"
+    with pytest.raises(ValueError, match="--step-separator is only used with --step-reward"):
+        _step_rewards(_args("--reward", "math", "--step-separator", ";"))
+    with pytest.raises(ValueError, match="--step-reward 'nowhere:fn'"):
+        _step_rewards(_args("--reward", "math", "--step-reward", "nowhere:fn"))
+    with pytest.raises(TypeError, match="not a function"):
+        _step_rewards(_args("--reward", "math", "--step-reward", "math:pi"))

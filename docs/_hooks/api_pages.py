@@ -99,6 +99,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_RL}.rewards.math",
             f"{_RL}.rewards.format",
             f"{_RL}.rewards.length",
+            f"{_RL}.step_rewards",
         ),
     ),
     Group(

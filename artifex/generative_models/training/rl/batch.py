@@ -321,6 +321,17 @@ class GRPOBatch:
             if host is not None and (host.min() < 0 or host.max() >= b):
                 msg = f"GRPOBatch.group_ids must lie in [0, {b}), got [{host.min()}, {host.max()}]"
                 raise ValueError(msg)
+            if host is not None and self.step_rewards is not None and self.advantages is None:
+                g = self.group_size
+                blocks = host.reshape(-1, g) if b % g == 0 else None
+                contiguous = blocks is not None and bool((blocks == blocks[:, :1]).all())
+                if not contiguous or len(set(blocks[:, 0].tolist())) != len(blocks):
+                    msg = (
+                        "GRPOBatch.step_rewards are normalized over blocks of group_size="
+                        f"{g} consecutive rows (process_advantages): group_ids must describe "
+                        "such groups, got groups of other sizes or order"
+                    )
+                    raise ValueError(msg)
 
     @classmethod
     def zeros(

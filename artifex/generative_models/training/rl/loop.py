@@ -66,6 +66,7 @@ from artifex.generative_models.training.rl.rollout import (
     spans_processes,
 )
 from artifex.generative_models.training.rl.state import NonFiniteUpdateError
+from artifex.generative_models.training.rl.step_rewards import StepRewards
 from artifex.generative_models.training.sharding import host_array, process_row_range
 from artifex.generative_models.utils.validation import check_int
 
@@ -864,6 +865,7 @@ def train(
     rollout_fn: Callable[..., Rollout] | None = None,
     evaluate_fn: Callable[..., dict[str, float]] | None = None,
     fingerprint_extra: Mapping[str, Any] | None = None,
+    step_rewards: StepRewards | None = None,
 ) -> TrainResult:
     """Trains ``trainer``'s policy with GRPO on prompts from ``dataset``.
 
@@ -891,6 +893,8 @@ def train(
             passes them): recorded in every checkpoint under ``"run"``, and a resumed run must
             match them, as it must match the configs, the reward functions (names, weights,
             mode) and the dataset.
+        step_rewards: Per-step rewards
+            (:mod:`~artifex.generative_models.training.rl.step_rewards`), single-turn only.
 
     Returns:
         A :class:`TrainResult`.
@@ -991,6 +995,15 @@ def train(
             raise ValueError(msg)
 
     check_tokenizer_fits(tokenizer, policy.model)
+    if step_rewards is not None:  # the single-turn rollout with step rewards (step_rewards.py)
+        if rollout_fn is not None:
+            msg = (
+                "train(step_rewards=...) scores the single-turn rollout's text; a custom "
+                "rollout_fn (multi-turn) places its own (MultiTurnConfig.turn_rewards_as_step_"
+                "rewards)"
+            )
+            raise ValueError(msg)
+        rollout_fn = functools.partial(rollout, step_rewards=step_rewards)
     if spans_processes(policy.mesh) and config.dynamic_sampling:
         msg = (
             "TrainConfig.dynamic_sampling is not supported on a mesh spanning several processes "
@@ -1012,6 +1025,7 @@ def train(
             "names": list(rewards.names),
             "weights": None if weights is None else [float(w) for w in np.ravel(weights)],
             "mode": rewards.mode,
+            **({} if step_rewards is None else {"step": step_rewards.fingerprint}),
         },
         **({} if fingerprint_extra is None else {"run": dict(fingerprint_extra)}),
     )

@@ -34,6 +34,7 @@ from artifex.generative_models.inference.sampling import (
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.rewards import RewardCombiner
+from artifex.generative_models.training.rl.step_rewards import StepRewards
 from artifex.generative_models.training.rl.truncation import mask_truncated_completions
 from artifex.generative_models.training.sharding import (
     batch_partition_spec,
@@ -572,6 +573,7 @@ def rollout(
     key: jax.Array,
     need_old_log_probs: bool = False,
     placement: Any = None,
+    step_rewards: StepRewards | None = None,
 ) -> Rollout:
     """Samples ``num_generations`` completions per row, scores them and builds the batch.
 
@@ -591,6 +593,8 @@ def rollout(
         placement: A :class:`~artifex.generative_models.training.placement.RolloutPlacement`
             to sample on a mesh of its own (weights resharded onto it first, the batch moved
             back to the trainer's mesh); ``None`` samples with the trainer's model where it is.
+        step_rewards: A :class:`~artifex.generative_models.training.rl.step_rewards.StepRewards`
+            whose per-step rewards fill ``step_rewards`` (process supervision); ``None``: none.
 
     Returns:
         A :class:`Rollout`.
@@ -624,6 +628,9 @@ def rollout(
     if not rows:
         msg = "rollout needs at least one dataset row"
         raise ValueError(msg)
+    if step_rewards is not None and not isinstance(step_rewards, StepRewards):
+        msg = f"rollout: step_rewards must be a StepRewards, got {type(step_rewards).__name__}"
+        raise TypeError(msg)
     policy = as_policy(policy)
     grpo = policy.config
     k = grpo.num_generations
@@ -654,6 +661,14 @@ def rollout(
     )
     if grpo.mask_truncated_completions:  # DAPO's overlong filtering (truncation.py)
         batch = mask_truncated_completions(batch, out.truncated)
+    if step_rewards is not None:  # process supervision from the text (step_rewards.py)
+        across = spans_processes(sampler_mesh)
+        ids = (local_rows if across else host_array)(out.completion_ids)
+        per_token = step_rewards.token_rewards(
+            tokenizer, sampled.prompts, sampled.completions, ids, sampled.lengths,
+            **sampled.columns,
+        )  # fmt: skip
+        batch = batch.replace(step_rewards=_rewards_array(per_token, mesh))
     if _needs_sampler_log_probs(grpo):
         batch = batch.replace(sampler_log_probs=out.log_probs)
     if placement is not None:  # back onto the training mesh
