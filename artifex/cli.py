@@ -1085,7 +1085,12 @@ def _train_held(
     import optax
     from flax import nnx
 
-    from artifex.cli_checks import export_failed, interrupted_message, run_fingerprint
+    from artifex.cli_checks import (
+        check_free_space,
+        export_failed,
+        interrupted_message,
+        run_fingerprint,
+    )
     from artifex.generative_models.models.causal_lm import (
         LoRAConfig,
         Tokenizer,
@@ -1093,6 +1098,7 @@ def _train_held(
         from_pretrained,
         merge_lora,
     )
+    from artifex.generative_models.training.checkpointing import CheckpointWriteError
     from artifex.generative_models.training.logging import is_primary_process
     from artifex.generative_models.training.rl.grpo import GRPOTrainer
     from artifex.generative_models.training.rl.loop import check_tokenizer_fits, train
@@ -1152,18 +1158,39 @@ def _train_held(
             reference = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
     trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference, mesh=mesh)
     hooks = _multi_turn_hooks(args, rollout_config)
-    result = train(
-        trainer,
-        tokenizer,
-        rows,
-        rewards,
-        loop,
-        rollout_config,
-        eval_dataset=eval_rows,
-        fingerprint_extra=run_fingerprint(args, total),
-        step_rewards=_step_rewards(args),
-        **hooks,
-    )
+    check_free_space(args.output, loop.checkpoint_dir, model, trainer)
+    final = merge_lora if args.lora_rank > 0 else (lambda m: m)
+    try:
+        result = train(
+            trainer,
+            tokenizer,
+            rows,
+            rewards,
+            loop,
+            rollout_config,
+            eval_dataset=eval_rows,
+            fingerprint_extra=run_fingerprint(args, total),
+            step_rewards=_step_rewards(args),
+            **hooks,
+        )
+    except CheckpointWriteError as err:
+        if err.step < loop.num_steps:
+            raise
+        # Training finished but its last checkpoint could not be written: export the model
+        # in memory (to --output, maybe on another disk) rather than lose it.
+        try:
+            final(model).save_pretrained(args.output)
+        except OSError as also:
+            msg = (
+                f"{err}; exporting the trained model to {args.output} failed too "
+                f"({also.strerror or also}): the trained state of step {err.step} is lost"
+            )
+            raise OSError(also.errno, msg) from also
+        msg = (
+            f"{err}; the trained model (step {err.step}) was exported to {args.output}, but "
+            "the run cannot be resumed from that step"
+        )
+        raise OSError(err.errno, msg) from err
     step = result.start_step + len(result.history)
     advice = {"resume": loop.resume, "overwrite": loop.overwrite}
     if result.interrupted is not None:
@@ -1180,9 +1207,8 @@ def _train_held(
             f"exported model is step {result.start_step}'s",
             file=sys.stderr,
         )
-    final = merge_lora(model) if args.lora_rank > 0 else model
     try:
-        final.save_pretrained(args.output)  # every process gathers; process 0 writes
+        final(model).save_pretrained(args.output)  # every process gathers; process 0 writes
     except OSError as err:
         raise export_failed(err, args.output, step, loop.checkpoint_dir, **advice) from err
     if not is_primary_process():

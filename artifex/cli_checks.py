@@ -8,6 +8,8 @@
 - :func:`run_fingerprint`: the command's settings that change the results but that the trainer
   does not hold (the model directory's identity, the optimizer, the reward settings); a resumed
   run must match them.
+- :func:`check_free_space`: a run whose export and checkpoint would not fit on their disks is
+  refused before its first step, not after its last.
 - :func:`check_multi_turn_flags`: multi-turn flags are refused without ``--tools`` or
   ``--environment`` instead of being ignored.
 - :func:`interrupted_message`, :func:`export_failed`: messages that say where the work is and
@@ -17,12 +19,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
+import shutil
 from typing import Any
 
 __all__ = [
     "DEFAULT_MULTI_TURN",
+    "check_free_space",
     "check_multi_turn_flags",
     "check_run_paths",
     "default_checkpoint_dir",
@@ -357,3 +362,74 @@ def export_failed(
             "it without training"
         )
     return OSError(err.errno, msg)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_free_space(
+    output: str,
+    checkpoint_dir: str | None,
+    model: Any,
+    trainer: Any,
+    *,
+    free: Any = None,
+) -> None:
+    """Refuses a run whose export and checkpoint will not fit, before its first step.
+
+    The export needs the model's parameters once more (new files are written before the old ones
+    go); a checkpoint, the trainer's checkpointed state (parameters, optimizer state) once more.
+    A directory not created yet is measured on its nearest existing parent. Where the two share a
+    file system, they add up.
+
+    Args:
+        output: ``--output``.
+        checkpoint_dir: The checkpoint directory, or ``None``.
+        model: The policy (its ``nnx.Param`` arrays are the export).
+        trainer: The trainer (``checkpoint_state()``).
+        free: ``path -> free bytes`` (``shutil.disk_usage(path).free`` by default).
+
+    Raises:
+        OSError: ``ENOSPC``, naming the directories, what they need and what is free.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from flax import nnx
+        >>> from artifex.cli_checks import check_free_space
+        >>> model = nnx.Linear(1024, 1024, rngs=nnx.Rngs(0))  # 4 MiB of float32 parameters
+        >>> out = tempfile.mkdtemp()
+        >>> check_free_space(out, None, model, None, free=lambda path: 5 * 2**20)
+        >>> check_free_space(out, None, model, None, free=lambda path: 2**20)
+        Traceback (most recent call last):
+            ...
+        OSError: [Errno 28] not enough free space: ... needs about 4.0 MiB, ...
+    """
+    import jax
+    from flax import nnx
+
+    def nbytes(tree: Any) -> int:
+        return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
+
+    free = free or (lambda path: shutil.disk_usage(path).free)
+    needs = [(f"the export to {output}", output, nbytes(nnx.state(model, nnx.Param)))]
+    if checkpoint_dir is not None:
+        state = trainer.checkpoint_state()
+        needs.append((f"a checkpoint in {checkpoint_dir}", checkpoint_dir, nbytes(state)))
+    devices: dict[int, list[tuple[str, str, int]]] = {}
+    for what, path, size in needs:
+        path = os.path.abspath(path)
+        while not os.path.exists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)  # a directory not made yet: its file system
+        devices.setdefault(os.stat(path).st_dev, []).append((what, path, size))
+    for group in devices.values():
+        total = sum(n for _, _, n in group)
+        available = free(group[0][1])
+        if available < total:
+            what = " and ".join(f"{w} ({_size(n)})" for w, _, n in group)
+            msg = (
+                f"not enough free space: {what} needs about {_size(total)}, and its file system "
+                f"has {_size(available)} free; free space or choose another location (checked "
+                "before the first step)"
+            )
+            raise OSError(errno.ENOSPC, msg)

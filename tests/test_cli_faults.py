@@ -162,6 +162,36 @@ def test_sigterm_without_checkpoint_dir_saves_and_the_same_command_resumes(env, 
     assert (out / "model.safetensors").exists()
 
 
+def test_a_run_whose_export_and_checkpoint_cannot_fit_is_refused_before_its_first_step(
+    env, tmp_path, capsys, monkeypatch
+):
+    out = tmp_path / "runs" / "model"
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=100_000))
+    assert main(args_for(env, out)) == 2
+    line = error_line(capsys)
+    assert "not enough free space: the export to" in line and "a checkpoint in" in line
+    assert "100 KiB" in line or "0.1 MiB" in line
+    assert not (tmp_path / "runs" / "logs" / "metrics.jsonl").exists()  # no step ran
+
+
+def test_a_last_checkpoint_that_cannot_be_written_still_exports_the_model(
+    env, tmp_path, capsys, monkeypatch
+):
+    import orbax.checkpoint as ocp
+
+    def full_disk(self, step, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
+    out = tmp_path / "runs" / "model"
+    assert main(args_for(env, out)) == 2
+    line = error_line(capsys)
+    assert "writing checkpoint 1 in" in line and "No space left on device" in line
+    assert f"the trained model (step 1) was exported to {out}" in line
+    assert (out / "model.safetensors").exists()
+
+
 @pytest.mark.parametrize(
     "extra,expected",
     [

@@ -40,6 +40,7 @@ from artifex.generative_models.utils.validation import check_int
 
 __all__ = [
     "CheckpointManager",
+    "CheckpointWriteError",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "array_digests",
@@ -63,6 +64,36 @@ class IncompatibleCheckpointError(ValueError):
         IncompatibleCheckpointError True
         >>> manager.close()
     """
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (a full disk, a lost mount); the earlier ones are kept.
+
+    An ``OSError`` (with the ``errno`` of the failure, when there is one) that names the step,
+    so a caller can tell the checkpoint of the last step from an intermediate one.
+
+    Args:
+        errno_: The failure's ``errno``, or ``None``.
+        message: What failed and why.
+        step: The step whose checkpoint could not be written.
+        directory: The checkpoint directory.
+
+    Examples:
+        >>> import errno
+        >>> from artifex.generative_models.training.checkpointing import CheckpointWriteError
+        >>> err = CheckpointWriteError(errno.ENOSPC, "writing checkpoint 5 failed", step=5,
+        ...                            directory="/runs/a/checkpoints")
+        >>> err.step, err.errno == errno.ENOSPC, isinstance(err, OSError)
+        (5, True, True)
+    """
+
+    def __init__(self, errno_: int | None, message: str, *, step: int, directory: str):
+        super().__init__(errno_, message)
+        self.step = step
+        self.directory = directory
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class CorruptCheckpointError(ValueError):
@@ -353,7 +384,8 @@ class CheckpointManager:
             FloatingPointError: The state holds a non-finite value (nothing is written).
             ValueError: The directory already holds a checkpoint at ``step`` or later (Orbax
                 would silently skip the save).
-            OSError: The write failed (e.g. a full disk); its temporary directory is removed.
+            CheckpointWriteError: The write failed (e.g. a full disk; an ``OSError``); its
+                temporary directory is removed.
         """
         step = int(step)
         latest = self.latest_step()
@@ -386,12 +418,12 @@ class CheckpointManager:
             self._manager.wait_until_finished()
         except BaseException as err:
             self._remove_temporaries(step)
-            if isinstance(err, OSError | KeyboardInterrupt | SystemExit):
+            if isinstance(err, KeyboardInterrupt | SystemExit) or not isinstance(err, Exception):
                 raise
-            if isinstance(err, Exception):
-                msg = f"writing checkpoint {step} in {self.directory} failed: {_brief(err)}"
-                raise OSError(msg) from err
-            raise
+            what = err.strerror or str(err) if isinstance(err, OSError) else _brief(err)
+            msg = f"writing checkpoint {step} in {self.directory} failed: {what}"
+            code = err.errno if isinstance(err, OSError) else None
+            raise CheckpointWriteError(code, msg, step=step, directory=self.directory) from err
         if not saved:
             msg = f"Orbax skipped checkpoint {step} in {self.directory} (steps: {self.all_steps()})"
             raise ValueError(msg)
