@@ -303,3 +303,9 @@ def test_fenced_admonition_parses_as_an_admonition_with_code(griffe_package):
     kinds = [section.kind.value for section in sections]
     assert kinds == ["text", "admonition", "returns"], kinds
     assert sections[1].value.contents.startswith("```pycon\n>>> calls")
+
+
+def test_math_blocks_in_a_list_item_sit_where_markdown_reads_them():
+    text = "- ``a``: text,\n\n  .. math::\n\n      x = 1\n\n  so on.\n\n.. math::\n\n    y = 2\n"
+    expected = "- ``a``: text,\n\n    $$\n    x = 1\n    $$\n\n  so on.\n\n$$\ny = 2\n$$\n"
+    assert _griffe_rst().math_blocks(text) == expected

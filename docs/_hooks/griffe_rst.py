@@ -46,7 +46,10 @@ def math_blocks(text: str) -> str:
         text: A docstring.
 
     Returns:
-        The docstring with ``$$ ... $$`` blocks at the directive's indentation.
+        The docstring with ``$$ ... $$`` blocks at the directive's indentation; in a list
+        item whose text is indented by two columns (reST style), at four columns past the
+        marker, where Markdown looks for a list item's blocks (at two, arithmatex left the
+        ``$$`` as text).
     """
     lines = text.splitlines()
     out: list[str] = []
@@ -58,6 +61,7 @@ def math_blocks(text: str) -> str:
             i += 1
             continue
         indent = match.group("indent")
+        item = _list_item_indent(out, len(indent))
         i += 1
         body: list[str] = []
         while i < len(lines) and (
@@ -69,8 +73,32 @@ def math_blocks(text: str) -> str:
             body.pop()
         content = [b for b in body if b.strip()]
         strip = min((len(b) - len(b.lstrip()) for b in content), default=0)
+        if item is not None:
+            indent = " " * (item + 4)
         out += [f"{indent}$$"] + [f"{indent}{b[strip:]}" for b in content] + [f"{indent}$$", ""]
     return "\n".join(out)
+
+
+_LIST_ITEM_RE = re.compile(r"^(?P<indent>[ \t]*)(?:[-*+]|\d+[.)])[ \t]+\S")
+
+
+def _list_item_indent(before: list[str], column: int) -> int | None:
+    """Indentation of the list marker whose item's text starts at ``column``, if any.
+
+    Looks back from the end of ``before`` to the last non-blank line indented less than
+    ``column``; returns its indentation when it is a list item (``- text``, ``1. text``) whose
+    text starts at ``column`` and ``column`` is not already four columns past the marker.
+    """
+    for line in reversed(before):
+        if not line.strip() or len(line) - len(line.lstrip()) >= column:
+            continue
+        match = _LIST_ITEM_RE.match(line)
+        if match is None:
+            return None
+        marker = len(match.group("indent"))
+        text_column = len(line) - len(line[match.end() - 1 :])
+        return marker if text_column == column and column < marker + 4 else None
+    return None
 
 
 def literal_markers(text: str) -> str:
