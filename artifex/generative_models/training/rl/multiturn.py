@@ -978,6 +978,7 @@ class MultiTurnRolloutResult(Rollout):
         rewards_per_function: ``(B, F)`` raw rewards of each function (NaN: none).
         reward_names: The functions' names.
         truncated: ``(B,)`` episodes stopped by the turn or token limit.
+        lengths: ``(B,)`` model tokens of each episode (before ``mask_truncated_completions``).
         episodes: The :class:`Episodes` (turns, tool calls, limits, per-turn rewards).
 
     Examples:

@@ -493,9 +493,8 @@ def math_answer_reward(
         name: the returned function's ``__name__`` (used in logs and errors).
 
     Returns:
-        A reward function ``f(prompts, completions, **columns) -> list[float | None]``; its
-        attribute ``extract_answer(completion)`` is the extraction above (maj@n evaluation
-        votes with it).
+        A reward function ``f(prompts, completions, **columns) -> list[float | None]`` with an
+        ``extract_answer`` attribute (for maj@n).
 
     Raises:
         ValueError: (here) if ``answer_column`` or ``name`` is empty, a reward value is not
