@@ -1,4 +1,4 @@
-"""Configuration of the decoder-only causal language models (Llama 3, Qwen2/2.5, Qwen3).
+"""Configuration of the decoder-only causal LMs (Llama 3, Qwen2/2.5, Qwen3, Mistral, Gemma 3).
 
 `CausalLMConfig` is the one description of an architecture. It converts to and from the
 `config.json` dictionaries that Hugging Face transformers reads and writes, so a checkpoint saved by
@@ -13,14 +13,30 @@ from typing import Any
 
 import jax.numpy as jnp
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "CausalLMConfig", "RopeScaling", "resolve_dtype"]
+__all__ = [
+    "ACTIVATIONS",
+    "LAYER_TYPES",
+    "SUPPORTED_MODEL_TYPES",
+    "CausalLMConfig",
+    "RopeScaling",
+    "resolve_dtype",
+]
 
 #: model_type -> Hugging Face architecture class name.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+
+#: MLP activations (transformers' names): SiLU, and GELU with its tanh approximation.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+#: Attention kinds of a layer (transformers' `layer_types`).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: Gemma 3's default layer pattern: five sliding-window layers, then one global layer.
+_GEMMA3_PATTERN = 6
 
 _DTYPES = ("float32", "bfloat16")
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -68,23 +84,29 @@ def _require_token_id(name: str, value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RopeScaling:
-    """Llama 3.1-style RoPE frequency scaling (`rope_type="llama3"`).
+    """RoPE frequency scaling: Llama 3.1's (`rope_type="llama3"`) or linear (`"linear"`).
 
-    Inverse frequencies with wavelength `2π/f` longer than
+    `"llama3"`: inverse frequencies with wavelength `2π/f` longer than
     `original_max_position_embeddings / low_freq_factor` are divided by `factor`; those shorter
     than `original_max_position_embeddings / high_freq_factor` are kept; the ones in between are
     interpolated with `s = (L_orig / wavelen - low) / (high - low)`:
     `f' = (1 - s) f / factor + s f`. This matches transformers' `_compute_llama3_parameters`.
 
+    `"linear"` (position interpolation; Gemma 3's global layers from 4B up): every inverse
+    frequency is divided by `factor`, `f' = f / factor`, as transformers'
+    `_compute_linear_scaling_rope_parameters`; the other fields stay None.
+
     Attributes:
-        factor: Scaling factor for the low frequencies (8 for Llama 3.1, 32 for Llama 3.2).
-        low_freq_factor: Low-frequency boundary factor (1 in Llama 3.1).
-        high_freq_factor: High-frequency boundary factor (4 in Llama 3.1).
-        original_max_position_embeddings: Context length of the original pretraining (8192).
-        rope_type: Only "llama3" is supported.
+        factor: Scaling factor (8 for Llama 3.1, 32 for Llama 3.2, 8 for Gemma 3 4B).
+        low_freq_factor: Low-frequency boundary factor (1 in Llama 3.1); "llama3" only.
+        high_freq_factor: High-frequency boundary factor (4 in Llama 3.1); "llama3" only.
+        original_max_position_embeddings: Context length of the original pretraining (8192);
+            "llama3" only.
+        rope_type: "llama3" or "linear".
 
     Raises:
-        ValueError: If a field is out of range or `rope_type` is not "llama3".
+        ValueError: If a field is out of range, missing for "llama3", set for "linear", or
+            `rope_type` is neither.
 
     Examples:
         >>> from artifex.generative_models.models.causal_lm import RopeScaling
@@ -92,19 +114,35 @@ class RopeScaling:
         ...                       original_max_position_embeddings=8192)
         >>> scaling.to_dict()["rope_type"], RopeScaling.from_dict(scaling.to_dict()) == scaling
         ('llama3', True)
+        >>> RopeScaling(factor=8.0, rope_type="linear").to_dict()
+        {'rope_type': 'linear', 'factor': 8.0}
     """
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
     rope_type: str = "llama3"
 
     def __post_init__(self) -> None:
-        if self.rope_type != "llama3":
-            msg = f"rope_scaling.rope_type: only 'llama3' is supported, got {self.rope_type!r}"
+        if self.rope_type not in ("llama3", "linear"):
+            msg = (
+                "rope_scaling.rope_type: only 'llama3' and 'linear' are supported, got "
+                f"{self.rope_type!r}"
+            )
             raise ValueError(msg)
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        value = self.factor
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            msg = f"rope_scaling.factor must be a positive number, got {value!r}"
+            raise ValueError(msg)
+        extra = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if self.rope_type == "linear":
+            given = [name for name in extra if getattr(self, name) is not None]
+            if given:
+                msg = f"rope_scaling: rope_type 'linear' takes only factor, got {given} too"
+                raise ValueError(msg)
+            return
+        for name in ("low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 msg = f"rope_scaling.{name} must be a positive number, got {value!r}"
@@ -124,25 +162,32 @@ class RopeScaling:
         """Builds the scaling from a Hugging Face `rope_scaling` / `rope_parameters` mapping.
 
         Args:
-            d: Mapping with `rope_type` (or the legacy `type`), `factor`, `low_freq_factor`,
-                `high_freq_factor` and `original_max_position_embeddings`; other keys (such as
-                `rope_theta`) are ignored.
+            d: Mapping with `rope_type` (or the legacy `type`) and `factor`; for "llama3" also
+                `low_freq_factor`, `high_freq_factor` and `original_max_position_embeddings`;
+                other keys (such as `rope_theta`) are ignored.
 
         Returns:
             The scaling.
 
         Raises:
-            ValueError: If the type is not "llama3" or a key is missing.
+            ValueError: If the type is neither "llama3" nor "linear", or a key is missing.
         """
         rope_type = d.get("rope_type", d.get("type"))
-        if rope_type != "llama3":
-            msg = f"rope_scaling: only rope_type 'llama3' is supported, got {rope_type!r}"
+        if rope_type not in ("llama3", "linear"):
+            msg = (
+                "rope_scaling: only rope_type 'llama3' and 'linear' are supported, got "
+                f"{rope_type!r}"
+            )
             raise ValueError(msg)
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        keys = ("factor",)
+        if rope_type == "llama3":
+            keys += ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         missing = [k for k in keys if k not in d]
         if missing:
-            msg = f"rope_scaling: missing keys {missing} for rope_type 'llama3', got {dict(d)}"
+            msg = f"rope_scaling: missing keys {missing} for rope_type {rope_type!r}, got {dict(d)}"
             raise ValueError(msg)
+        if rope_type == "linear":
+            return cls(factor=float(d["factor"]), rope_type="linear")
         return cls(
             factor=float(d["factor"]),
             low_freq_factor=float(d["low_freq_factor"]),
@@ -154,8 +199,10 @@ class RopeScaling:
         """Returns the Hugging Face `rope_scaling` dictionary.
 
         Returns:
-            A JSON-serialisable dict with `rope_type` and the four parameters.
+            A JSON-serialisable dict with `rope_type` and the type's parameters.
         """
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
         return {
             "rope_type": self.rope_type,
             "factor": self.factor,
@@ -167,16 +214,28 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CausalLMConfig:
-    """Architecture of a decoder-only transformer (Llama 3, Qwen2/2.5, Qwen3).
+    """Architecture of a decoder-only transformer (Llama 3, Qwen2/2.5, Qwen3, Mistral, Gemma 3).
 
     Each layer is `h += Attn(RMSNorm(h)); h += SwiGLU(RMSNorm(h))`, attention is grouped-query
     with rotate-half RoPE, and the logits are `RMSNorm(h) @ W_out` with `W_out = E^T` when the
     embeddings are tied. The families differ in a few switches: Qwen2 has q/k/v biases (no o_proj
     bias); Qwen3 applies an RMSNorm over the head dimension to q and k before RoPE and usually sets
-    `head_dim` explicitly; Llama 3.1+ scales the RoPE frequencies (`rope_scaling`).
+    `head_dim` explicitly; Llama 3.1+ scales the RoPE frequencies (`rope_scaling`); Mistral is
+    Llama without biases whose every layer attends to the last `sliding_window` slots only.
+    Gemma 3 (`"gemma3_text"`) scales the embeddings by `sqrt(hidden_size)`, uses RMSNorms that
+    multiply by `1 + w`, normalizes the attention and MLP outputs too
+    (`h += Norm(Attn(Norm(h))); h += Norm(MLP(Norm(h)))`), a GELU-tanh gated MLP, q/k RMSNorm,
+    the attention scale `query_pre_attn_scalar^-1/2`, and mixes sliding-window layers (RoPE base
+    `rope_local_theta`, no scaling) with global ones (`rope_theta`, `rope_scaling`) after
+    `layer_types`; its logits may be soft-capped, `c tanh(z / c)`.
+
+    A sliding-window layer lets the query in slot `q` (its column, or its KV-cache slot) attend
+    to key slots `s` with `q - s < sliding_window`, as transformers' masks do; with left padding
+    these are the last `sliding_window` tokens up to and including the query.
 
     Attributes:
-        model_type: "llama", "qwen2" or "qwen3" (decides the Hugging Face architecture).
+        model_type: "llama", "qwen2", "qwen3", "mistral" or "gemma3_text" (decides the Hugging
+            Face architecture).
         vocab_size: Number of token embeddings.
         hidden_size: Model width D.
         intermediate_size: Hidden width F of the SwiGLU MLP.
@@ -190,7 +249,21 @@ class CausalLMConfig:
         tie_word_embeddings: Whether the output projection is the transposed input embedding.
         attention_bias: Whether q/k/v projections have biases (Llama and Qwen3 then also give o_proj
             a bias, as transformers does; Qwen2 always has q/k/v biases and no o_proj bias).
-        qk_norm: Whether q and k get a per-head RMSNorm before RoPE (True exactly for Qwen3).
+        qk_norm: Whether q and k get a per-head RMSNorm before RoPE (True exactly for Qwen3 and
+            Gemma 3).
+        hidden_act: MLP activation, "silu" (SwiGLU) or "gelu_pytorch_tanh" (GELU with the tanh
+            approximation, Gemma 3's default).
+        sliding_window: Window W of the sliding-window layers (Mistral, Gemma 3), or None (full
+            attention; Gemma 3 then needs every layer full).
+        layer_types: Gemma 3 only: "full_attention" or "sliding_attention" per layer (a list is
+            converted); None means transformers' default pattern, every sixth layer global.
+            For Mistral every layer slides when `sliding_window` is set.
+        rope_local_theta: Gemma 3 only: RoPE base of the sliding-window layers (transformers'
+            `rope_local_base_freq`); None means 10000.
+        query_pre_attn_scalar: Gemma 3 only: scores are `q k^T / sqrt(query_pre_attn_scalar)`;
+            None means `head_dim`. Other families use `head_dim`.
+        final_logit_softcapping: Gemma 3 only: logits become `c tanh(z / c)` with this `c`;
+            None leaves them as they are.
         max_position_embeddings: Longest context the model is meant for (written to config.json).
         initializer_range: Standard deviation of the normal initialisation of weights.
         bos_token_id: Beginning-of-sequence id or None.
@@ -230,6 +303,12 @@ class CausalLMConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     bos_token_id: int | None = None
@@ -292,12 +371,14 @@ class CausalLMConfig:
                 "expected True, got False"
             )
             raise ValueError(msg)
-        if self.qk_norm != (self.model_type == "qwen3"):
+        wants_qk_norm = self.model_type in ("qwen3", "gemma3_text")
+        if self.qk_norm != wants_qk_norm:
             msg = (
                 f"qk_norm: model_type {self.model_type!r} requires qk_norm="
-                f"{self.model_type == 'qwen3'}, got {self.qk_norm}"
+                f"{wants_qk_norm}, got {self.qk_norm}"
             )
             raise ValueError(msg)
+        self._check_family_fields()
         for name in ("bos_token_id", "pad_token_id"):
             if getattr(self, name) is not None:
                 _require_token_id(name, getattr(self, name))
@@ -316,7 +397,103 @@ class CausalLMConfig:
             msg = f"param_dtype must be one of {_DTYPES}, got {self.param_dtype!r}"
             raise ValueError(msg)
 
+    def _check_family_fields(self) -> None:
+        """Validates (and completes) the Mistral and Gemma 3 fields."""
+        gemma = self.model_type == "gemma3_text"
+        if self.hidden_act not in ACTIVATIONS:
+            msg = f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}"
+            raise ValueError(msg)
+        if self.model_type == "mistral" and self.attention_bias:
+            msg = "attention_bias: model_type 'mistral' has no attention biases; expected False"
+            raise ValueError(msg)
+        if self.sliding_window is not None:
+            if self.model_type not in ("mistral", "gemma3_text"):
+                msg = (
+                    f"sliding_window: model_type {self.model_type!r} has no sliding-window "
+                    f"attention (only 'mistral' and 'gemma3_text'); expected None, got "
+                    f"{self.sliding_window!r}"
+                )
+                raise ValueError(msg)
+            _require_positive_int("sliding_window", self.sliding_window)
+        for name in ("layer_types", "rope_local_theta", "query_pre_attn_scalar"):
+            if not gemma and getattr(self, name) is not None:
+                msg = (
+                    f"{name}: only model_type 'gemma3_text' takes it; expected None for "
+                    f"{self.model_type!r}, got {getattr(self, name)!r}"
+                )
+                raise ValueError(msg)
+        if not gemma and self.final_logit_softcapping is not None:
+            msg = (
+                f"final_logit_softcapping: only model_type 'gemma3_text' takes it; expected None "
+                f"for {self.model_type!r}, got {self.final_logit_softcapping!r}"
+            )
+            raise ValueError(msg)
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            ):
+                msg = f"{name} must be a positive number or None, got {value!r}"
+                raise ValueError(msg)
+        if not gemma:
+            return
+        if self.rope_local_theta is None:
+            object.__setattr__(self, "rope_local_theta", 10_000.0)
+        if self.query_pre_attn_scalar is None:
+            object.__setattr__(self, "query_pre_attn_scalar", float(self.head_dim))
+        types = self.layer_types
+        if types is None:
+            types = tuple(
+                "full_attention" if (i + 1) % _GEMMA3_PATTERN == 0 else "sliding_attention"
+                for i in range(self.num_layers)
+            )
+        if not isinstance(types, list | tuple):
+            msg = f"layer_types must be a tuple of {LAYER_TYPES} per layer, got {types!r}"
+            raise ValueError(msg)
+        types = tuple(types)
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+            msg = (
+                f"layer_types must name one of {LAYER_TYPES} for each of the {self.num_layers} "
+                f"layers, got {types!r}"
+            )
+            raise ValueError(msg)
+        if "sliding_attention" in types and self.sliding_window is None:
+            msg = (
+                "sliding_window: model_type 'gemma3_text' with sliding_attention layers needs a "
+                "window (transformers' default is 4096), got None"
+            )
+            raise ValueError(msg)
+
     # ------------------------------------------------------------------ derived values
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends through the sliding window (see the class docstring)."""
+        if self.model_type == "gemma3_text":
+            return tuple(t == "sliding_attention" for t in self.layer_types)
+        return (self.sliding_window is not None,) * self.num_layers
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of `q k^T`: `query_pre_attn_scalar^-1/2` (Gemma 3), else `head_dim^-1/2`."""
+        scalar = self.query_pre_attn_scalar
+        return float((self.head_dim if scalar is None else scalar) ** -0.5)
+
+    @property
+    def norm_unit_offset(self) -> bool:
+        """Whether every RMSNorm multiplies by `1 + w` (Gemma 3) instead of `w`."""
+        return self.model_type == "gemma3_text"
+
+    @property
+    def embed_scale(self) -> float | None:
+        """Factor of the input embeddings, `sqrt(hidden_size)` for Gemma 3, else None."""
+        return float(self.hidden_size**0.5) if self.model_type == "gemma3_text" else None
+
+    @property
+    def post_norms(self) -> bool:
+        """Whether the attention and MLP outputs are normalized before the residual (Gemma 3)."""
+        return self.model_type == "gemma3_text"
 
     @property
     def num_groups(self) -> int:
@@ -352,7 +529,7 @@ class CausalLMConfig:
             attn += d
         if self.qk_norm:
             attn += 2 * h
-        layer = attn + 3 * d * f + 2 * d
+        layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * layer + d + head
 
@@ -435,9 +612,11 @@ class CausalLMConfig:
     def from_hf_config(cls, d: Mapping[str, Any]) -> CausalLMConfig:
         """Builds a config from a Hugging Face `config.json` dictionary.
 
-        Reads the legacy keys (`rope_theta`, `rope_scaling`) and the transformers 5 form
-        (`rope_parameters`). The parameter dtype is `bfloat16` when the checkpoint says so
-        (`torch_dtype` or `dtype`) and `float32` otherwise (float16 checkpoints load as float32).
+        Reads the legacy keys (`rope_theta`, `rope_scaling`; Gemma 3's `rope_local_base_freq`
+        and `sliding_window_pattern`) and the transformers 5 form (`rope_parameters`, for Gemma 3
+        one entry per layer type). Missing Gemma 3 keys take transformers' defaults. The
+        parameter dtype is `bfloat16` when the checkpoint says so (`torch_dtype` or `dtype`) and
+        `float32` otherwise (float16 checkpoints load as float32).
 
         Args:
             d: The parsed `config.json`.
@@ -447,12 +626,20 @@ class CausalLMConfig:
 
         Raises:
             ValueError: Naming the key, for an unsupported `model_type`, activation, sliding-window
-                attention, MLP bias, RoPE type, or a missing required key.
+                attention (Qwen's `use_sliding_window`), MLP bias, RoPE type, Gemma 3's
+                bidirectional attention or `attn_logit_softcapping` (which transformers' Gemma 3
+                does not apply), or a missing required key.
         """
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
+            hint = (
+                " (multimodal Gemma 3, Gemma3ForConditionalGeneration; only the text-only "
+                "'gemma3_text' is supported)"
+                if model_type == "gemma3"
+                else ""
+            )
             msg = (
-                f"model_type: unsupported architecture {model_type!r}; expected one of "
+                f"model_type: unsupported architecture {model_type!r}{hint}; expected one of "
                 f"{sorted(SUPPORTED_MODEL_TYPES)}"
             )
             raise ValueError(msg)
@@ -466,9 +653,14 @@ class CausalLMConfig:
             if key not in d:
                 msg = f"config.json ({model_type}): missing required key {key!r}"
                 raise ValueError(msg)
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            msg = f"hidden_act: only 'silu' is supported, got {act!r}"
+        gemma = model_type == "gemma3_text"
+        if gemma:
+            act_key = "hidden_activation" if "hidden_activation" in d else "hidden_act"
+            act = d.get(act_key) or "gelu_pytorch_tanh"
+        else:
+            act_key, act = "hidden_act", d.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            msg = f"{act_key}: only {ACTIVATIONS} are supported, got {act!r}"
             raise ValueError(msg)
         if d.get("mlp_bias", False):
             msg = "mlp_bias: MLP biases are not supported, got True"
@@ -480,30 +672,63 @@ class CausalLMConfig:
             msg = f"pretraining_tp: only 1 is supported, got {d.get('pretraining_tp')!r}"
             raise ValueError(msg)
 
+        family: dict[str, Any] = {}
         rope_params = d.get("rope_parameters")
-        rope_theta = d.get("rope_theta")
-        rope_scaling_d = d.get("rope_scaling")
-        if isinstance(rope_params, Mapping):
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            rope_scaling_d = rope_params
-        if rope_theta is None:
-            rope_theta = 10_000.0
-        rope_scaling = None
-        if rope_scaling_d:
-            rope_type = rope_scaling_d.get("rope_type", rope_scaling_d.get("type", "default"))
-            if rope_type == "llama3":
-                rope_scaling = RopeScaling.from_dict(rope_scaling_d)
-            elif rope_type != "default":
-                msg = f"rope_scaling: unsupported rope_type {rope_type!r}; supported: 'llama3'"
+        if gemma:
+            for key in ("use_bidirectional_attention", "attn_logit_softcapping"):
+                if d.get(key):
+                    msg = (
+                        f"{key}: not supported, got {d[key]!r} (transformers' Gemma3ForCausalLM "
+                        "does not apply attn_logit_softcapping; bidirectional attention is for "
+                        "embedding models)"
+                    )
+                    raise ValueError(msg)
+            if isinstance(rope_params, Mapping) and any(t in rope_params for t in LAYER_TYPES):
+                global_d = rope_params.get("full_attention") or {}
+                local_d = rope_params.get("sliding_attention") or {}
+            else:
+                global_d = {"rope_theta": d.get("rope_theta"), **(d.get("rope_scaling") or {})}
+                local_d = {"rope_theta": d.get("rope_local_base_freq")}
+            rope_theta, rope_scaling = _rope_entry(global_d, 1_000_000.0, "rope_parameters")
+            local_theta, local_scaling = _rope_entry(local_d, 10_000.0, "rope_parameters")
+            if local_scaling is not None:
+                msg = (
+                    "rope_parameters['sliding_attention']: RoPE scaling of the sliding-window "
+                    f"layers is not supported, got {dict(local_d)}"
+                )
                 raise ValueError(msg)
+            layer_types = d.get("layer_types")
+            if layer_types is None:
+                pattern = int(d.get("sliding_window_pattern") or _GEMMA3_PATTERN)
+                layer_types = [
+                    "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                    for i in range(int(d["num_hidden_layers"]))
+                ]
+            scalar = d.get("query_pre_attn_scalar", 256)
+            family = {
+                "sliding_window": d.get("sliding_window", 4096),
+                "layer_types": tuple(layer_types),
+                "rope_local_theta": float(local_theta),
+                "query_pre_attn_scalar": None if scalar is None else float(scalar),
+                "final_logit_softcapping": d.get("final_logit_softcapping"),
+            }
+        else:
+            legacy = {"rope_theta": d.get("rope_theta"), **(d.get("rope_scaling") or {})}
+            if isinstance(rope_params, Mapping):
+                legacy = {**legacy, **rope_params}
+            rope_theta, rope_scaling = _rope_entry(legacy, 10_000.0, "rope_scaling")
+            if model_type == "mistral":
+                family = {"sliding_window": d.get("sliding_window")}
 
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // num_heads
         dtype_name = d.get("torch_dtype", d.get("dtype"))
         param_dtype = "bfloat16" if dtype_name == "bfloat16" else "float32"
-        # Qwen2 hard-codes q/k/v biases; Llama and Qwen3 read attention_bias.
-        attention_bias = model_type == "qwen2" or bool(d.get("attention_bias", False))
+        # Qwen2 hard-codes q/k/v biases and Mistral none; the others read attention_bias.
+        attention_bias = model_type == "qwen2" or (
+            model_type != "mistral" and bool(d.get("attention_bias", False))
+        )
         eos = d.get("eos_token_id")
         return cls(
             model_type=model_type,
@@ -517,22 +742,24 @@ class CausalLMConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            hidden_act=act,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             initializer_range=float(d.get("initializer_range", 0.02)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=d.get("pad_token_id"),
             param_dtype=param_dtype,
+            **family,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
         """Returns a `config.json` dictionary that transformers reads back.
 
-        RoPE is written in the legacy form (`rope_theta`, `rope_scaling`), which transformers 4 and
-        5 both read.
+        RoPE is written in the legacy form (`rope_theta`, `rope_scaling`; for Gemma 3 also
+        `rope_local_base_freq`), which transformers 4 and 5 both read.
 
         Returns:
             A JSON-serialisable dict with `architectures` and `model_type` set.
@@ -548,7 +775,7 @@ class CausalLMConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "max_position_embeddings": self.max_position_embeddings,
             "initializer_range": self.initializer_range,
             "rms_norm_eps": self.rms_norm_eps,
@@ -570,9 +797,37 @@ class CausalLMConfig:
             out["use_sliding_window"] = False
             out["sliding_window"] = None
             out["max_window_layers"] = self.num_layers
-        else:  # qwen3
+        elif self.model_type == "qwen3":
             out["attention_bias"] = self.attention_bias
             out["use_sliding_window"] = False
             out["sliding_window"] = None
             out["max_window_layers"] = self.num_layers
+        elif self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        else:  # gemma3_text
+            out["hidden_activation"] = out.pop("hidden_act")
+            out["attention_bias"] = self.attention_bias
+            out["rope_local_base_freq"] = self.rope_local_theta
+            out["sliding_window"] = self.sliding_window
+            out["layer_types"] = list(self.layer_types)
+            out["query_pre_attn_scalar"] = self.query_pre_attn_scalar
+            out["final_logit_softcapping"] = self.final_logit_softcapping
+            out["attn_logit_softcapping"] = None
+            out["use_bidirectional_attention"] = False
         return out
+
+
+def _rope_entry(
+    d: Mapping[str, Any], default_theta: float, key: str
+) -> tuple[float, RopeScaling | None]:
+    """`(theta, scaling)` of one RoPE parameter mapping (legacy keys merged into it)."""
+    theta = d.get("rope_theta")
+    rope_type = d.get("rope_type", d.get("type", "default"))
+    if rope_type in (None, "default"):
+        scaling = None
+    elif rope_type in ("llama3", "linear"):
+        scaling = RopeScaling.from_dict(d)
+    else:
+        msg = f"{key}: unsupported rope_type {rope_type!r}; supported: 'llama3', 'linear'"
+        raise ValueError(msg)
+    return float(default_theta if theta is None else theta), scaling

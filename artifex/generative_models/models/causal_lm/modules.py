@@ -38,11 +38,17 @@ class SharedPrefixMask:
     layer together: the prompt's keys and values are computed once per group and read by all
     its completions, without a KV cache or a copy per completion.
 
+    With ``window`` (sliding-window layers) a query also attends only to keys fewer than
+    ``window`` slots back, counting slots as in ``[prompt ; completion]``: completion token
+    ``t`` sits in slot ``P + t``.
+
     Attributes:
         prompt: Bool ``(B, P, P)``: prompt query ``t`` may attend to prompt key ``s``.
         prefix: Bool ``(B, P)``: prompt key ``s`` is a real token.
         group_size: Completions per group (static).
         prompt_length: ``P`` (static).
+        window: Optional int32 scalar ``W`` (an array, so that layers with different windows
+            share one structure); None: no window.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -58,6 +64,7 @@ class SharedPrefixMask:
     prefix: jax.Array
     group_size: int = dataclasses.field(metadata=dict(static=True))
     prompt_length: int = dataclasses.field(metadata=dict(static=True))
+    window: jax.Array | None = None
 
 
 def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -113,12 +120,15 @@ class RMSNorm(nnx.Module):
     """Root-mean-square normalisation `y = x / sqrt(mean(x^2) + eps) * scale`.
 
     The statistic is computed in float32 and the normalised value cast back to the input dtype
-    before the (learned) scale multiplies it, as in transformers' `LlamaRMSNorm`.
+    before the (learned) scale multiplies it, as in transformers' `LlamaRMSNorm`. With
+    `unit_offset` (Gemma 3) the factor is `1 + scale`, `scale` starts at 0, and the product is
+    taken in float32 before the cast, as in transformers' `Gemma3RMSNorm`.
 
     Args:
         dim: Width of the normalised (last) axis.
         eps: Epsilon added to the mean square.
         dtype: Parameter and compute dtype.
+        unit_offset: Multiply by `1 + scale` (Gemma) instead of `scale`.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -132,9 +142,12 @@ class RMSNorm(nnx.Module):
         Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019.
     """
 
-    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype) -> None:
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    def __init__(
+        self, dim: int, *, eps: float, dtype: jnp.dtype, unit_offset: bool = False
+    ) -> None:
+        self.scale = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((dim,), dtype))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Normalises the last axis.
@@ -147,6 +160,9 @@ class RMSNorm(nnx.Module):
         """
         x32 = x.astype(jnp.float32)
         var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        if self.unit_offset:
+            y = x32 * jax.lax.rsqrt(var + self.eps)
+            return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
         return self.scale[...] * y
 
@@ -161,6 +177,9 @@ class Embed(nnx.Module):
         dtype: Parameter and compute dtype.
         rngs: Random streams (`params`).
         padding_idx: Row initialised to zero (as transformers does for `pad_token_id`), or None.
+        scale: Optional factor of the looked-up rows, applied in the table's dtype (Gemma's
+            `sqrt(D)`, rounded to that dtype first as transformers does); the table itself
+            (a tied output matrix) is not scaled.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -181,11 +200,13 @@ class Embed(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
         padding_idx: int | None = None,
+        scale: float | None = None,
     ) -> None:
         table = _normal(rngs, (num_embeddings, features), std, dtype)
         if padding_idx is not None and 0 <= padding_idx < num_embeddings:
             table = table.at[padding_idx].set(0)
         self.embedding = nnx.Param(table)
+        self.scale = scale
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """Looks up token ids.
@@ -199,7 +220,8 @@ class Embed(nnx.Module):
         Returns:
             Embeddings (B, T, D).
         """
-        return jnp.take(self.embedding[...], ids, axis=0, mode="clip")
+        x = jnp.take(self.embedding[...], ids, axis=0, mode="clip")
+        return x if self.scale is None else x * jnp.asarray(self.scale, x.dtype)
 
 
 class Linear(nnx.Module):
@@ -265,7 +287,8 @@ class Linear(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional q/k RMSNorm and an optional KV cache.
 
-    `softmax(q k^T / sqrt(H) + mask) v` per head, where query head `n` reads key/value head
+    `softmax(s q k^T + mask) v` per head with `s = config.attention_scale` (`1 / sqrt(H)`,
+    or Gemma 3's `1 / sqrt(query_pre_attn_scalar)`), where query head `n` reads key/value head
     `n // G`. Keys and values are never repeated: queries are viewed as (B, T, K, G, H) and the
     einsums contract over shared K. Scores and the softmax are float32.
 
@@ -294,6 +317,7 @@ class Attention(nnx.Module):
         std = config.initializer_range
         qkv_bias = config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+        self.scale = config.attention_scale
         self.q_proj = Linear(d, n * h, use_bias=qkv_bias, std=std, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d, k * h, use_bias=qkv_bias, std=std, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d, k * h, use_bias=qkv_bias, std=std, dtype=dtype, rngs=rngs)
@@ -301,8 +325,9 @@ class Attention(nnx.Module):
             n * h, d, use_bias=config.attention_out_bias, std=std, dtype=dtype, rngs=rngs
         )
         if config.qk_norm:
-            self.q_norm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
+            offset = config.norm_unit_offset
+            self.q_norm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype, unit_offset=offset)
+            self.k_norm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype, unit_offset=offset)
         else:
             self.q_norm = None
             self.k_norm = None
@@ -357,9 +382,11 @@ class Attention(nnx.Module):
             if kv is not None:
                 msg = "a SharedPrefixMask runs without a KV cache"
                 raise ValueError(msg)
-            out = _shared_prefix_attention(q, key, value, mask)
+            out = _shared_prefix_attention(q, key, value, mask, scale=self.scale)
         else:
-            out = _grouped_attention(q, key, value, mask, keys_transposed=kv is not None)
+            out = _grouped_attention(
+                q, key, value, mask, keys_transposed=kv is not None, scale=self.scale
+            )
         return self.o_proj(out.reshape(b, t, n * h)), kv
 
 
@@ -382,7 +409,13 @@ def _write_slots(cache: jax.Array, update: jax.Array, start: tuple[jax.Array, ..
 
 
 def _grouped_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, keys_transposed: bool = False
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    keys_transposed: bool = False,
+    scale: float | None = None,
 ) -> jax.Array:
     """GQA with the G query heads of a kv head folded into the query axis.
 
@@ -400,6 +433,7 @@ def _grouped_attention(
         v: Values (B, K, S, H).
         mask: Bool (B, T, S).
         keys_transposed: `k` is laid out (B, K, H, S), as the KV cache holds it.
+        scale: Factor of the scores; None means `1 / sqrt(H)`.
 
     Returns:
         Attention output (B, T, N, H).
@@ -412,7 +446,7 @@ def _grouped_attention(
     spec = "BKQH,BKHS->BKQS" if keys_transposed else "BKQH,BKSH->BKQS"
     scores = jnp.einsum(spec, queries, k, preferred_element_type=jnp.float32)
     allowed = jnp.tile(mask, (1, groups, 1))[:, None]  # (B, 1, G*T, S)
-    scores = jnp.where(allowed, scores * (h**-0.5), MASK_VALUE)
+    scores = jnp.where(allowed, scores * (h**-0.5 if scale is None else scale), MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     f32 = jnp.float32 if f32_products(v.dtype) or v.dtype != probs.dtype else None
     out = jnp.einsum("BKQS,BKSH->BKQH", probs, v, preferred_element_type=f32).astype(q.dtype)
@@ -420,7 +454,7 @@ def _grouped_attention(
 
 
 def _shared_prefix_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: SharedPrefixMask
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: SharedPrefixMask, *, scale: float | None = None
 ) -> jax.Array:
     """GQA over rows laid out as ``[prompt ; completion 1 ; ... ; completion C]``.
 
@@ -434,7 +468,8 @@ def _shared_prefix_attention(
         q: Queries (B, L, N, H), ``L = P + C * T``.
         k: Keys (B, K, L, H).
         v: Values (B, K, L, H).
-        mask: The layout and the prompt masks.
+        mask: The layout and the prompt masks (and the window, if any).
+        scale: Factor of the scores; None means `1 / sqrt(H)`.
 
     Returns:
         Attention output (B, L, N, H).
@@ -450,7 +485,16 @@ def _shared_prefix_attention(
         )
         raise ValueError(msg)
     t = (length - p) // c
-    out_prompt = _grouped_attention(q[:, :p], k[:, :, :p], v[:, :, :p], mask.prompt)
+    prompt_mask, prefix = mask.prompt, mask.prefix[:, None, None, None, :]
+    causal = jnp.tile(jnp.tril(jnp.ones((t, t), jnp.bool_)), (groups, 1))  # (Q, T)
+    if mask.window is not None:  # slots back from the query: prompt t - s, prefix P + t - s
+        rows, cols = jnp.arange(p)[:, None], jnp.arange(p)[None, :]
+        prompt_mask = prompt_mask & (rows - cols < mask.window)[None]
+        query_slots = p + jnp.tile(jnp.arange(t), groups)[:, None]  # (Q, 1)
+        prefix = prefix & (query_slots - cols < mask.window)
+        own = jnp.tile(jnp.arange(t), groups)[:, None] - jnp.arange(t)[None, :]
+        causal = causal & (own < mask.window)
+    out_prompt = _grouped_attention(q[:, :p], k[:, :, :p], v[:, :, :p], prompt_mask, scale=scale)
     # Completion queries as (B, K, C, Q, H), Q = G * T with row g * T + t as in _grouped_attention
     queries = q[:, p:].reshape(b, c, t, kv_heads, groups, h).transpose(0, 3, 1, 4, 2, 5)
     queries = queries.reshape(b, kv_heads, c, groups * t, h)
@@ -459,9 +503,8 @@ def _shared_prefix_attention(
     f32 = jnp.float32
     to_prefix = jnp.einsum("BKCQH,BKSH->BKCQS", queries, k[:, :, :p], preferred_element_type=f32)
     to_own = jnp.einsum("BKCQH,BKCSH->BKCQS", queries, own_k, preferred_element_type=f32)
-    causal = jnp.tile(jnp.tril(jnp.ones((t, t), jnp.bool_)), (groups, 1))  # (Q, T)
-    scale = h**-0.5
-    to_prefix = jnp.where(mask.prefix[:, None, None, None, :], to_prefix * scale, MASK_VALUE)
+    scale = h**-0.5 if scale is None else scale
+    to_prefix = jnp.where(prefix, to_prefix * scale, MASK_VALUE)
     to_own = jnp.where(causal, to_own * scale, MASK_VALUE)
     # One softmax over both parts without joining them: the shift is the larger of the two
     # maxima (a constant for the gradient: the softmax does not depend on it), the exponentials
@@ -486,7 +529,10 @@ def _shared_prefix_attention(
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward block `down(silu(gate(x)) * up(x))`.
+    """Gated feed-forward block `down(act(gate(x)) * up(x))`.
+
+    `act` is SiLU (SwiGLU) or, with `config.hidden_act="gelu_pytorch_tanh"` (Gemma 3), GELU's
+    tanh approximation `x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
 
     Args:
         config: Model configuration.
@@ -512,6 +558,7 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(d, f, use_bias=False, std=std, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, f, use_bias=False, std=std, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, d, use_bias=False, std=std, dtype=dtype, rngs=rngs)
+        self.activation = config.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the block.
@@ -522,11 +569,19 @@ class MLP(nnx.Module):
         Returns:
             Array (B, T, D).
         """
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        if self.activation == "gelu_pytorch_tanh":
+            gate = jax.nn.gelu(gate, approximate=True)
+        else:
+            gate = jax.nn.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm decoder layer: `h = x + attn(attn_norm(x)); y = h + mlp(mlp_norm(h))`.
+
+    With `config.post_norms` (Gemma 3) the block outputs are normalized too:
+    `h = x + post_attn_norm(attn(attn_norm(x))); y = h + post_mlp_norm(mlp(mlp_norm(h)))`.
 
     Args:
         config: Model configuration.
@@ -545,10 +600,17 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, config: CausalLMConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        self.attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        d, eps, offset = config.hidden_size, config.rms_norm_eps, config.norm_unit_offset
+        self.attn_norm = RMSNorm(d, eps=eps, dtype=dtype, unit_offset=offset)
         self.attn = Attention(config, dtype=dtype, rngs=rngs)
-        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.mlp_norm = RMSNorm(d, eps=eps, dtype=dtype, unit_offset=offset)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+        if config.post_norms:
+            self.post_attn_norm = RMSNorm(d, eps=eps, dtype=dtype, unit_offset=offset)
+            self.post_mlp_norm = RMSNorm(d, eps=eps, dtype=dtype, unit_offset=offset)
+        else:
+            self.post_attn_norm = None
+            self.post_mlp_norm = None
 
     def __call__(
         self,
@@ -573,5 +635,10 @@ class DecoderLayer(nnx.Module):
             `(y, kv)`: hidden states (B, T, D) and the updated cache (or None).
         """
         attn_out, kv = self.attn(self.attn_norm(x), cos, sin, mask, kv, index)
+        if self.post_attn_norm is not None:
+            attn_out = self.post_attn_norm(attn_out)
         h = x + attn_out
-        return h + self.mlp(self.mlp_norm(h)), kv
+        mlp_out = self.mlp(self.mlp_norm(h))
+        if self.post_mlp_norm is not None:
+            mlp_out = self.post_mlp_norm(mlp_out)
+        return h + mlp_out, kv

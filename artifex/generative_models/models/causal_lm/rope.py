@@ -16,16 +16,17 @@ __all__ = ["apply_rope", "rope_cos_sin", "rope_inv_frequencies"]
 def rope_inv_frequencies(
     head_dim: int, theta: float, scaling: RopeScaling | None = None
 ) -> np.ndarray:
-    """Inverse frequencies `f_i = theta^(-2i/H)`, optionally with Llama 3.1 scaling.
+    """Inverse frequencies `f_i = theta^(-2i/H)`, optionally with Llama 3.1 or linear scaling.
 
     Computed in float32 with the same operations as transformers
-    (`_compute_default_rope_parameters` / `_compute_llama3_parameters`), so the frequencies agree
-    bit for bit up to the platform's `pow`.
+    (`_compute_default_rope_parameters` / `_compute_llama3_parameters` /
+    `_compute_linear_scaling_rope_parameters`), so the frequencies agree bit for bit up to the
+    platform's `pow`. Linear scaling divides every frequency by `factor`.
 
     Args:
         head_dim: Head width H (even).
         theta: RoPE base.
-        scaling: Optional `RopeScaling` (rope_type "llama3").
+        scaling: Optional `RopeScaling` (rope_type "llama3" or "linear").
 
     Returns:
         A float32 NumPy array of shape (H/2,).
@@ -44,6 +45,8 @@ def rope_inv_frequencies(
     if scaling is None:
         return inv_freq
     factor = np.float32(scaling.factor)
+    if scaling.rope_type == "linear":
+        return (inv_freq / factor).astype(np.float32)
     low, high = scaling.low_freq_factor, scaling.high_freq_factor
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / low
