@@ -34,7 +34,14 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["build_parser", "float32_precision_notice", "import_object", "load_rows", "main"]
+__all__ = [
+    "build_parser",
+    "float32_precision_notice",
+    "import_object",
+    "load_rows",
+    "lr_schedule",
+    "main",
+]
 
 _REWARDS = ("math", "format", "overlong")
 
@@ -104,6 +111,48 @@ def _non_negative(kind: type) -> Any:
 
     parse.__name__ = f"non-negative {kind.__name__}"
     return parse
+
+
+def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps: int) -> Any:
+    """The learning-rate schedule of ``artifex-grpo train`` (an optax schedule).
+
+    ``warmup_steps`` updates rise linearly from 0 to ``learning_rate`` (update ``i`` of the
+    warm-up uses ``learning_rate * i / warmup_steps``); with ``warmup_steps=0`` the first
+    update already uses ``learning_rate``. Then ``"constant"`` keeps it, ``"linear"`` decays it
+    linearly and ``"cosine"`` along a half cosine, both to 0 at ``total_steps``.
+
+    Args:
+        kind: ``"constant"``, ``"linear"`` or ``"cosine"``.
+        learning_rate: The peak rate.
+        warmup_steps: Updates of linear warm-up, >= 0.
+        total_steps: Updates of the whole run.
+
+    Returns:
+        The schedule: update index -> learning rate.
+
+    Examples:
+        >>> from artifex.cli import lr_schedule
+        >>> [float(lr_schedule("constant", 0.1, 0, 10)(i)) for i in (0, 5)]
+        [0.1, 0.1]
+        >>> [round(float(lr_schedule("linear", 0.1, 2, 6)(i)), 3) for i in range(7)]
+        [0.0, 0.05, 0.1, 0.075, 0.05, 0.025, 0.0]
+    """
+    import optax
+
+    decay = max(total_steps - warmup_steps, 1)
+    if kind == "cosine":
+        after = optax.cosine_decay_schedule(learning_rate, decay)
+    elif kind == "linear":
+        after = optax.linear_schedule(learning_rate, 0.0, decay)
+    elif kind == "constant":
+        after = optax.constant_schedule(learning_rate)
+    else:
+        msg = f"lr schedule: expected 'constant', 'linear' or 'cosine', got {kind!r}"
+        raise ValueError(msg)
+    if warmup_steps == 0:
+        return after
+    warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
+    return optax.join_schedules([warmup, after], [warmup_steps])
 
 
 def _finite_float(text: str) -> float:
@@ -1121,26 +1170,7 @@ def _train_held(
     rewards = _build_rewards(args, grpo.num_generations, rollout_config.max_new_tokens)
 
     total = loop.num_steps * loop.num_iterations * loop.num_minibatches
-    if args.lr_schedule == "cosine":
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0, args.learning_rate, max(args.warmup_steps, 1), max(total, 2)
-        )
-    elif args.lr_schedule == "linear":
-        schedule = optax.join_schedules(
-            [
-                optax.linear_schedule(0.0, args.learning_rate, max(args.warmup_steps, 1)),
-                optax.linear_schedule(args.learning_rate, 0.0, max(total - args.warmup_steps, 1)),
-            ],
-            [max(args.warmup_steps, 1)],
-        )
-    else:
-        schedule = optax.join_schedules(
-            [
-                optax.linear_schedule(0.0, args.learning_rate, max(args.warmup_steps, 1)),
-                optax.constant_schedule(args.learning_rate),
-            ],
-            [max(args.warmup_steps, 1)],
-        )
+    schedule = lr_schedule(args.lr_schedule, args.learning_rate, args.warmup_steps, total)
     tx = optax.inject_hyperparams(optax.adamw)(
         learning_rate=schedule, weight_decay=args.weight_decay
     )
