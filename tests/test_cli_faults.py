@@ -129,7 +129,7 @@ def test_a_failed_export_keeps_the_trained_state_and_the_same_command_exports_it
         return real(tensors, config, path, **kw)
 
     monkeypatch.setattr(hf_io, "write_hf_checkpoint", full_disk)
-    args = args_for(env, out, steps=2)  # the first update runs at learning rate 0 (warm-up)
+    args = args_for(env, out, steps=2)
     assert main(args) == 2
     err = capsys.readouterr().err
     ckpt = tmp_path / "runs" / "checkpoints"
