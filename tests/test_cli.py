@@ -73,6 +73,9 @@ def test_train_command_saves_a_loadable_model(tmp_path, model_dir, data_file, lo
             "--checkpoint-dir",
             str(tmp_path / "ckpt"),
             *ARGS,
+            # the untrained model answers nothing right: a reward that differs within groups
+            "--reward",
+            "tests.spread_reward:text_reward",
             *extra,
         ]
     )

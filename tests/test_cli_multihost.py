@@ -68,6 +68,7 @@ def test_train_command_runs_and_resumes_across_two_processes(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ["--model", model_dir, "--data", str(data), "--checkpoint-dir", str(ckpt)]
     common += ["--checkpoint-every", "1", "--reward", "math", "--prompts-per-step", "4"]
+    common += ["--reward", "tests.spread_reward:text_reward"]  # rewards that differ in groups
     common += ["--num-generations", "4", "--max-new-tokens", "4", "--progress", "false"]
     common += ["--learning-rate", "1e-3", "--mesh-fsdp", "2"]
     out = tmp_path / "run" / "model"

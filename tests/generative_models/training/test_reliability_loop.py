@@ -169,8 +169,18 @@ def test_loop_never_checkpoints_a_non_finite_update_and_names_the_step(tmp_path)
     # A schedule that overflows after the first update: step 1 trains, step 2 overflows.
     tx = optax.sgd(lambda count: jnp.where(count >= 1, 1e39, 1e-3))
     trainer, tok = make_trainer(tx=tx)
+    # rewards that differ within groups: a batch of zero advantages would not be applied
+    from tests.spread_reward import text_reward
+
     with pytest.raises(NonFiniteUpdateError, match=r"training step 2 .*updated parameters"):
-        run(trainer, tok, num_steps=3, checkpoint_dir=ckpt, checkpoint_every=1)
+        run(
+            trainer,
+            tok,
+            rewards=(text_reward,),
+            num_steps=3,
+            checkpoint_dir=ckpt,
+            checkpoint_every=1,
+        )
     manager = CheckpointManager(ckpt)
     assert manager.all_steps() == [1]
     after_step_1, _ = make_trainer(seed=9, tx=tx)
