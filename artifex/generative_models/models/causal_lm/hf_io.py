@@ -91,7 +91,9 @@ def hf_tensor_map(config: CausalLMConfig) -> dict[str, tuple[PathParts, bool]]:
     Returns:
         `{hf_name: (path, transpose)}`, where `transpose` is True for linear weights
         (HF stores (out, in); our kernels are (in, out)). `lm_head.weight` is absent when the
-        embeddings are tied.
+        embeddings are tied. For Gemma 3, `post_attention_layernorm` is the norm after the
+        attention block (`post_attn_norm`), `pre_feedforward_layernorm` the one before the MLP
+        (`mlp_norm`) and `post_feedforward_layernorm` the one after it (`post_mlp_norm`).
 
     Examples:
         >>> from artifex.generative_models.models.causal_lm import CausalLMConfig, hf_tensor_map
@@ -111,7 +113,15 @@ def hf_tensor_map(config: CausalLMConfig) -> dict[str, tuple[PathParts, bool]]:
         hf = f"model.layers.{i}"
         ours: PathParts = ("layers", i)
         out[f"{hf}.input_layernorm.weight"] = ((*ours, "attn_norm", "scale"), False)
-        out[f"{hf}.post_attention_layernorm.weight"] = ((*ours, "mlp_norm", "scale"), False)
+        if config.post_norms:  # Gemma 3: a norm after each block, and one before the MLP
+            for name, norm in (
+                ("post_attention_layernorm", "post_attn_norm"),
+                ("pre_feedforward_layernorm", "mlp_norm"),
+                ("post_feedforward_layernorm", "post_mlp_norm"),
+            ):
+                out[f"{hf}.{name}.weight"] = ((*ours, norm, "scale"), False)
+        else:
+            out[f"{hf}.post_attention_layernorm.weight"] = ((*ours, "mlp_norm", "scale"), False)
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             out[f"{hf}.self_attn.{proj}.weight"] = ((*ours, "attn", proj, "kernel"), True)
         if config.attention_bias:

@@ -1,4 +1,4 @@
-"""The decoder-only causal language model (Llama 3, Qwen2/2.5, Qwen3) in Flax NNX.
+"""The decoder-only causal LM (Llama 3, Qwen2/2.5, Qwen3, Mistral, Gemma 3) in Flax NNX.
 
 Parameter paths (as in `nnx.state(model)`, dotted; `i` is the layer index) and the Hugging Face
 tensors they load from (linear kernels are the transposed HF weights):
@@ -9,8 +9,14 @@ tensors they load from (linear kernels are the transposed HF weights):
   <- `model.layers.i.self_attn.{q,k,v,o}_proj.weight`.T
 - `layers.i.attn.{q,k,v,o}_proj.bias` <- `....bias` (q/k/v with `attention_bias`; o_proj for
   Llama/Qwen3 with `attention_bias`)
-- `layers.i.attn.{q,k}_norm.scale` (H,) <- `model.layers.i.self_attn.{q,k}_norm.weight` (Qwen3)
-- `layers.i.mlp_norm.scale` (D,) <- `model.layers.i.post_attention_layernorm.weight`
+- `layers.i.attn.{q,k}_norm.scale` (H,) <- `model.layers.i.self_attn.{q,k}_norm.weight` (Qwen3,
+  Gemma 3)
+- `layers.i.mlp_norm.scale` (D,) <- `model.layers.i.post_attention_layernorm.weight` (Gemma 3:
+  `model.layers.i.pre_feedforward_layernorm.weight`)
+- Gemma 3 only: `layers.i.post_attn_norm.scale` (D,) <-
+  `model.layers.i.post_attention_layernorm.weight`, `layers.i.post_mlp_norm.scale` (D,) <-
+  `model.layers.i.post_feedforward_layernorm.weight`; Gemma's norm scales hold transformers'
+  `w` (the norms multiply by `1 + w`)
 - `layers.i.mlp.{gate,up}_proj.kernel` (D, F), `layers.i.mlp.down_proj.kernel` (F, D)
   <- `model.layers.i.mlp.{gate,up,down}_proj.weight`.T
 - `final_norm.scale` (D,) <- `model.norm.weight`
@@ -26,6 +32,7 @@ layer weight, with a leading layer axis, at `layers.<name>` instead of `layers.i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -156,7 +163,7 @@ def _rope_table_program(bound: int, inv_freq: jax.Array, dtype: str) -> tuple[ja
 
 
 class CausalLM(nnx.Module):
-    """Decoder-only transformer language model (Llama 3, Qwen2/2.5, Qwen3).
+    """Decoder-only transformer language model (Llama 3, Qwen2/2.5, Qwen3, Mistral, Gemma 3).
 
     `logits = RMSNorm(h_L) W_out`, `h_l = Layer_l(h_{l-1})`, `h_0 = E[ids]`. Parameters live in the
     parameter dtype (config `param_dtype`, or `dtype`) and compute runs in it, except the
@@ -226,11 +233,17 @@ class CausalLM(nnx.Module):
             dtype=dt,
             rngs=rngs,
             padding_idx=config.pad_token_id,
+            scale=config.embed_scale,
         )
         self.layers = nnx.List(
             [DecoderLayer(config, dtype=dt, rngs=rngs) for _ in range(config.num_layers)]
         )
-        self.final_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dt)
+        self.final_norm = RMSNorm(
+            config.hidden_size,
+            eps=config.rms_norm_eps,
+            dtype=dt,
+            unit_offset=config.norm_unit_offset,
+        )
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -353,11 +366,12 @@ class CausalLM(nnx.Module):
             mask = valid[:, None, :] & (slots[None, None, :] <= query_slots[None, :, None])
             kv = (cache.keys, cache.values)
 
-        cfg = self.config
-        inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
-        cos, sin = _rope_tables(positions, inv_freq, self.dtype, bound)
+        q_slots = jnp.arange(t, dtype=jnp.int32) if cache is None else query_slots
+        (cos, sin, mask), sliding = self._attention_inputs(
+            positions, bound, mask, q_slots, jnp.arange(mask.shape[-1], dtype=jnp.int32)
+        )
         h = self.embed(input_ids).astype(self.dtype)
-        h, kv = self._run_layers(h, cos, sin, mask, kv, index, remat, layer_stack)
+        h, kv = self._run_layers(h, cos, sin, mask, kv, index, remat, layer_stack, sliding)
         hidden = self.final_norm(h)
         if cache is None:
             return hidden, None
@@ -369,6 +383,48 @@ class CausalLM(nnx.Module):
         new_cache = cache.replace(keys=keys, values=values, valid=valid, index=index + t)
         return hidden, new_cache
 
+    def _attention_inputs(
+        self,
+        positions: jax.Array,
+        bound: int | None,
+        mask: Any,
+        query_slots: jax.Array,
+        key_slots: jax.Array,
+    ) -> tuple[tuple[jax.Array, jax.Array, Any], tuple[jax.Array, jax.Array, Any] | None]:
+        """The layers' `(cos, sin, mask)`, and those of the sliding-window layers if they differ.
+
+        A sliding-window layer's mask also requires `query_slot - key_slot < sliding_window`
+        (slots: (T,) and (S,), or per row (B, T) and (B, S)); a `SharedPrefixMask` gets the
+        window as its `window`. Gemma 3's sliding-window layers take RoPE tables of base
+        `rope_local_theta`, unscaled. When every layer is of one kind the first element holds
+        that kind's inputs and the second is None; when they mix (Gemma 3), the first holds the
+        full-attention layers' inputs and the second the sliding-window layers'.
+        """
+        cfg = self.config
+        inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
+        cos, sin = _rope_tables(positions, inv_freq, self.dtype, bound)
+        kinds = set(cfg.sliding_layers)
+        if True not in kinds:
+            return (cos, sin, mask), None
+        if cfg.model_type == "gemma3_text":
+            local_freq = _inv_freq(cfg.head_dim, float(cfg.rope_local_theta), None)
+            local_cos, local_sin = _rope_tables(positions, local_freq, self.dtype, bound)
+        else:
+            local_cos, local_sin = cos, sin
+        window = cfg.sliding_window
+        if isinstance(mask, SharedPrefixMask):
+            local_mask = dataclasses.replace(mask, window=jnp.asarray(window, jnp.int32))
+            # one structure for both kinds (scanned layers select between them)
+            no_window = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
+            mask = dataclasses.replace(mask, window=no_window)
+        else:
+            band = (query_slots[..., :, None] - key_slots[..., None, :]) < window
+            local_mask = mask & (band[None] if band.ndim == 2 else band)
+        sliding = (local_cos, local_sin, local_mask)
+        if kinds == {True}:
+            return sliding, None
+        return (cos, sin, mask), sliding
+
     def _run_layers(
         self,
         h: jax.Array,
@@ -379,8 +435,14 @@ class CausalLM(nnx.Module):
         index: jax.Array | None,
         remat: bool | int,
         layer_stack: LayerStack | None,
+        sliding: tuple[jax.Array, jax.Array, Any] | None = None,
     ) -> tuple[jax.Array, KVPairs | None]:
-        """Runs the decoder layers: scanned, rematerialized or unrolled (see `hidden_states`)."""
+        """Runs the decoder layers: scanned, rematerialized or unrolled (see `hidden_states`).
+
+        With `sliding` (see `_attention_inputs`), the layers `config.sliding_layers` marks take
+        those `(cos, sin, mask)` instead.
+        """
+        flags = None if sliding is None else self.config.sliding_layers
         if layer_stack is None and getattr(self, "scan_layers", False):
             layer_stack = self.layer_stack()
         if layer_stack is not None:
@@ -390,17 +452,19 @@ class CausalLM(nnx.Module):
                     "layers rematerialize all of them or none (remat=True or False)"
                 )
                 raise ValueError(msg)
-            return _scan_layers(layer_stack, h, cos, sin, mask, kv, index, remat=bool(remat))
+            return _scan_layers(
+                layer_stack, h, cos, sin, mask, kv, index, remat=bool(remat),
+                sliding=sliding, flags=flags,
+            )  # fmt: skip
         layers = self._layer_states()
         if remat:
             every = 1 if remat is True else int(remat)
-            return _remat_layers(layers, h, cos, sin, mask, kv, index, every)
+            return _remat_layers(layers, h, cos, sin, mask, kv, index, every, sliding, flags)
         new_kv = []
         for i, (graphdef, state) in enumerate(layers):
             layer_kv = None if kv is None else (kv[0][i], kv[1][i])
-            h, layer_kv = _traced_once_layer_step(
-                graphdef, state, h, cos, sin, mask, layer_kv, index
-            )
+            c, s, m = sliding if flags is not None and flags[i] else (cos, sin, mask)
+            h, layer_kv = _traced_once_layer_step(graphdef, state, h, c, s, m, layer_kv, index)
             new_kv.append(layer_kv)
         return h, None if kv is None else _unzip(new_kv)
 
@@ -501,9 +565,11 @@ class CausalLM(nnx.Module):
             raise ValueError(msg)
         prompt_mask = jnp.asarray(prompt_mask)
         remat = check_remat("remat", remat)
-        ids, cos, sin, mask = self.layer_inputs(prompt_ids, completion_ids, prompt_mask, group=g)
+        ids, (cos, sin, mask), sliding = self._layer_inputs(
+            prompt_ids, completion_ids, prompt_mask, group=g
+        )
         h = self.embed(ids).astype(self.dtype)
-        h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack)
+        h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack, sliding)
         hidden = self.final_norm(h)
         return hidden[:, :p], hidden[:, p:].reshape(rows, t, hidden.shape[-1])
 
@@ -532,12 +598,36 @@ class CausalLM(nnx.Module):
 
         Returns:
             `(ids, cos, sin, mask)`: the token ids of each row (int32), the RoPE tables of
-            their positions, and the attention mask (`SharedPrefixMask` or a bool array).
+            their positions, and the attention mask (`SharedPrefixMask` or a bool array); for
+            sliding-window layers (Mistral) the mask keeps only the window.
+
+        Raises:
+            ValueError: For a model whose layers mix sliding-window and global attention (Gemma
+                3), whose layers take different inputs.
         """
+        ids, inputs, sliding = self._layer_inputs(
+            prompt_ids, completion_ids, prompt_mask, group=group
+        )
+        if sliding is not None:
+            msg = (
+                "layer_inputs: this model's layers mix sliding-window and global attention "
+                f"({self.config.model_type}), whose RoPE tables and masks differ; there is no "
+                "one set of inputs for all layers"
+            )
+            raise ValueError(msg)
+        return (ids, *inputs)
+
+    def _layer_inputs(
+        self,
+        prompt_ids: jax.Array,
+        completion_ids: jax.Array,
+        prompt_mask: jax.Array,
+        *,
+        group: int | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, Any], Any]:
+        """`layer_inputs` as `(ids, (cos, sin, mask), sliding)`, see `_attention_inputs`."""
         b, p = prompt_ids.shape
         t = completion_ids.shape[1]
-        cfg = self.config
-        inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
         if group is None:
             ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
             attention = jnp.concatenate(
@@ -545,8 +635,11 @@ class CausalLM(nnx.Module):
             )
             causal = jnp.tril(jnp.ones((p + t, p + t), jnp.bool_))
             mask = causal[None, :, :] & attention.astype(jnp.bool_)[:, None, :]
-            cos, sin = _rope_tables(positions_from_mask(attention), inv_freq, self.dtype, p + t)
-            return ids, cos, sin, mask
+            slots = jnp.arange(p + t, dtype=jnp.int32)
+            inputs, sliding = self._attention_inputs(
+                positions_from_mask(attention), p + t, mask, slots, slots
+            )
+            return ids, inputs, sliding
         g = group
         valid = prompt_mask.astype(jnp.bool_)
         causal = jnp.tril(jnp.ones((p, p), jnp.bool_))
@@ -559,8 +652,9 @@ class CausalLM(nnx.Module):
             axis=1,
         )
         ids = jnp.concatenate([prompt_ids, completion_ids.reshape(b, g * t)], axis=1)
-        cos, sin = _rope_tables(positions, inv_freq, self.dtype, p + t)
-        return ids.astype(jnp.int32), cos, sin, mask
+        slots = jnp.arange(p + t, dtype=jnp.int32)  # unused: the mask holds the window
+        inputs, sliding = self._attention_inputs(positions, p + t, mask, slots, slots)
+        return ids.astype(jnp.int32), inputs, sliding
 
     def layer_stack(self) -> LayerStack | None:
         """The decoder layers as one layer's graph and their states stacked on a new axis 0.
@@ -729,7 +823,8 @@ class CausalLM(nnx.Module):
         """Projects hidden states to float32 logits, `hidden @ output_embedding()`.
 
         The matmul accumulates and returns float32 even for bfloat16 parameters. Works on any
-        leading shape, so callers can chunk over tokens.
+        leading shape, so callers can chunk over tokens. With `config.final_logit_softcapping`
+        `c` (Gemma 3) the logits are `c tanh(z / c)`.
 
         Args:
             hidden: Hidden states (..., D).
@@ -738,7 +833,9 @@ class CausalLM(nnx.Module):
             float32 logits (..., V).
         """
         w = self.output_embedding()
-        return jnp.einsum("...D,DV->...V", hidden, w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...D,DV->...V", hidden, w, preferred_element_type=jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else jnp.tanh(logits / cap) * cap
 
     def init_cache(
         self, batch_size: int, max_length: int, dtype: Any = None, *, stacked: bool | None = None
@@ -992,27 +1089,42 @@ def _scan_layers(
     index: jax.Array | None,
     *,
     remat: bool,
+    sliding: tuple[jax.Array, jax.Array, Any] | None = None,
+    flags: tuple[bool, ...] | None = None,
 ) -> tuple[jax.Array, KVPairs | None]:
-    """Runs the decoder layers as one `lax.scan` over the stacked layer states (and caches)."""
+    """Runs the decoder layers as one `lax.scan` over the stacked layer states (and caches).
+
+    With `sliding`, layer `i` takes `sliding` for its `(cos, sin, mask)` where `flags[i]`,
+    selected inside the scan (one layer body for both kinds).
+    """
     graphdef, stacked = stack
     step = functools.partial(_remat_layer_step if remat else _layer_step, graphdef)
+    inputs = (cos, sin, mask)
+    kinds = None if sliding is None else jnp.asarray(flags, jnp.bool_)
+
+    def pick(flag):
+        if sliding is None:
+            return inputs
+        return jax.tree.map(lambda a, b: jnp.where(flag, a, b), sliding, inputs)
+
     if kv is None:
 
-        def body(h, state):
-            h, _ = step(state, h, cos, sin, mask, None, index)
+        def body(h, xs):
+            state, flag = xs
+            h, _ = step(state, h, *pick(flag), None, index)
             return h, None
 
-        h, _ = jax.lax.scan(body, h, stacked)
+        h, _ = jax.lax.scan(body, h, (stacked, kinds))
         return h, None
 
     def body_kv(h, xs):
-        state, layer_keys, layer_values = xs
-        return step(state, h, cos, sin, mask, (layer_keys, layer_values), index)
+        state, layer_keys, layer_values, flag = xs
+        return step(state, h, *pick(flag), (layer_keys, layer_values), index)
 
     keys, values = kv
     if isinstance(keys, tuple):  # per-layer arrays: stacked here, a copy per call
         keys, values = jnp.stack(keys), jnp.stack(values)
-    h, (keys, values) = jax.lax.scan(body_kv, h, (stacked, keys, values))
+    h, (keys, values) = jax.lax.scan(body_kv, h, (stacked, keys, values, kinds))
     return h, (keys, values)
 
 
@@ -1078,17 +1190,21 @@ def _remat_layers(
     kv: KVPairs | None,
     index: jax.Array | None,
     every: int = 1,
+    sliding: tuple[jax.Array, jax.Array, Any] | None = None,
+    flags: tuple[bool, ...] | None = None,
 ) -> tuple[jax.Array, KVPairs | None]:
     """Runs the decoder layers, every `every`-th one (0, every, ...) rematerialized.
 
     A rematerialized layer keeps its inputs for the backward pass: its hidden states and, with
-    a cache, its own keys and values. The other layers keep their activations.
+    a cache, its own keys and values. The other layers keep their activations. Layer `i` takes
+    `sliding` for its `(cos, sin, mask)` where `flags[i]`.
     """
     new_kv = []
     for i, (graphdef, state) in enumerate(layers):
         layer_kv = None if kv is None else (kv[0][i], kv[1][i])
         step = _traced_once_remat_layer_step if i % every == 0 else _traced_once_layer_step
-        h, layer_kv = step(graphdef, state, h, cos, sin, mask, layer_kv, index)
+        c, s, m = sliding if flags is not None and flags[i] else (cos, sin, mask)
+        h, layer_kv = step(graphdef, state, h, c, s, m, layer_kv, index)
         new_kv.append(layer_kv)
     return h, None if kv is None else _unzip(new_kv)
 
