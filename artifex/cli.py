@@ -557,7 +557,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per tool call (default 10; --tools)",
     )
     mt.add_argument(
+        "--tool-max-threads",
+        type=positive_int,
+        default=None,
+        help="tool threads alive at once, hung ones included (default 16; --tools)",
+    )
+    mt.add_argument(
         "--max-turns", type=positive_int, default=None, help="model turns per episode (default 4)"
+    )
+    mt.add_argument(
+        "--max-observation-chars",
+        type=positive_int,
+        default=None,
+        help="characters of a tool or environment message shown to the model; longer ones are "
+        "cut with a notice (default 8192)",
     )
     mt.add_argument(
         "--max-completion-tokens",
@@ -570,7 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         type=_non_empty,
         default=None,
-        help="text that ends a model turn (repeatable; default </tool_call>)",
+        help="text that ends a model turn, matched on the decoded text (repeatable; default "
+        "</tool_call>)",
     )
     _add_dataclass_options(tr, GRPOConfig)
     _add_dataclass_options(tr, TrainConfig)
@@ -1413,13 +1427,21 @@ def _multi_turn_hooks(args: argparse.Namespace, rollout_config: Any) -> dict[str
         max_new_tokens=per_turn,
         max_completion_tokens=args.max_completion_tokens or 4 * per_turn,
         stop_strings=tuple(args.stop_string or ("</tool_call>",)),
+        **(
+            {}
+            if args.max_observation_chars is None
+            else {"max_observation_chars": args.max_observation_chars}
+        ),
     )
     if args.tools:
         tools = [import_object(p) for p in args.tools]
         column, fmt, timeout = rollout_config.prompt_column, args.tool_format, args.tool_timeout
+        threads = {} if args.tool_max_threads is None else {"max_threads": args.tool_max_threads}
 
         def factory() -> Any:
-            return ToolEnvironment(tools, tool_format=fmt, timeout=timeout, prompt_column=column)
+            return ToolEnvironment(
+                tools, tool_format=fmt, timeout=timeout, prompt_column=column, **threads
+            )
     else:
         factory = import_object(args.environment)
         if not callable(factory):

@@ -41,8 +41,8 @@ __all__ = [
 
 #: Defaults of the multi-turn flags (``None`` on the parser, so that a given flag is seen).
 DEFAULT_MULTI_TURN = {"tool_format": "qwen", "tool_timeout": 10.0, "max_turns": 4}
-_TOOLS_ONLY = ("tool_format", "tool_timeout")
-_MULTI_TURN = ("max_turns", "max_completion_tokens", "stop_string")
+_TOOLS_ONLY = ("tool_format", "tool_timeout", "tool_max_threads")
+_MULTI_TURN = ("max_turns", "max_completion_tokens", "stop_string", "max_observation_chars")
 
 
 def positive_int(text: str) -> int:
@@ -117,8 +117,9 @@ def _non_empty(text: str) -> str:
 def check_multi_turn_flags(args: argparse.Namespace) -> None:
     """Refuses multi-turn flags that nothing would read, then fills in their defaults.
 
-    ``--tool-format`` and ``--tool-timeout`` need ``--tools``; ``--max-turns``,
-    ``--max-completion-tokens`` and ``--stop-string`` need ``--tools`` or ``--environment``.
+    ``--tool-format``, ``--tool-timeout`` and ``--tool-max-threads`` need ``--tools``;
+    ``--max-turns``, ``--max-completion-tokens``, ``--stop-string`` and
+    ``--max-observation-chars`` need ``--tools`` or ``--environment``.
 
     Args:
         args: The parsed ``train`` arguments (changed in place: defaults filled in).
