@@ -573,6 +573,71 @@ class CausalLM(nnx.Module):
         hidden = self.final_norm(h)
         return hidden[:, :p], hidden[:, p:].reshape(rows, t, hidden.shape[-1])
 
+    def packed_hidden_states(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        branch_ids: jax.Array | None = None,
+        *,
+        remat: bool | int = False,
+        layer_stack: LayerStack | None = None,
+    ) -> jax.Array:
+        """Hidden states of rows that each pack several sequences, without a cache.
+
+        Token `t` attends to an earlier token `s` of its row iff `segment_ids[s] ==
+        segment_ids[t] > 0` and, with `branch_ids`, `branch_ids[s]` is 0 or `branch_ids[t]`:
+        branch 0 of a segment is a prefix its branches share (a prompt and its completions,
+        each a branch). Segment 0 is padding. With positions restarting per segment (and per
+        branch after the prefix), each sequence's values are those of `hidden_states` on it
+        alone, up to rounding.
+
+        Args:
+            input_ids: Token ids (B, T).
+            positions: Int positions (B, T), each below T.
+            segment_ids: Int (B, T), 0 on padding.
+            branch_ids: Optional int (B, T); None: every token is in branch 0.
+            remat: As for `hidden_states`.
+            layer_stack: As for `hidden_states`.
+
+        Returns:
+            Final-norm hidden states (B, T, D) in the compute dtype.
+
+        Raises:
+            ValueError: If an array is not (B, T) like `input_ids`.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> from flax import nnx
+            >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+            >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+            >>> ids = jnp.array([[5, 6, 7, 8, 9]])  # [5 6 7] then [8 9]
+            >>> packed = model.packed_hidden_states(
+            ...     ids, jnp.array([[0, 1, 2, 0, 1]]), jnp.array([[1, 1, 1, 2, 2]]))
+            >>> alone, _ = model.hidden_states(jnp.array([[8, 9]]))
+            >>> bool(jnp.allclose(packed[0, 3:], alone[0], atol=1e-5))
+            True
+        """
+        b, t = np.shape(input_ids) if np.ndim(input_ids) == 2 else (None, None)
+        arrays = {"positions": positions, "segment_ids": segment_ids, "branch_ids": branch_ids}
+        for name, x in {"input_ids": input_ids, **arrays}.items():
+            if x is not None and (b is None or np.shape(x) != (b, t)):
+                msg = f"{name} must have shape (B, T) like input_ids, got {np.shape(x)}"
+                raise ValueError(msg)
+        seg = jnp.asarray(segment_ids, jnp.int32)
+        mask = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & (seg[:, :, None] == seg[:, None, :])
+        mask = mask & (seg > 0)[:, None, :]
+        if branch_ids is not None:
+            br = jnp.asarray(branch_ids, jnp.int32)
+            mask = mask & ((br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None]))
+        cfg = self.config
+        inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
+        cos, sin = _rope_tables(jnp.asarray(positions, jnp.int32), inv_freq, self.dtype, t)
+        h = self.embed(jnp.asarray(input_ids, jnp.int32)).astype(self.dtype)
+        remat = check_remat("remat", remat)
+        h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack)
+        return self.final_norm(h)
+
     def layer_inputs(
         self,
         prompt_ids: jax.Array,

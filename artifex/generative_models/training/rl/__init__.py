@@ -207,6 +207,19 @@ from artifex.generative_models.training.rl.losses import (
     vespo_weights,
 )
 
+# Packed updates: a batch's sequences in rows without padding.
+from artifex.generative_models.training.rl.packing import (
+    DEFAULT_PACKING_THRESHOLD,
+    PackedGRPOBatch,
+    PackedLayout,
+    pack_batch,
+    packed_causal_lm_log_probs,
+    packed_log_prob_fn,
+    padding_fraction,
+    row_bucket,
+    should_pack,
+)
+
 # Training options around the loss (see docs/algorithm.md).
 from artifex.generative_models.training.rl.truncation import mask_truncated_completions
 
@@ -223,3 +236,14 @@ __all__ += [
 ]
 
 __all__ += ["mask_truncated_completions"]
+__all__ += [
+    "DEFAULT_PACKING_THRESHOLD",
+    "PackedGRPOBatch",
+    "PackedLayout",
+    "pack_batch",
+    "packed_causal_lm_log_probs",
+    "packed_log_prob_fn",
+    "padding_fraction",
+    "row_bucket",
+    "should_pack",
+]
