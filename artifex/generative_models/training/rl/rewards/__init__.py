@@ -19,6 +19,8 @@ The package has one module per concern:
 - :mod:`~artifex.generative_models.training.rl.rewards.format`: :func:`format_reward`.
 - :mod:`~artifex.generative_models.training.rl.rewards.length`: :func:`soft_overlong_penalty`
   (DAPO) and its core :func:`overlong_penalty`.
+- :mod:`~artifex.generative_models.training.rl.rewards.reward_model`:
+  :func:`reward_model_reward`, a sequence-classification reward model as a reward function.
 
 Every built-in reward is a factory that returns a reward callable with a descriptive
 ``__name__``.
@@ -51,6 +53,10 @@ from artifex.generative_models.training.rl.rewards.math import (
     math_answer_reward,
     normalize_number,
 )
+from artifex.generative_models.training.rl.rewards.reward_model import (
+    RewardModelReward,
+    reward_model_reward,
+)
 
 __all__ = [  # noqa: RUF022 - grouped by concern, sorted within each group
     # Protocol and errors
@@ -75,4 +81,7 @@ __all__ = [  # noqa: RUF022 - grouped by concern, sorted within each group
     # Length
     "overlong_penalty",
     "soft_overlong_penalty",
+    # Reward models
+    "RewardModelReward",
+    "reward_model_reward",
 ]
