@@ -1,7 +1,7 @@
 """Decoder-only causal language models (Llama 3, Qwen2/2.5, Qwen3) in Flax NNX.
 
-Config, modules, KV cache, LoRA adapters, Hugging Face safetensors load/save, GGUF import and the
-tokenizer.
+Config, modules, KV cache, LoRA adapters (in and out of PEFT's format), Hugging Face safetensors
+load/save, GGUF import, sequence classification (reward models) and the tokenizer.
 """
 
 from __future__ import annotations
@@ -60,6 +60,13 @@ from artifex.generative_models.models.causal_lm.modules import (
     RMSNorm,
     SharedPrefixMask,
 )
+
+# PEFT adapters
+from artifex.generative_models.models.causal_lm.peft_io import (
+    load_peft_adapter,
+    read_peft_adapter,
+    save_peft_adapter,
+)
 from artifex.generative_models.models.causal_lm.rope import (
     apply_rope,
     rope_cos_sin,
@@ -117,6 +124,10 @@ __all__ = [  # noqa: RUF022 - grouped by topic, sorted within each group
     "lora_state",
     "merge_lora",
     "zero_lora_state",
+    # PEFT adapters
+    "load_peft_adapter",
+    "read_peft_adapter",
+    "save_peft_adapter",
     # Sequence classification (reward models)
     "CausalLMForSequenceClassification",
     "last_token_index",

@@ -53,10 +53,13 @@ class LoRAConfig:
 
     Attributes:
         rank: Rank r of `A` (in, r) and `B` (r, out).
-        alpha: Scale numerator; the update is `(alpha / r) x A B`.
+        alpha: Scale numerator; the update is `(alpha / r) x A B`, PEFT's `lora_alpha / r`.
         target_modules: Projection names among `LORA_TARGETS` (default: all seven).
         param_dtype: Dtype of the adapter parameters ("float32" / "bfloat16"); None means the
             model's parameter dtype. The adapter output is cast to the projection's dtype.
+        use_rslora: Rank-stabilized scale `alpha / sqrt(r)` instead of `alpha / r` (PEFT's
+            `use_rslora`; Kalajdzievski, "A Rank Stabilization Scaling Factor for Fine-Tuning
+            with LoRA", 2023).
 
     Raises:
         ValueError: Naming the field, if rank/alpha are not positive or a target is unknown.
@@ -75,6 +78,7 @@ class LoRAConfig:
     alpha: float
     target_modules: tuple[str, ...] = LORA_TARGETS
     param_dtype: str | None = None
+    use_rslora: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -99,10 +103,15 @@ class LoRAConfig:
             raise ValueError(msg)
         if self.param_dtype is not None:
             resolve_dtype(self.param_dtype)
+        if not isinstance(self.use_rslora, bool):
+            msg = f"use_rslora must be a bool, got {self.use_rslora!r}"
+            raise TypeError(msg)
 
     @property
     def scale(self) -> float:
-        """The update scale `alpha / rank`."""
+        """The update scale: `alpha / rank`, or `alpha / sqrt(rank)` with `use_rslora`."""
+        if self.use_rslora:
+            return self.alpha / math.sqrt(self.rank)
         return self.alpha / self.rank
 
 

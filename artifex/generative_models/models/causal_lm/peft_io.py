@@ -1,0 +1,400 @@
+"""LoRA adapters in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`.
+
+`save_peft_adapter` writes a model's LoRA adapters (`apply_lora`) the way PEFT's
+`PeftModel.save_pretrained` does, so `PeftModel.from_pretrained(base, path)` reads them, and
+`load_peft_adapter` puts an adapter saved by PEFT (or by `save_peft_adapter`) into a `CausalLM`.
+
+Tensor names and layouts (`i` the layer, `proj` a projection of `LORA_TARGETS`):
+
+- `base_model.model.model.layers.i.self_attn.proj.lora_A.weight` (r, in) = our `lora_a`.T
+- `base_model.model.model.layers.i.self_attn.proj.lora_B.weight` (out, r) = our `lora_b`.T
+- the same under `mlp.` for `gate_proj`, `up_proj`, `down_proj`.
+
+The scales agree: PEFT adds `lora_B(lora_A(x)) * lora_alpha / r` (`lora_alpha / sqrt(r)` with
+`use_rslora`) and `LoRAConfig.scale` is `alpha / rank` (`alpha / sqrt(rank)` with
+`use_rslora`). Reading refuses what has no counterpart here, naming the key: DoRA, trained
+biases, `modules_to_save`, per-module ranks or alphas (`rank_pattern`, `alpha_pattern`),
+adapters on some layers only, embedding or head adapters. `lora_dropout` is recorded by PEFT for
+training only and has no effect on the loaded function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from artifex.generative_models.models.causal_lm.hf_io import _gathered, _save_file
+from artifex.generative_models.models.causal_lm.lora import (
+    LORA_TARGETS,
+    LoRAConfig,
+    apply_lora,
+)
+from artifex.generative_models.models.causal_lm.model import CausalLM
+from artifex.generative_models.utils.atomic import commit_file, temp_path
+
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "load_peft_adapter",
+    "peft_adapter_config",
+    "read_peft_adapter",
+    "save_peft_adapter",
+]
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_KEY = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+)
+#: adapter_config.json keys whose non-default values have no counterpart here.
+_UNSUPPORTED: dict[str, Any] = {
+    "use_dora": False,
+    "fan_in_fan_out": False,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "layer_replication": None,
+    "lora_bias": False,
+    "use_qalora": False,
+    "target_parameters": None,
+    "trainable_token_indices": None,
+}
+
+
+def _parent(proj: str) -> tuple[str, str]:
+    """(our attribute, PEFT's module) of a projection's parent."""
+    return ("attn", "self_attn") if proj in _ATTN else ("mlp", "mlp")
+
+
+def _peft_name(layer: int, proj: str, which: str) -> str:
+    return f"base_model.model.model.layers.{layer}.{_parent(proj)[1]}.{proj}.lora_{which}.weight"
+
+
+def _adapters(model: CausalLM) -> Iterator[tuple[int, str, Any]]:
+    """(layer, projection, adapter) of every adapter of a per-layer model."""
+    for i, layer in enumerate(model.layers):
+        for proj in LORA_TARGETS:
+            linear = getattr(getattr(layer, _parent(proj)[0]), proj)
+            if getattr(linear, "lora", None) is not None:
+                yield i, proj, linear.lora
+
+
+@contextlib.contextmanager
+def _per_layer(model: CausalLM) -> Iterator[None]:
+    """Runs the body with per-layer storage; a stacked model is restacked after."""
+    stacked = getattr(model, "layers_stacked", False)
+    if stacked:
+        model.unstack_layers()
+    try:
+        yield
+    finally:
+        if stacked:
+            model.stack_layers()
+
+
+def peft_adapter_config(
+    config: LoRAConfig, *, base_model_name_or_path: str | None = None
+) -> dict[str, Any]:
+    """The `adapter_config.json` PEFT writes for a `LoRAConfig`.
+
+    Args:
+        config: The adapter configuration.
+        base_model_name_or_path: Recorded for `AutoPeftModel` to find the base model.
+
+    Returns:
+        A JSON-able dict (`peft_type` "LORA", `task_type` "CAUSAL_LM", `r`, `lora_alpha`,
+        `target_modules`, `use_rslora` and PEFT's defaults for the rest).
+
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm import LoRAConfig
+        >>> from artifex.generative_models.models.causal_lm.peft_io import peft_adapter_config
+        >>> d = peft_adapter_config(LoRAConfig(rank=8, alpha=16.0, target_modules=("v_proj",)))
+        >>> d["r"], d["lora_alpha"], d["target_modules"], d["use_rslora"]
+        (8, 16.0, ['v_proj'], False)
+    """
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "inference_mode": True,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(config.target_modules),
+        "bias": "none",
+        "use_rslora": config.use_rslora,
+        "init_lora_weights": True,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        **_UNSUPPORTED,
+    }
+
+
+def save_peft_adapter(
+    model: CausalLM,
+    path: str | os.PathLike[str],
+    *,
+    config: LoRAConfig | None = None,
+    base_model_name_or_path: str | None = None,
+) -> None:
+    """Writes the model's LoRA adapters as a PEFT adapter directory.
+
+    Every layer must carry adapters on the same projections with one rank and scale (what
+    `apply_lora` makes). Without `config`, `lora_alpha` is written as `scale * r` (the same
+    function). Each file is written under a temporary name and renamed into place. In a
+    multi-host run every process calls it (adapters spread over processes are all-gathered) and
+    process 0 writes.
+
+    Args:
+        model: A model with adapters (per-layer or stacked layers).
+        path: Output directory, created if needed.
+        config: The `LoRAConfig` the adapters were made with, to record its `alpha` and
+            `use_rslora`; its scale must equal the adapters'.
+        base_model_name_or_path: Recorded in `adapter_config.json`.
+
+    Raises:
+        ValueError: If the model has no adapters, they differ between layers, or `config`
+            disagrees with them.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, LoRAConfig, apply_lora)
+        >>> from artifex.generative_models.models.causal_lm.peft_io import save_peft_adapter
+        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+        ...                      num_layers=1, num_heads=2)
+        >>> lora = LoRAConfig(rank=2, alpha=4.0, target_modules=("q_proj",))
+        >>> model = apply_lora(CausalLM(cfg, rngs=nnx.Rngs(0)), lora, nnx.Rngs(1))
+        >>> out = tempfile.mkdtemp()
+        >>> save_peft_adapter(model, out, config=lora)
+        >>> sorted(os.listdir(out))
+        ['adapter_config.json', 'adapter_model.safetensors']
+    """
+    tensors: dict[str, np.ndarray] = {}
+    ranks: set[int] = set()
+    scales: set[float] = set()
+    grid: dict[int, set[str]] = {}
+    with _per_layer(model):
+        for i, proj, adapter in _adapters(model):
+            a = _gathered(adapter.lora_a.get_value())
+            b = _gathered(adapter.lora_b.get_value())
+            tensors[_peft_name(i, proj, "A")] = np.ascontiguousarray(a.T)
+            tensors[_peft_name(i, proj, "B")] = np.ascontiguousarray(b.T)
+            ranks.add(int(a.shape[1]))
+            scales.add(float(adapter.scale))
+            grid.setdefault(i, set()).add(proj)
+    if not tensors:
+        msg = "save_peft_adapter: the model has no LoRA adapters (apply_lora first)"
+        raise ValueError(msg)
+    targets = {frozenset(v) for v in grid.values()}
+    if len(grid) != model.config.num_layers or len(targets) != 1:
+        msg = "save_peft_adapter: every layer must have adapters on the same projections"
+        raise ValueError(msg)
+    if len(ranks) != 1 or len(scales) != 1:
+        msg = f"save_peft_adapter: adapters of one rank and scale expected, got {ranks} {scales}"
+        raise ValueError(msg)
+    (rank,), (scale,), (projections,) = ranks, scales, targets
+    if config is None:
+        config = LoRAConfig(rank=rank, alpha=scale * rank, target_modules=tuple(projections))
+    elif (
+        config.rank != rank
+        or set(config.target_modules) != projections
+        or not math.isclose(config.scale, scale, rel_tol=1e-6)
+    ):
+        msg = (
+            f"save_peft_adapter: config (rank {config.rank}, scale {config.scale}, targets "
+            f"{sorted(config.target_modules)}) disagrees with the model's adapters (rank {rank}, "
+            f"scale {scale}, targets {sorted(projections)})"
+        )
+        raise ValueError(msg)
+    if jax.process_index() != 0:
+        return
+    directory = os.fspath(path)
+    os.makedirs(directory, exist_ok=True)
+    weights = os.path.join(directory, ADAPTER_WEIGHTS_NAME)
+    tmp = temp_path(weights)
+    try:
+        _save_file(dict(sorted(tensors.items())), tmp, weights)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    commit_file(tmp, weights)
+    config_path = os.path.join(directory, ADAPTER_CONFIG_NAME)
+    tmp = temp_path(config_path)
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(
+            peft_adapter_config(config, base_model_name_or_path=base_model_name_or_path),
+            f,
+            indent=2,
+            sort_keys=True,
+        )
+        f.write("\n")
+    commit_file(tmp, config_path)
+
+
+def read_peft_adapter(
+    path: str | os.PathLike[str], *, dtype: str | None = None
+) -> tuple[LoRAConfig, dict[str, np.ndarray]]:
+    """Reads a PEFT LoRA adapter directory and checks it against what `apply_lora` can hold.
+
+    Args:
+        path: Directory with `adapter_config.json` and `adapter_model.safetensors`.
+        dtype: Adapter parameter dtype ("float32" / "bfloat16"); None keeps the file's
+            (float16 reads as float32).
+
+    Returns:
+        `(config, tensors)`: the `LoRAConfig` (targets from the tensors present) and the
+        tensors under PEFT's names, in PEFT's layout.
+
+    Raises:
+        FileNotFoundError: If a file is missing.
+        ValueError: Naming the key or tensor, for a non-LoRA adapter, an unsupported setting,
+            an unknown tensor, a wrong shape or adapters missing from some layers.
+
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm.peft_io import read_peft_adapter
+        >>> config, tensors = read_peft_adapter("tests/fixtures/peft/qwen2_lora")  # repo root
+        >>> config.rank, config.alpha, config.target_modules
+        (4, 8.0, ('down_proj', 'q_proj', 'v_proj'))
+    """
+    directory = os.fspath(path)
+    config_path = os.path.join(directory, ADAPTER_CONFIG_NAME)
+    weights = os.path.join(directory, ADAPTER_WEIGHTS_NAME)
+    for required in (config_path, weights):
+        if not os.path.exists(required):
+            msg = f"no {os.path.basename(required)} in {directory!r}"
+            raise FileNotFoundError(msg)
+    with open(config_path, encoding="utf-8") as f:
+        d = json.load(f)
+    if d.get("peft_type") != "LORA":
+        msg = f"{config_path}: peft_type must be 'LORA', got {d.get('peft_type')!r}"
+        raise ValueError(msg)
+    for key, default in (*_UNSUPPORTED.items(), ("bias", "none")):
+        value = d.get(key, default)
+        if value not in (default, [], {}) and not (default is None and not value):
+            msg = f"{config_path}: {key}={value!r} is not supported (expected {default!r})"
+            raise ValueError(msg)
+    for key in ("rank_pattern", "alpha_pattern"):
+        if d.get(key):
+            msg = f"{config_path}: {key}={d[key]!r}: per-module ranks and alphas are not supported"
+            raise ValueError(msg)
+    rank, alpha = d.get("r"), d.get("lora_alpha")
+    tensors: dict[str, np.ndarray] = {}
+    with safe_open(weights, framework="numpy") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+            tensors[name] = f.get_tensor(name)
+    grid: dict[int, set[str]] = {}
+    for name, x in tensors.items():
+        match = _KEY.fullmatch(name)
+        if match is None or match.group(3) not in LORA_TARGETS:
+            msg = f"{weights}: unsupported tensor {name!r} (LoRA on {LORA_TARGETS} only)"
+            raise ValueError(msg)
+        layer, _, proj, which = match.groups()
+        expected_dim = 0 if which == "A" else 1
+        if x.ndim != 2 or x.shape[expected_dim] != rank:
+            msg = f"{weights}: tensor {name!r} has shape {x.shape}, expected rank r={rank}"
+            raise ValueError(msg)
+        grid.setdefault(int(layer), set()).add(proj)
+    targets = sorted({p for projs in grid.values() for p in projs})
+    for layer in range(max(grid, default=-1) + 1):
+        for proj in targets:
+            for which in "AB":
+                if _peft_name(layer, proj, which) not in tensors:
+                    msg = (
+                        f"{weights}: missing tensor {_peft_name(layer, proj, which)!r} (adapters "
+                        "must cover every layer and target alike)"
+                    )
+                    raise ValueError(msg)
+    if not targets:
+        msg = f"{weights}: no LoRA tensors"
+        raise ValueError(msg)
+    if dtype is None:
+        stored = next(iter(tensors.values())).dtype
+        dtype = "bfloat16" if stored == np.dtype(ml_dtypes.bfloat16) else "float32"
+    config = LoRAConfig(
+        rank=int(rank),
+        alpha=float(alpha),
+        target_modules=tuple(targets),
+        param_dtype=dtype,
+        use_rslora=bool(d.get("use_rslora", False)),
+    )
+    return config, tensors
+
+
+def load_peft_adapter(
+    model: CausalLM, path: str | os.PathLike[str], *, dtype: str | None = None
+) -> CausalLM:
+    """Adds the LoRA adapters of a PEFT adapter directory to `model`, in place.
+
+    The model must have no adapters yet and the adapter's layers and shapes must match it. A
+    sharded model keeps its layout; the new adapter arrays lie on the default device until the
+    model is placed again (e.g. `shard_model`).
+
+    Args:
+        model: The base model (per-layer or stacked layers).
+        path: The adapter directory (see `read_peft_adapter`).
+        dtype: Adapter parameter dtype; None keeps the file's.
+
+    Returns:
+        The same model object, with adapters.
+
+    Raises:
+        FileNotFoundError: If a file is missing.
+        ValueError: Naming the tensor or key, for an adapter that does not fit the model.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm import CausalLM
+        >>> from artifex.generative_models.models.causal_lm.peft_io import load_peft_adapter
+        >>> model = CausalLM.from_pretrained("tests/fixtures/qwen2_tiny")  # from the repo root
+        >>> ids = jnp.array([[1, 2, 3]])
+        >>> before = model(ids)
+        >>> model = load_peft_adapter(model, "tests/fixtures/peft/qwen2_lora")
+        >>> model.layers[0].attn.q_proj.lora.lora_a.shape  # (in, r)
+        (32, 4)
+        >>> bool(jnp.allclose(model(ids), before))  # a trained adapter changes the logits
+        False
+    """
+    config, tensors = read_peft_adapter(path, dtype=dtype)
+    layers = 1 + max(int(_KEY.fullmatch(n).group(1)) for n in tensors)
+    if layers != model.config.num_layers:
+        msg = (
+            f"adapter in {os.fspath(path)!r} has {layers} layers, the model "
+            f"{model.config.num_layers}"
+        )
+        raise ValueError(msg)
+    with _per_layer(model):
+        for i, layer in enumerate(model.layers):  # every shape, before the model is changed
+            for proj in config.target_modules:
+                linear = getattr(getattr(layer, _parent(proj)[0]), proj)
+                for which, shape in (
+                    ("A", (config.rank, linear.in_features)),
+                    ("B", (linear.out_features, config.rank)),
+                ):
+                    name = _peft_name(i, proj, which)
+                    if tensors[name].shape != shape:
+                        msg = f"tensor {name!r}: expected shape {shape}, got {tensors[name].shape}"
+                        raise ValueError(msg)
+        apply_lora(model, config, nnx.Rngs(0))
+        for i, proj, adapter in _adapters(model):
+            for which, var in (("A", adapter.lora_a), ("B", adapter.lora_b)):
+                current = var.get_value()
+                x = np.ascontiguousarray(tensors[_peft_name(i, proj, which)].T)
+                var.set_value(jax.device_put(x.astype(np.dtype(current.dtype)), current.sharding))
+    return model
