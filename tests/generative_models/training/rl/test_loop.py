@@ -22,6 +22,7 @@ from artifex.generative_models.training.rl.rewards import math_answer_reward
 from artifex.generative_models.training.rl.rollout import RolloutConfig
 from artifex.generative_models.training.sharding import make_mesh
 from tests.generative_models.training.rl.compiles import CompileCounter, registered
+from tests.spread_reward import text_reward
 
 TRAIN, EVAL = addition_dataset(seed=0, num_eval=16)
 TRAIN = TRAIN[:64]
@@ -259,7 +260,7 @@ def test_trainer_train_method_runs_the_loop():
     result = trainer.train(
         TRAIN,
         tokenizer=tok,
-        rewards=[REWARD],
+        rewards=[text_reward],  # differs within groups: every update is applied
         num_steps=2,
         prompts_per_step=4,
         progress=False,
