@@ -34,6 +34,10 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from artifex.cli_ecosystem import add_options as add_ecosystem_options
+from artifex.cli_ecosystem import check_options as check_ecosystem_options
+from artifex.cli_ecosystem import reward_model_from_args, save_adapter
+
 __all__ = [
     "build_parser",
     "float32_precision_notice",
@@ -470,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--reward",
         action="append",
         type=_reward_spec,
-        required=True,
+        default=[],  # at least one --reward or a --reward-model (cli_ecosystem.check_options)
         metavar="NAME|MODULE:FUNCTION",
         help="reward function (repeatable): math (answer), format, overlong (DAPO), or your "
         "own f(prompts, completions, **columns) by import path, e.g. my_rewards:exact_match",
@@ -484,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one weight per --reward, in order (default: all 1)",
     )
     tr.add_argument("--reward-mode", choices=("sum", "normalized"), default="sum")
+    add_ecosystem_options(tr, _parse_bool)  # --reward-model, --adapter-output, --save-merged
     tr.add_argument("--answer-column", default="answer")
     tr.add_argument(
         "--answer-extraction",
@@ -1030,10 +1035,16 @@ def _build_rewards(args: argparse.Namespace, num_generations: int, max_new_token
             funcs.append(rw.soft_overlong_penalty(max_new_tokens, cache))
         else:
             funcs.append(_import_reward(name))
+    reward_model = reward_model_from_args(args)  # last, after the --reward functions
+    if reward_model is not None:
+        funcs.append(reward_model)
     if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
+        extra = "" if reward_model is None else " and --reward-model"
+        names = [*args.reward, *(["--reward-model"] if reward_model is not None else [])]
         msg = (
             f"--reward-weights has {len(args.reward_weights)} values for {len(funcs)} --reward "
-            f"functions ({', '.join(args.reward)}): give one weight per --reward, in order"
+            f"functions{extra} ({', '.join(names)}): give one weight per --reward, in order"
+            + (", then one for --reward-model" if extra else "")
         )
         raise ValueError(msg)
     # The group size is not set here: the rollout passes it when it calls the combiner (the
@@ -1103,6 +1114,7 @@ def _train(args: argparse.Namespace) -> int:
         msg = f"model directory not found: {args.model}"
         raise FileNotFoundError(msg)
     check_multi_turn_flags(args)
+    check_ecosystem_options(args)
     loop_kwargs = _collect(args, TrainConfig)
     if "num_steps" not in loop_kwargs:
         msg = "--num-steps is required for train"
@@ -1252,7 +1264,9 @@ def _train_held(
             file=sys.stderr,
         )
     try:
-        final(model).save_pretrained(args.output)  # every process gathers; process 0 writes
+        if args.save_merged:
+            final(model).save_pretrained(args.output)  # every process gathers; process 0 writes
+        save_adapter(model, args, lora if args.lora_rank > 0 else None)  # --adapter-output
     except OSError as err:
         raise export_failed(err, args.output, step, loop.checkpoint_dir, **advice) from err
     if not is_primary_process():
@@ -1266,7 +1280,8 @@ def _train_held(
                 f"held-out {key[5:]} ({loop.eval_num_samples} samples per prompt): "
                 f"{first[key]:.3f} -> {last[key]:.3f}"
             )
-    print(f"saved the trained model to {args.output}")
+    if args.save_merged:
+        print(f"saved the trained model to {args.output}")
     return 0
 
 

@@ -256,8 +256,30 @@ def run_fingerprint(args: argparse.Namespace, total_updates: int) -> dict[str, A
             "answer_extraction": args.answer_extraction,
             "format_pattern": args.format_pattern,
             "overlong_cache": args.overlong_cache,
+            **_reward_model_fingerprint(args),
         },
     }
+
+
+def _reward_model_fingerprint(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"reward_model": ...}``: its directory fingerprint and settings; ``{}`` without one.
+
+    The batch size is left out: it does not change the scores.
+    """
+    from artifex.generative_models.utils.fingerprint import directory_fingerprint
+
+    directory = getattr(args, "reward_model", None)
+    if directory is None:
+        return {}
+    settings = {
+        "model": directory_fingerprint(directory),
+        "normalize": args.reward_model_normalize,
+        "scale": args.reward_model_scale,
+        "shift": args.reward_model_shift,
+        "messages_column": args.reward_model_messages_column,
+        "max_length": args.reward_model_max_length,
+    }
+    return {"reward_model": settings}
 
 
 def resume_advice(resume: bool, overwrite: bool) -> str:
