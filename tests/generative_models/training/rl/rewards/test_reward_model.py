@@ -162,3 +162,13 @@ def test_runs_on_its_own_mesh():
     np.testing.assert_allclose(
         placed(case["prompts"], case["completions"]), case["scores"], atol=TOL, rtol=0
     )
+
+
+def test_one_compilation_per_padded_width():
+    rm = reward_model_reward(RM, batch_size=4)
+    case = EXPECTED["plain"]
+    rm(case["prompts"], case["completions"])
+    rm(case["prompts"][:3], ["1", "22", "333"])  # shorter texts, a partial batch: same width
+    assert rm._forward._cache_size() == 1
+    rm(["x" * 40], ["y"])  # a longer text: the next power-of-two width
+    assert rm._forward._cache_size() == 2
