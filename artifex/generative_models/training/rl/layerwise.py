@@ -107,6 +107,17 @@ def check_layerwise_model(model: Any, reference_model: Any, wrt: Any = nnx.Param
                 f"the {name}'s layers are stored stacked: call unstack_layers() first"
             )
             raise ValueError(msg)
+        cfg = getattr(m, "config", None)
+        if len(set(getattr(cfg, "sliding_layers", ()))) > 1 or getattr(
+            cfg, "final_logit_softcapping", None
+        ):
+            msg = (
+                f"GRPOConfig.layerwise_update gives every layer the same inputs and projects "
+                f"plain logits; the {name} ({cfg.model_type}) mixes sliding-window and global "
+                "layers or soft-caps its logits: use the one-program update "
+                "(layerwise_update=False)"
+            )
+            raise ValueError(msg)
     outside = sorted(
         {path[0] for path, _ in nnx.to_flat_state(nnx.state(model, wrt))}
         - {"layers", *_HEAD_MODULES}

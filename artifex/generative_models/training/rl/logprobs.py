@@ -123,6 +123,8 @@ def chunked_token_log_probs(
     bias: jax.Array | None = None,
     chunk_size: int | None = None,
     transposed: bool = False,
+    softcap: float | None = None,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     r"""Log-probs of ``targets`` and entropies under ``logits = hidden @ weight``, chunked.
 
@@ -147,6 +149,9 @@ def chunked_token_log_probs(
             the products contract its second axis, ``logits = hidden @ weight.T``. Passing the
             ``(D, V)`` transpose instead makes XLA:CPU write a transposed copy of the matrix
             for every pass over the chunks.
+        softcap: Optional ``c``: the logits are ``c tanh(z / c)`` (Gemma's final logit
+            soft-capping), then divided by ``temperature``.
+        temperature: Divides the (capped) logits.
 
     Returns:
         ``(log_probs, entropy)``, each of ``targets``' shape, float32.
@@ -181,6 +186,10 @@ def chunked_token_log_probs(
         z = checkpoint_name(z, "logits")
         if bias is not None:
             z = z + bias.astype(jnp.float32)
+        if softcap is not None:
+            z = jnp.tanh(z / softcap) * softcap
+        if temperature != 1.0:
+            z = z / temperature
         return token_log_probs(z, y_c)
 
     if n <= chunk:
@@ -346,10 +355,18 @@ def causal_lm_log_probs(
     transposed = weight is not None
     if weight is None:
         weight = model.output_embedding()
-    if temperature != 1.0:
+    # Soft-capped logits (Gemma): the cap first, the temperature after, as the sampler does.
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    if temperature != 1.0 and softcap is None:
         hidden = hidden / jnp.asarray(temperature, hidden.dtype)
     return chunked_token_log_probs(
-        hidden, weight, completion_ids, chunk_size=chunk_size, transposed=transposed
+        hidden,
+        weight,
+        completion_ids,
+        chunk_size=chunk_size,
+        transposed=transposed,
+        softcap=softcap,
+        temperature=1.0 if softcap is None else temperature,
     )
 
 

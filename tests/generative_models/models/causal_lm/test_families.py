@@ -1,0 +1,336 @@
+"""Mistral and Gemma 3 (text) in CausalLM against transformers and a float64 NumPy reference.
+
+The fixtures `mistral_tiny` and `gemma3_tiny` (tests/fixtures/make_causal_lm_fixtures.py) hold
+left-padded rows of 12, 7 and 3 tokens and a sliding window of 4, so the window decides what the
+later tokens see; transformers' greedy `generate` and its per-step logits are recorded too.
+Both families run every path here: the full forward, the KV cache (sampler, continuous
+batching), the shared-prefix pass of the GRPO update, scanned and stacked layers, LoRA,
+safetensors out and in, and checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.generative_models.inference.continuous import generate_continuous
+from artifex.generative_models.inference.sampling import generate
+from artifex.generative_models.models.causal_lm import (
+    CausalLM,
+    CausalLMConfig,
+    LoRAConfig,
+    apply_lora,
+    from_pretrained,
+    merge_lora,
+)
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.checkpointing import (
+    CheckpointManager,
+    training_fingerprint,
+)
+from artifex.generative_models.training.rl import GRPOBatch, causal_lm_log_probs
+
+from ._family_reference import load_checkpoint, reference_logits
+from ._helpers import FIXTURES, load_expected
+
+NAMES = ("mistral_tiny", "gemma3_tiny")
+TOL = 1e-4  # float32 against transformers' float32 / the float64 reference
+
+
+@nnx.jit
+def _fwd(m, ids, mask, positions=None):
+    return m(ids, mask, positions)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(name):
+    return from_pretrained(FIXTURES / name)
+
+
+def _real_max_err(got, want, mask):
+    real = np.asarray(mask).astype(bool)
+    return float(np.abs(np.asarray(got) - want)[real].max())
+
+
+def test_logits_match_transformers(name, model):
+    e = load_expected(name)
+    assert e["input_ids"].shape[1] > 2 * model.config.sliding_window
+    ids, mask = jnp.asarray(e["input_ids"]), jnp.asarray(e["attention_mask"])
+    assert _real_max_err(_fwd(model, ids, mask), e["logits"], mask) <= TOL
+    explicit = _fwd(model, ids, mask, jnp.asarray(e["position_ids"]))
+    assert _real_max_err(explicit, e["logits"], mask) <= TOL
+
+
+def test_logits_match_the_float64_numpy_reference(name, model):
+    config, tensors = load_checkpoint(FIXTURES / name)
+    e = load_expected(name)
+    want = reference_logits(config, tensors, e["input_ids"], e["attention_mask"])
+    # the reference follows transformers...
+    assert _real_max_err(e["logits"], want, e["attention_mask"]) <= TOL
+    # ...and so does the model
+    got = _fwd(model, jnp.asarray(e["input_ids"]), jnp.asarray(e["attention_mask"]))
+    assert _real_max_err(got, want, e["attention_mask"]) <= TOL
+
+
+def test_the_window_decides_what_later_tokens_see(name, model):
+    """Without the window the first W tokens of a row are unchanged and the later ones are not."""
+    e = load_expected(name)
+    ids, mask = jnp.asarray(e["input_ids"]), jnp.asarray(e["attention_mask"])
+    config = model.config
+    wide = CausalLM(config.replace(sliding_window=64), rngs=nnx.Rngs(0))
+    nnx.update(wide, nnx.state(model))
+    windowed, full = np.asarray(_fwd(model, ids, mask)), np.asarray(_fwd(wide, ids, mask))
+    w = config.sliding_window
+    first = np.argmax(e["attention_mask"], axis=1)
+    for row, start in enumerate(first):
+        np.testing.assert_allclose(
+            windowed[row, start : start + w], full[row, start : start + w], atol=1e-5
+        )
+    long_row = windowed[0, first[0] + w :] - full[0, first[0] + w :]
+    assert np.abs(long_row).max() > 0.1
+
+
+def test_scanned_stacked_and_rematerialized_layers_agree(name, model):
+    e = load_expected(name)
+    ids, mask = jnp.asarray(e["input_ids"]), jnp.asarray(e["attention_mask"])
+    want = np.asarray(_fwd(model, ids, mask))
+    scanned = from_pretrained(FIXTURES / name)
+    scanned.scan_layers = True
+    np.testing.assert_allclose(np.asarray(_fwd(scanned, ids, mask)), want, atol=1e-5)
+    stacked = from_pretrained(FIXTURES / name).stack_layers()
+    np.testing.assert_allclose(np.asarray(_fwd(stacked, ids, mask)), want, atol=1e-5)
+    for m in (model, scanned):
+        hidden, _ = nnx.jit(lambda m, i, k: m.hidden_states(i, k, remat=True))(m, ids, mask)
+        np.testing.assert_allclose(np.asarray(model.logits_from_hidden(hidden)), want, atol=1e-5)
+
+
+def _tensors(directory):
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="numpy") as f:
+            for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                t = f.get_tensor(k)
+                out[k] = (t.shape, t.dtype)
+    return out
+
+
+def test_save_reload_identical_and_same_layout_as_transformers(name, model, tmp_path):
+    model.save_pretrained(tmp_path)
+    assert _tensors(tmp_path) == _tensors(FIXTURES / name)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    theirs = json.loads((FIXTURES / name / "config.json").read_text())
+    assert saved["model_type"] == theirs["model_type"]
+    assert saved["architectures"] == theirs["architectures"]
+    assert saved["sliding_window"] == theirs["sliding_window"] == 4
+    assert CausalLMConfig.from_hf_config(saved) == model.config
+    assert CausalLMConfig.from_hf_config(theirs) == model.config
+    again = from_pretrained(tmp_path)
+    e = load_expected(name)
+    args = jnp.asarray(e["input_ids"]), jnp.asarray(e["attention_mask"])
+    np.testing.assert_array_equal(np.asarray(_fwd(again, *args)), np.asarray(_fwd(model, *args)))
+
+
+def test_kv_cache_decoding_matches_the_full_forward_and_transformers(name, model):
+    """Prefill, then feed transformers' greedy tokens one at a time: each step's logits."""
+    e = load_expected(name)
+    ids, mask = jnp.asarray(e["input_ids"]), jnp.asarray(e["attention_mask"])
+    new = jnp.asarray(e["generate_ids"])
+    b, p = ids.shape
+    steps = new.shape[1]
+
+    @nnx.jit
+    def decode(m, ids, mask, new):
+        cache = m.init_cache(b, p + steps)
+        hidden, cache = m.hidden_states(ids, mask, cache=cache)
+        outs = [m.logits_from_hidden(hidden[:, -1])]
+        for i in range(steps - 1):
+            hidden, cache = m.hidden_states(
+                new[:, i : i + 1], jnp.ones((b, 1), jnp.int32), cache=cache
+            )
+            outs.append(m.logits_from_hidden(hidden[:, -1]))
+        return jnp.stack(outs)
+
+    decoded = np.asarray(decode(model, ids, mask, new))  # (steps, B, V)
+    assert float(np.abs(decoded - e["generate_logits"]).max()) <= TOL
+    full = _fwd(
+        model, jnp.concatenate([ids, new], 1), jnp.concatenate([mask, jnp.ones_like(new)], 1)
+    )
+    full = np.asarray(full)[:, p - 1 : p + steps - 1].transpose(1, 0, 2)
+    np.testing.assert_allclose(decoded, full, atol=1e-5)
+
+
+def test_greedy_generate_matches_transformers(name, model):
+    e = load_expected(name)
+    steps = e["generate_ids"].shape[1]
+    kwargs = dict(key=jax.random.key(0), max_new_tokens=steps, temperature=0.0, eos_ids=())
+    out = generate(model, e["input_ids"], e["attention_mask"], **kwargs)
+    np.testing.assert_array_equal(np.asarray(out.completion_ids), e["generate_ids"])
+    scanned = from_pretrained(FIXTURES / name)
+    scanned.scan_layers = True
+    out = generate(scanned, e["input_ids"], e["attention_mask"], num_generations=2, **kwargs)
+    np.testing.assert_array_equal(
+        np.asarray(out.completion_ids), np.repeat(e["generate_ids"], 2, 0)
+    )
+    out = generate_continuous(
+        model, e["input_ids"], e["attention_mask"], num_slots=2, steps_per_call=3, **kwargs
+    )
+    np.testing.assert_array_equal(np.asarray(out.completion_ids), e["generate_ids"])
+
+
+def _np_log_softmax(z):
+    z = np.asarray(z, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_log_probs_equal_teacher_forcing(name, model, temperature):
+    """Sampled past the window: the sampler's log-probs are those of one full forward pass."""
+    e = load_expected(name)
+    ids, mask = e["input_ids"], e["attention_mask"]
+    g, n = 3, 10
+    out = generate(
+        model,
+        ids,
+        mask,
+        key=jax.random.key(7),
+        num_generations=g,
+        max_new_tokens=n,
+        temperature=temperature,
+        eos_ids=(),
+    )
+    completion = np.asarray(out.completion_ids)
+    rep_ids, rep_mask = np.repeat(ids, g, 0), np.repeat(mask, g, 0)
+    seq = np.concatenate([rep_ids, completion], 1)
+    full_mask = np.concatenate([rep_mask, np.ones_like(completion)], 1)
+    logits = np.asarray(_fwd(model, jnp.asarray(seq), jnp.asarray(full_mask)))
+    p = ids.shape[1]
+    lp = _np_log_softmax(logits[:, p - 1 : -1] / temperature)
+    want = np.take_along_axis(lp, completion[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.log_probs), want, atol=TOL)
+    # the GRPO update's scoring: per row, and the shared-prefix pass (one prompt, G completions)
+    for group in (None, g):
+        got, _ = causal_lm_log_probs(
+            model,
+            jnp.asarray(rep_ids),
+            jnp.asarray(completion),
+            prompt_mask=jnp.asarray(rep_mask),
+            temperature=temperature,
+            shared_prompt_group=group,
+        )
+        np.testing.assert_allclose(np.asarray(got), want, atol=TOL)
+    assert len({tuple(r) for r in completion[:g]}) > 1  # sampling happened
+
+
+def _rollout_batch(model, seed=0, g=4):
+    e = load_expected(model_name(model))
+    ids, mask = e["input_ids"][:2], e["attention_mask"][:2]
+    out = generate(
+        model,
+        ids,
+        mask,
+        key=jax.random.key(seed),
+        num_generations=g,
+        max_new_tokens=6,
+        temperature=1.0,
+        eos_ids=(),
+    )
+    rewards = np.random.default_rng(seed).normal(size=ids.shape[0] * g).astype(np.float32)
+    batch = GRPOBatch(
+        prompt_ids=out.prompt_ids,
+        prompt_mask=out.prompt_mask,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        rewards=jnp.asarray(rewards),
+        group_size=g,
+    )
+    return batch, out.log_probs
+
+
+def model_name(model):
+    return "gemma3_tiny" if model.config.model_type == "gemma3_text" else "mistral_tiny"
+
+
+def _params(model):
+    return {
+        jax.tree_util.keystr(p): np.asarray(v)
+        for p, v in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+    }
+
+
+def _trainer(name, **config):
+    m = from_pretrained(FIXTURES / name)
+    tx = nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param)
+    return m, GRPOTrainer(m, tx, GRPOConfig(**config))
+
+
+def test_grpo_update_and_checkpoint_resume(name, tmp_path):
+    policy, trainer = _trainer(name, beta=0.0)
+    batch, sampler_log_probs = _rollout_batch(policy)
+    scored = trainer.compute_log_probs(batch)
+    np.testing.assert_allclose(
+        np.asarray(scored.old_log_probs) * np.asarray(batch.completion_mask),
+        np.asarray(sampler_log_probs),
+        atol=TOL,
+    )
+    before = _params(policy)
+    metrics = trainer.train_step(batch)
+    assert all(np.isfinite(v) for v in metrics.values())
+    after = _params(policy)
+    assert any(not np.array_equal(after[k], before[k]) for k in after)
+
+    manager = CheckpointManager(tmp_path / "ckpt")
+    fingerprint = training_fingerprint(
+        trainer.config,
+        nnx.state(policy, nnx.Param),
+        model=dataclasses.asdict(policy.config),
+    )
+    manager.save(1, trainer, {"step": 1, "fingerprint": fingerprint})
+    _, fresh = _trainer(name, beta=0.0)
+    record = manager.restore(fresh, fingerprint=fingerprint)
+    assert record["step"] == 1
+    batch2, _ = _rollout_batch(policy, seed=1)
+    m1, m2 = trainer.train_step(batch2), fresh.train_step(batch2)
+    assert m1 == m2
+    manager.close()
+
+
+def test_lora_update_merge_and_export(name, tmp_path):
+    base = from_pretrained(FIXTURES / name)
+    e = load_expected(name)
+    ids, mask = jnp.asarray(e["input_ids"]), jnp.asarray(e["attention_mask"])
+    plain = np.asarray(_fwd(base, ids, mask))
+    model = from_pretrained(FIXTURES / name)
+    apply_lora(model, LoRAConfig(rank=2, alpha=4.0), nnx.Rngs(1))
+    np.testing.assert_array_equal(np.asarray(_fwd(model, ids, mask)), plain)
+    trainer = GRPOTrainer(
+        model, nnx.Optimizer(model, optax.adam(5e-2), wrt=nnx.LoRAParam), GRPOConfig(beta=0.1)
+    )
+    assert trainer.has_reference
+    batch, _ = _rollout_batch(model)
+    for _ in range(2):
+        metrics = trainer.train_step(batch)
+    assert np.isfinite(metrics["policy_loss"]) and metrics["kl"] > 0.0
+    adapted = np.asarray(_fwd(model, ids, mask))
+    assert np.abs(adapted - plain).max() > 1e-4
+    merged = merge_lora(model)
+    np.testing.assert_allclose(np.asarray(_fwd(merged, ids, mask)), adapted, atol=1e-5)
+    merged.save_pretrained(tmp_path)
+    again = from_pretrained(tmp_path)
+    np.testing.assert_array_equal(
+        np.asarray(_fwd(again, ids, mask)), np.asarray(_fwd(merged, ids, mask))
+    )
