@@ -810,7 +810,8 @@ class CausalLMConfig:
             out["rope_local_base_freq"] = self.rope_local_theta
             out["sliding_window"] = self.sliding_window
             out["layer_types"] = list(self.layer_types)
-            out["query_pre_attn_scalar"] = self.query_pre_attn_scalar
+            scalar = self.query_pre_attn_scalar  # transformers' field is an int
+            out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
             out["final_logit_softcapping"] = self.final_logit_softcapping
             out["attn_logit_softcapping"] = None
             out["use_bidirectional_attention"] = False
