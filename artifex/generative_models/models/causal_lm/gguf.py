@@ -9,6 +9,18 @@ and a `Tokenizer`. `convert_gguf` writes them as a Hugging Face directory that
 `CausalLM.from_pretrained` and transformers read; `CausalLM.from_pretrained` and `load_gguf` (in
 `model.py`) also accept the `.gguf` file itself.
 
+Gemma 3 (`gemma3`, text only) reads as `model_type="gemma3_text"`: llama.cpp stores its norm
+weights as `1 + w` (they are put back to transformers' `w`), and fixes in its code what the file
+leaves out, which `read_gguf` fixes the same way: every sixth layer global, the others
+sliding-window (`gemma3.attention.sliding_window`); RoPE base 10000 on the sliding layers; the
+attention scale `1 / sqrt(head_dim)`, except for the 62-layer (27B) model,
+`1 / sqrt(hidden_size / head_count)`. Its SentencePiece vocabulary (`tokenizer.ggml.model`
+"llama") becomes the tokenizer transformers builds from such a file: byte-fallback BPE, merges
+recovered from the vocabulary in file order, spaces written as "▁".
+
+Mistral has no GGUF architecture of its own: llama.cpp writes Mistral checkpoints as `llama`,
+without the sliding window, and they load as Llama models.
+
 Two conversions undo what llama.cpp's converter did to Llama checkpoints:
 
 - Llama's q and k projections are stored with the rows of each head interleaved for llama.cpp's
@@ -31,7 +43,15 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers import Tokenizer as _HFTokenizer
 
 from artifex.generative_models.models.causal_lm.config import (
@@ -59,7 +79,12 @@ __all__ = [
 ]
 
 #: GGUF `general.architecture` -> `CausalLMConfig.model_type`.
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+}
 
 _MAGIC = b"GGUF"
 _TOKEN_CONTROL = 3  # llama.cpp token types: 3 control (special), 4 user-defined (added)
@@ -83,6 +108,17 @@ _BLOCK_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+#: Gemma 3's four norms per layer (ffn_norm is the norm before the MLP there).
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+#: llama.cpp's Gemma 3 conventions the file does not state (see the module docstring).
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10_000.0
+_GEMMA3_27B_LAYERS = 62
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -278,11 +314,17 @@ def _config(
             "partial rotary embeddings are not supported"
         )
         raise ValueError(msg)
+    gemma = arch == "gemma3"
     scaling_type = scalars.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type not in ("none", ""):
+    linear = None
+    if gemma and scaling_type == "linear":  # Gemma 3 4B+: the global layers' positions
+        linear = RopeScaling(
+            factor=float(_get(scalars, f"{arch}.rope.scaling.factor", path)), rope_type="linear"
+        )
+    elif scaling_type not in ("none", ""):
         msg = (
             f"{path}: {arch}.rope.scaling.type={scaling_type!r} is not supported (only Llama 3.x "
-            "scaling, stored as rope_freqs.weight)"
+            "scaling, stored as rope_freqs.weight, and Gemma 3's linear scaling)"
         )
         raise ValueError(msg)
     if f"{arch}.expert_count" in scalars:
@@ -294,12 +336,27 @@ def _config(
     )
     vocab_size = shapes["model.embed_tokens.weight"][0]
     eos = scalars.get("tokenizer.ggml.eos_token_id")
+    num_layers = int(_get(scalars, f"{arch}.block_count", path))
+    family: dict[str, Any] = {}
+    if gemma:
+        rope_scaling = linear
+        scalar = hidden / num_heads if num_layers == _GEMMA3_27B_LAYERS else head_dim
+        family = {
+            "hidden_act": "gelu_pytorch_tanh",
+            "sliding_window": int(_get(scalars, f"{arch}.attention.sliding_window", path)),
+            "layer_types": tuple(
+                "full_attention" if (i + 1) % _GEMMA3_PATTERN == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ),
+            "rope_local_theta": _GEMMA3_LOCAL_THETA,
+            "query_pre_attn_scalar": float(scalar),
+        }
     return CausalLMConfig(
         model_type=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab_size),
         hidden_size=hidden,
         intermediate_size=int(_get(scalars, f"{arch}.feed_forward_length", path)),
-        num_layers=int(_get(scalars, f"{arch}.block_count", path)),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
@@ -308,12 +365,13 @@ def _config(
         rms_norm_eps=float(_get(scalars, f"{arch}.attention.layer_norm_rms_epsilon", path)),
         tie_word_embeddings="lm_head.weight" not in shapes,
         attention_bias="model.layers.0.self_attn.q_proj.bias" in shapes,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         max_position_embeddings=int(scalars.get(f"{arch}.context_length", 2048)),
         bos_token_id=_opt_int(scalars.get("tokenizer.ggml.bos_token_id")),
         eos_token_id=_opt_int(eos),
         pad_token_id=_opt_int(scalars.get("tokenizer.ggml.padding_token_id")),
         param_dtype=dtype_name,
+        **family,
     )
 
 
@@ -321,23 +379,28 @@ def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _hf_name(name: str, path: str) -> str:
+def _block_names(arch: str) -> dict[str, str]:
+    return _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
+
+
+def _hf_name(name: str, path: str, arch: str = "llama") -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    blocks = _block_names(arch)
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}"
-    msg = f"{path}: unsupported tensor {name!r} (not part of a Llama / Qwen2 / Qwen3 model)"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in blocks:
+        return f"model.layers.{parts[1]}.{blocks[parts[2]]}"
+    msg = f"{path}: unsupported tensor {name!r} (not part of a {arch} model)"
     raise ValueError(msg)
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     """The llama.cpp name of a Hugging Face tensor name (the inverse of `_hf_name`)."""
     for gguf_name, name in _GLOBAL_NAMES.items():
         if name == hf_name:
             return gguf_name
     _, _, layer, rest = hf_name.split(".", 3)
-    suffix = next(k for k, v in _BLOCK_NAMES.items() if v == rest)
+    suffix = next(k for k, v in _block_names(arch).items() if v == rest)
     return f"blk.{layer}.{suffix}"
 
 
@@ -366,15 +429,20 @@ def _pre_tokenizer(pre: str | None, path: str) -> Any:
 def gguf_tokenizer(
     scalars: Mapping[str, Any], arrays: Mapping[str, list[Any]], path: str = "GGUF file"
 ) -> Tokenizer:
-    """Builds the byte-level BPE tokenizer that a GGUF file's metadata describes.
+    """Builds the tokenizer that a GGUF file's metadata describes.
 
-    The vocabulary (`tokenizer.ggml.tokens`) and merges (`tokenizer.ggml.merges`) make a
-    `tokenizers` BPE model; the pre-tokenizer follows `tokenizer.ggml.pre` (GPT-2's split,
-    SmolLM's digit-by-digit variant, Llama 3's or Qwen2's pattern; Llama 3 also takes a piece
-    that is a whole vocabulary entry as one token); control tokens become special
-    added tokens and user-defined ones plain added tokens; `tokenizer.ggml.add_bos_token` makes
-    `encode` prepend the bos token. The chat template is `tokenizer.chat_template`; eot/eom ids
-    end generations too.
+    Byte-level BPE (`tokenizer.ggml.model` "gpt2"): the vocabulary (`tokenizer.ggml.tokens`) and
+    merges (`tokenizer.ggml.merges`) make a `tokenizers` BPE model; the pre-tokenizer follows
+    `tokenizer.ggml.pre` (GPT-2's split, SmolLM's digit-by-digit variant, Llama 3's or Qwen2's
+    pattern; Llama 3 also takes a piece that is a whole vocabulary entry as one token).
+    Gemma 3's SentencePiece vocabulary ("llama" in a `gemma3` file) becomes what transformers
+    builds from it (`GemmaTokenizer`): a byte-fallback BPE whose merges are recovered from the
+    vocabulary, best first in file order (every split of a token into two tokens), spaces
+    replaced by "▁" (tokens of spaces only are respelled so), `encode` prepending bos unless
+    `tokenizer.ggml.add_bos_token` says otherwise. Control tokens become special added tokens
+    and user-defined ones plain added tokens; `tokenizer.ggml.add_bos_token` makes `encode`
+    prepend the bos token. The chat template is `tokenizer.chat_template`; eot/eom ids end
+    generations too.
 
     Args:
         scalars: The file's scalar metadata.
@@ -385,8 +453,9 @@ def gguf_tokenizer(
         The tokenizer.
 
     Raises:
-        ValueError: For a tokenizer other than byte-level BPE (`tokenizer.ggml.model` "gpt2"), an
-            unsupported pre-tokenizer, or missing or inconsistent vocabulary metadata.
+        ValueError: For a tokenizer other than byte-level BPE (`tokenizer.ggml.model` "gpt2")
+            or Gemma 3's SentencePiece, an unsupported pre-tokenizer, or missing or
+            inconsistent vocabulary metadata.
 
     Examples:
         >>> from artifex.generative_models.models.causal_lm.gguf import gguf_tokenizer
@@ -400,34 +469,56 @@ def gguf_tokenizer(
         (['ab', 'b', 'a', '<|endoftext|>'], 'abba', (0,))
     """
     kind = scalars.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    gemma = kind == "llama" and scalars.get("general.architecture") == "gemma3"
+    if kind != "gpt2" and not gemma:
         msg = (
             f"{path}: unsupported GGUF tokenizer model {kind!r} (tokenizer.ggml.model); only "
-            "byte-level BPE ('gpt2', as in Llama 3, Qwen2, Qwen3, SmolLM2) is supported"
+            "byte-level BPE ('gpt2', as in Llama 3, Qwen2, Qwen3, SmolLM2) and Gemma 3's "
+            "SentencePiece ('llama' in a gemma3 file) are supported"
         )
         raise ValueError(msg)
     tokens = arrays.get("tokenizer.ggml.tokens")
     merges = arrays.get("tokenizer.ggml.merges")
-    if not tokens or merges is None:
+    if not tokens or (merges is None and not gemma):
         msg = f"{path}: missing tokenizer.ggml.tokens or tokenizer.ggml.merges metadata"
         raise ValueError(msg)
-    vocab = {token: i for i, token in enumerate(tokens)}
+    spelled = [_respell_spaces(t) for t in tokens] if gemma else list(tokens)
+    vocab = {token: i for i, token in enumerate(spelled)}
     if len(vocab) != len(tokens):
         msg = f"{path}: tokenizer.ggml.tokens has duplicate entries"
         raise ValueError(msg)
     pairs = []
-    for merge in merges:
+    for merge in [] if merges is None else merges:
         parts = merge.split(" ")
         if len(parts) != 2:
             msg = f"{path}: tokenizer.ggml.merges entry {merge!r} is not two tokens"
             raise ValueError(msg)
         pairs.append((parts[0], parts[1]))
     pre = scalars.get("tokenizer.ggml.pre")
-    # Llama 3 takes a piece that is a whole vocabulary entry as one token, merges or not.
-    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE)
-    backend = _HFTokenizer(bpe)
-    backend.pre_tokenizer = _pre_tokenizer(pre, path)
-    backend.decoder = decoders.ByteLevel()
+    if gemma:
+        unk_id = scalars.get("tokenizer.ggml.unknown_token_id")
+        unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+        bpe = models.BPE(
+            vocab=vocab,
+            merges=pairs or _merges_from_vocabulary(vocab),
+            unk_token=unk or "<unk>",
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+        backend = _HFTokenizer(bpe)
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+    else:
+        # Llama 3 takes a piece that is a whole vocabulary entry as one token, merges or not.
+        bpe = models.BPE(
+            vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE
+        )
+        backend = _HFTokenizer(bpe)
+        backend.pre_tokenizer = _pre_tokenizer(pre, path)
+        backend.decoder = decoders.ByteLevel()
     types = arrays.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
         msg = f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
@@ -455,7 +546,8 @@ def gguf_tokenizer(
         return tokens[int(index)]
 
     bos, eos = token("bos_token_id"), token("eos_token_id")
-    add_bos = bool(scalars.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    # A SentencePiece vocabulary without the flag gets bos, as llama.cpp and transformers do.
+    add_bos = bool(scalars.get("tokenizer.ggml.add_bos_token", gemma)) and bos is not None
     add_eos = bool(scalars.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
         head = [f"{bos}"] if add_bos else []
@@ -466,7 +558,7 @@ def gguf_tokenizer(
         backend.post_processor = processors.TemplateProcessing(
             single=" ".join(single), pair=" ".join(pair), special_tokens=list(specials.items())
         )
-    else:
+    elif not gemma:
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
     extra = [
         int(scalars[f"tokenizer.ggml.{k}"])
@@ -482,6 +574,31 @@ def gguf_tokenizer(
         chat_template=scalars.get("tokenizer.chat_template"),
         extra_eos_ids=extra,
     )
+
+
+def _respell_spaces(token: str) -> str:
+    """A token of two or more spaces as Gemma's tokenizer looks it up ("▁▁"), else itself."""
+    return "▁" * len(token) if len(token) > 1 and not token.strip(" ") else token
+
+
+def _merges_from_vocabulary(vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary without merges, as transformers' `generate_merges`.
+
+    Every split of a token into two vocabulary tokens is a merge; a token's merges are ordered by
+    the ids of their halves, and all of them best first by the token's place in the file (the
+    earlier the better), then by the lengths of the halves, longer first.
+    """
+    merges = []
+    for token, index in vocab.items():
+        local = [
+            (token[:i], token[i:], -index)
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def _dequantize(package: Any, t: Any, data: np.ndarray, source: str) -> np.ndarray:
@@ -533,6 +650,8 @@ class _GGUFTensors(Mapping[str, np.ndarray]):
                 f"{x.size}): the file is damaged or was written from a diverged model"
             )
             raise ValueError(msg)
+        if self._config.norm_unit_offset and hf_name.endswith("norm.weight"):
+            x = x.astype(np.float32) - np.float32(1.0)  # llama.cpp stores Gemma's 1 + w
         if self._config.model_type == "llama":
             if ".self_attn.q_proj." in hf_name:
                 x = _unpermute_rotary(x, self._config.num_heads, t.name)
@@ -551,7 +670,7 @@ class _GGUFTensors(Mapping[str, np.ndarray]):
 
 
 def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> GGUFCheckpoint:
-    """Reads a GGUF file (Llama, Qwen2, Qwen3) into a config, dequantized tensors and a tokenizer.
+    """Reads a GGUF file (Llama, Qwen2, Qwen3, Gemma 3) into a config, tensors and a tokenizer.
 
     Every tensor is dequantized with `gguf.quants.dequantize` (F32, F16, BF16 and the block
     quantizations the installed `gguf` package implements: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, ...),
@@ -617,7 +736,7 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> 
         if t.name == _ROPE_FREQS:
             rope_factors = np.asarray(package.quants.dequantize(t.data, t.tensor_type))
             continue
-        hf_name = _hf_name(t.name, source)
+        hf_name = _hf_name(t.name, source, arch)
         if hf_name in sources:
             msg = f"{source}: tensor {t.name!r} appears twice"
             raise ValueError(msg)
@@ -641,7 +760,7 @@ def read_gguf(path: str | os.PathLike[str], *, dtype: str | Any = "float32") -> 
     if unexpected:
         msg = f"{source}: unexpected tensor {unexpected[0]!r} for this {arch} model ({unexpected})"
         raise ValueError(msg)
-    missing = sorted(_gguf_name(n) for n in set(expected) - set(sources))
+    missing = sorted(_gguf_name(n, arch) for n in set(expected) - set(sources))
     if missing:
         msg = f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing: {missing[:8]})"
         raise ValueError(msg)

@@ -960,7 +960,7 @@ class CausalLM(nnx.Module):
     ) -> CausalLM:
         """Loads a Hugging Face checkpoint directory or a GGUF file.
 
-        A directory holds `config.json` (model_type llama, qwen2 or qwen3) and
+        A directory holds `config.json` (model_type llama, qwen2, qwen3, mistral or gemma3_text) and
         `model.safetensors` or the shards listed in `model.safetensors.index.json`; a `.gguf`
         file is read with `read_gguf` (dequantized). The model is built abstractly
         (`nnx.eval_shape`, no random weights are drawn) and each tensor, checked against the
@@ -1313,7 +1313,7 @@ def load_gguf(
     mesh: Mesh | None = None,
     rules: Rules | None = None,
 ) -> tuple[CausalLM, Tokenizer]:
-    """Loads the model and the tokenizer of a GGUF file (Llama, Qwen2, Qwen3).
+    """Loads the model and the tokenizer of a GGUF file (Llama, Qwen2, Qwen3, Gemma 3).
 
     The file is read once (`read_gguf`): tensors dequantized to `dtype`, Llama's q/k rows put
     back in Hugging Face order, the tokenizer and chat template built from the metadata.

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 from artifex.generative_models.inference.sampling import generate
 from artifex.generative_models.models.causal_lm import (
@@ -26,9 +27,13 @@ from artifex.generative_models.models.causal_lm import (
     RMSNorm,
     RopeScaling,
     Tokenizer,
+    convert_gguf,
     from_pretrained,
+    load_gguf,
+    read_gguf,
     rope_inv_frequencies,
 )
+from artifex.generative_models.models.causal_lm import gguf as gguf_module
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl import causal_lm_log_probs
 
@@ -309,3 +314,57 @@ def test_one_set_of_layer_inputs_is_refused_for_mixed_layers():
             nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
             GRPOConfig(layerwise_update=True),
         )
+
+
+GGUF = FIXTURES / NAME / "gemma3_tiny.Q8_0.gguf"
+
+
+def test_gguf_reads_as_transformers_reads_it():
+    """gemma3_tiny as llama.cpp writes Gemma 3 (norms 1 + w, Q8_0 matrices, SentencePiece)."""
+    model, tok = load_gguf(GGUF)
+    config = model.config
+    assert config.model_type == "gemma3_text" and config.vocab_size == 387
+    # what the file leaves out, llama.cpp's way: every sixth layer global (none of 3 here),
+    # local base 10000, the scale 1/sqrt(head_dim); the file's window and linear scaling
+    assert config.sliding_layers == (True, True, True) and config.sliding_window == 4
+    assert config.rope_local_theta == 10_000.0 and config.query_pre_attn_scalar == 16.0
+    assert config.rope_scaling == RopeScaling(factor=4.0, rope_type="linear")
+    norm = load_file(str(FIXTURES / NAME / "model.safetensors"))["model.norm.weight"]
+    np.testing.assert_allclose(np.asarray(model.final_norm.scale[...]), norm, atol=1e-6)
+    e = load_expected(NAME)
+    with np.load(FIXTURES / NAME / "gguf_expected.npz") as data:
+        want = data["logits"]
+    got = np.asarray(_fwd(model, jnp.asarray(e["input_ids"]), jnp.asarray(e["attention_mask"])))
+    real = e["attention_mask"].astype(bool)
+    assert float(np.abs(got - want)[real].max()) <= 1e-4
+    expected = json.loads((FIXTURES / NAME / "gguf_expected.json").read_text())
+    for case in expected["encode"]:
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
+    assert any(386 in case["ids"] for case in expected["encode"])  # the respelled "  " token
+    for case in expected["decode"]:
+        assert tok.decode(case["ids"]) == case["text"]
+    chat = expected["chat"]
+    text = tok.apply_chat_template(chat["messages"], add_generation_prompt=True, tokenize=False)
+    assert text == chat["text"]
+    assert tok.apply_chat_template(chat["messages"], add_generation_prompt=True) == chat["ids"]
+    assert tok.eos_ids == (1, 5)  # <eos> and the file's eot, <end_of_turn>
+
+
+def test_gguf_converts_to_a_checkpoint_that_loads_the_same(tmp_path):
+    out = convert_gguf(GGUF, tmp_path / "converted")
+    model, tok = load_gguf(GGUF)
+    again, again_tok = from_pretrained(out), Tokenizer.from_pretrained(out)
+    assert again.config == model.config
+    ids = jnp.asarray(load_expected(NAME)["input_ids"])
+    np.testing.assert_array_equal(
+        np.asarray(_fwd(again, ids, None)), np.asarray(_fwd(model, ids, None))
+    )
+    for text in ("a  b   c", "Héllo <start_of_turn>"):
+        assert again_tok.encode(text) == tok.encode(text)
+
+
+def test_gguf_attention_scale_of_the_27b_layout(monkeypatch):
+    """llama.cpp gives the 62-layer model 1/sqrt(hidden / heads) (its query_pre_attn_scalar)."""
+    monkeypatch.setattr(gguf_module, "_GEMMA3_27B_LAYERS", 3)
+    config = read_gguf(GGUF).config
+    assert config.query_pre_attn_scalar == 32 / 4
