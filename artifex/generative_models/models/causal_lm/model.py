@@ -590,7 +590,9 @@ class CausalLM(nnx.Module):
         branch 0 of a segment is a prefix its branches share (a prompt and its completions,
         each a branch). Segment 0 is padding. With positions restarting per segment (and per
         branch after the prefix), each sequence's values are those of `hidden_states` on it
-        alone, up to rounding.
+        alone, up to rounding. Sliding-window layers (Mistral, Gemma 3) count their window in
+        positions here (`positions[t] - positions[s] < sliding_window`): a completion's
+        positions continue its prompt's, so this is the window of the sequence alone.
 
         Args:
             input_ids: Token ids (B, T).
@@ -630,12 +632,11 @@ class CausalLM(nnx.Module):
         if branch_ids is not None:
             br = jnp.asarray(branch_ids, jnp.int32)
             mask = mask & ((br[:, None, :] == 0) | (br[:, None, :] == br[:, :, None]))
-        cfg = self.config
-        inv_freq = _inv_freq(cfg.head_dim, float(cfg.rope_theta), cfg.rope_scaling)
-        cos, sin = _rope_tables(jnp.asarray(positions, jnp.int32), inv_freq, self.dtype, t)
+        pos = jnp.asarray(positions, jnp.int32)
+        (cos, sin, mask), sliding = self._attention_inputs(pos, t, mask, pos, pos)
         h = self.embed(jnp.asarray(input_ids, jnp.int32)).astype(self.dtype)
         remat = check_remat("remat", remat)
-        h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack)
+        h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack, sliding)
         return self.final_norm(h)
 
     def layer_inputs(

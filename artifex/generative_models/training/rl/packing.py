@@ -505,10 +505,18 @@ def packed_causal_lm_log_probs(
     transposed = weight is not None
     if weight is None:
         weight = model.output_embedding()
-    if temperature != 1.0:
+    # Soft-capped logits (Gemma): the cap first, the temperature after, as the sampler does.
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    if temperature != 1.0 and softcap is None:
         hidden = hidden / jnp.asarray(temperature, hidden.dtype)
     log_probs, entropy = chunked_token_log_probs(
-        hidden, weight, targets, chunk_size=chunk_size, transposed=transposed
+        hidden,
+        weight,
+        targets,
+        chunk_size=chunk_size,
+        transposed=transposed,
+        softcap=softcap,
+        temperature=1.0 if softcap is None else temperature,
     )
     kept = layout.token_source >= 0
     where = jnp.maximum(layout.token_source, 0)

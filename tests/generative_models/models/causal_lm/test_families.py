@@ -334,3 +334,28 @@ def test_lora_update_merge_and_export(name, tmp_path):
     np.testing.assert_array_equal(
         np.asarray(_fwd(again, ids, mask)), np.asarray(_fwd(merged, ids, mask))
     )
+
+
+def test_packed_log_probs_equal_the_padded_batch(name, model):
+    """Packed rows count the window in positions: the padded batch's log-probs, both layouts."""
+    from artifex.generative_models.training.rl import pack_batch, packed_causal_lm_log_probs
+
+    e = load_expected(name)
+    g, t = 2, 9
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(3, t + 1, size=3 * g)
+    batch = GRPOBatch(
+        prompt_ids=jnp.asarray(np.repeat(e["input_ids"], g, 0)),
+        prompt_mask=jnp.asarray(np.repeat(e["attention_mask"], g, 0)),
+        completion_ids=jnp.asarray(rng.integers(3, 100, size=(3 * g, t)), jnp.int32),
+        completion_mask=jnp.asarray((np.arange(t)[None] < lengths[:, None]).astype(np.int32)),
+        rewards=jnp.zeros(3 * g),
+        group_size=g,
+    )
+    padded, _ = causal_lm_log_probs(
+        model, batch.prompt_ids, batch.completion_ids, prompt_mask=batch.prompt_mask
+    )
+    keep = np.asarray(batch.completion_mask)
+    for width in (None, 40):  # 40: several units per row
+        packed, _ = packed_causal_lm_log_probs(model, pack_batch(batch, row_length=width))
+        np.testing.assert_allclose(np.asarray(packed) * keep, np.asarray(padded) * keep, atol=TOL)

@@ -35,7 +35,12 @@ from artifex.generative_models.models.causal_lm import (
 )
 from artifex.generative_models.models.causal_lm import gguf as gguf_module
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
-from artifex.generative_models.training.rl import causal_lm_log_probs
+from artifex.generative_models.training.rl import (
+    GRPOBatch,
+    causal_lm_log_probs,
+    pack_batch,
+    packed_causal_lm_log_probs,
+)
 
 from ._family_reference import load_checkpoint, reference_logits
 from ._helpers import FIXTURES, load_expected
@@ -136,6 +141,16 @@ def test_softcapped_log_probs_of_the_sampler_and_the_update_agree():
             shared_prompt_group=group,
         )
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
+    batch = GRPOBatch(
+        prompt_ids=jnp.asarray(ids),
+        prompt_mask=jnp.asarray(mask),
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        rewards=jnp.zeros(ids.shape[0]),
+        group_size=2,
+    )
+    packed, _ = packed_causal_lm_log_probs(model, pack_batch(batch), temperature=temperature)
+    np.testing.assert_allclose(np.asarray(packed), want, atol=1e-4)
 
 
 def test_tokenizer_and_chat_template_match_transformers():
