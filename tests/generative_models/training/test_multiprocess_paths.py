@@ -55,12 +55,25 @@ def test_initialize_distributed_arguments_and_environment(calls, monkeypatch):
         initialize_distributed(num_processes=0)
 
 
-def test_cli_flags_join_the_run_and_build_the_mesh(calls):
+def test_cli_flags_join_the_run_and_build_the_mesh(calls, monkeypatch):
+    # The command joins through the bounded handshake (rendezvous.join_processes), which then
+    # calls jax.distributed.initialize; here it only records what it was asked.
+    from artifex.generative_models.training import rendezvous
+
+    def join(address, num_processes, process_id, timeout):
+        calls.append(
+            dict(coordinator_address=address, num_processes=num_processes, process_id=process_id)
+        )
+        joined.append(timeout)
+
+    joined = []
+    monkeypatch.setattr(rendezvous, "join_processes", join)
     base = ["train", "--model", "m", "--data", "d.jsonl", "--reward", "math"]
-    join = ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "0"]
-    args = build_parser().parse_args([*base, *join, "--mesh-fsdp", "2"])
+    join_flags = ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "0"]
+    args = build_parser().parse_args([*base, *join_flags, "--mesh-fsdp", "2"])
     mesh = _setup_devices(args)
     assert calls == [dict(coordinator_address="h:1", num_processes=2, process_id=0)]
+    assert joined == [args.distributed_timeout] and joined[0] > 0
     assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}  # 8 test devices
     plain = build_parser().parse_args(["train", "--model", "m", "--data", "d", "--reward", "math"])
     assert _setup_devices(plain) is None and len(calls) == 1

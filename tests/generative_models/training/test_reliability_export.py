@@ -72,10 +72,18 @@ def test_atomic_write_replaces_or_leaves_the_old_file(tmp_path, monkeypatch):
 
 
 def test_remove_temp_files_cleans_only_temporaries(tmp_path):
+    import subprocess
+    import sys
+
+    # a temporary whose writer has exited is removed; one of a running writer (pid 1) is kept
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     (tmp_path / "keep.json").write_text("{}")
-    (tmp_path / f".keep.json{atomic.TEMP_MARKER}1-ab").write_text("{")
-    assert atomic.remove_temp_files(tmp_path) == [f".keep.json{atomic.TEMP_MARKER}1-ab"]
-    assert os.listdir(tmp_path) == ["keep.json"]
+    (tmp_path / f".keep.json{atomic.TEMP_MARKER}{gone}-ab").write_text("{")
+    (tmp_path / f".keep.json{atomic.TEMP_MARKER}1-cd").write_text("{")
+    assert atomic.remove_temp_files(tmp_path) == [f".keep.json{atomic.TEMP_MARKER}{gone}-ab"]
+    assert sorted(os.listdir(tmp_path)) == [f".keep.json{atomic.TEMP_MARKER}1-cd", "keep.json"]
 
 
 # ------------------------------------------------------------------ save_pretrained

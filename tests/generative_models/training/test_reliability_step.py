@@ -167,7 +167,9 @@ def test_all_nan_rewards_skip_the_update_even_with_a_kl_penalty():
 
 
 def test_all_nan_rewards_still_apply_an_entropy_bonus_the_user_asked_for():
-    trainer = make_trainer(entropy_coeff=0.1, beta=0.1)
+    # update_without_advantage=True: a batch without advantages still applies the entropy bonus
+    # (by default it is skipped: test_state.py's zero-advantage test)
+    trainer = make_trainer(entropy_coeff=0.1, beta=0.1, update_without_advantage=True)
     before = leaves(trainer)
     m = trainer.train_step(lm_batch(rewards=jnp.full((8,), jnp.nan)))
     assert np.isnan(m["reward_mean"])
