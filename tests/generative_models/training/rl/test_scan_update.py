@@ -73,9 +73,9 @@ def test_trainer_step_with_scan_layers_matches_the_unrolled_step(monkeypatch):
     seen = []
     run_layers = CausalLM._run_layers  # under hidden_states and shared_prefix_hidden_states
 
-    def spy(self, h, cos, sin, mask, kv, index, remat, layer_stack):
+    def spy(self, h, cos, sin, mask, kv, index, remat, layer_stack, *rest, **options):
         seen.append(layer_stack is not None)
-        return run_layers(self, h, cos, sin, mask, kv, index, remat, layer_stack)
+        return run_layers(self, h, cos, sin, mask, kv, index, remat, layer_stack, *rest, **options)
 
     monkeypatch.setattr(CausalLM, "_run_layers", spy)
     batch = lm_batch(seed=1).replace(ref_log_probs=None)
