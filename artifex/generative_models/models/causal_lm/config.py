@@ -216,60 +216,42 @@ class RopeScaling:
 class CausalLMConfig:
     """Architecture of a decoder-only transformer (Llama 3, Qwen2/2.5, Qwen3, Mistral, Gemma 3).
 
-    Each layer is `h += Attn(RMSNorm(h)); h += SwiGLU(RMSNorm(h))`, attention is grouped-query
-    with rotate-half RoPE, and the logits are `RMSNorm(h) @ W_out` with `W_out = E^T` when the
-    embeddings are tied. The families differ in a few switches: Qwen2 has q/k/v biases (no o_proj
-    bias); Qwen3 applies an RMSNorm over the head dimension to q and k before RoPE and usually sets
-    `head_dim` explicitly; Llama 3.1+ scales the RoPE frequencies (`rope_scaling`); Mistral is
-    Llama without biases whose every layer attends to the last `sliding_window` slots only.
-    Gemma 3 (`"gemma3_text"`) scales the embeddings by `sqrt(hidden_size)`, uses RMSNorms that
-    multiply by `1 + w`, normalizes the attention and MLP outputs too
-    (`h += Norm(Attn(Norm(h))); h += Norm(MLP(Norm(h)))`), a GELU-tanh gated MLP, q/k RMSNorm,
-    the attention scale `query_pre_attn_scalar^-1/2`, and mixes sliding-window layers (RoPE base
-    `rope_local_theta`, no scaling) with global ones (`rope_theta`, `rope_scaling`) after
-    `layer_types`; its logits may be soft-capped, `c tanh(z / c)`.
-
-    A sliding-window layer lets the query in slot `q` (its column, or its KV-cache slot) attend
-    to key slots `s` with `q - s < sliding_window`, as transformers' masks do; with left padding
-    these are the last `sliding_window` tokens up to and including the query.
+    Each layer is `h += Attn(RMSNorm(h)); h += SwiGLU(RMSNorm(h))` with grouped-query attention
+    and rotate-half RoPE. The families differ in switches (docs/models.md has the table); Gemma 3
+    (`"gemma3_text"`) also scales the embeddings, multiplies its RMSNorms by `1 + w`,
+    normalizes the block outputs and mixes sliding-window and global layers. A sliding-window
+    layer lets the query in slot `q` (column or KV-cache slot) see key slots `s` with
+    `q - s < sliding_window`, as transformers' masks do.
 
     Attributes:
-        model_type: "llama", "qwen2", "qwen3", "mistral" or "gemma3_text" (decides the Hugging
-            Face architecture).
+        model_type: "llama", "qwen2", "qwen3", "mistral" or "gemma3_text".
         vocab_size: Number of token embeddings.
         hidden_size: Model width D.
-        intermediate_size: Hidden width F of the SwiGLU MLP.
+        intermediate_size: Hidden width F of the MLP.
         num_layers: Number of decoder layers L.
         num_heads: Number of query heads N.
-        num_kv_heads: Number of key/value heads K (N must be a multiple of K); None means N.
+        num_kv_heads: Number of key/value heads K (dividing N); None means N.
         head_dim: Per-head width H; None means `hidden_size // num_heads`.
-        rope_theta: RoPE base.
+        rope_theta: RoPE base (Gemma 3: of the global layers).
         rope_scaling: None or a `RopeScaling` (a mapping is converted).
         rms_norm_eps: Epsilon of every RMSNorm.
         tie_word_embeddings: Whether the output projection is the transposed input embedding.
-        attention_bias: Whether q/k/v projections have biases (Llama and Qwen3 then also give o_proj
-            a bias, as transformers does; Qwen2 always has q/k/v biases and no o_proj bias).
-        qk_norm: Whether q and k get a per-head RMSNorm before RoPE (True exactly for Qwen3 and
-            Gemma 3).
-        hidden_act: MLP activation, "silu" (SwiGLU) or "gelu_pytorch_tanh" (GELU with the tanh
-            approximation, Gemma 3's default).
-        sliding_window: Window W of the sliding-window layers (Mistral, Gemma 3), or None (full
-            attention; Gemma 3 then needs every layer full).
-        layer_types: Gemma 3 only: "full_attention" or "sliding_attention" per layer (a list is
-            converted); None means transformers' default pattern, every sixth layer global.
-            For Mistral every layer slides when `sliding_window` is set.
-        rope_local_theta: Gemma 3 only: RoPE base of the sliding-window layers (transformers'
-            `rope_local_base_freq`); None means 10000.
-        query_pre_attn_scalar: Gemma 3 only: scores are `q k^T / sqrt(query_pre_attn_scalar)`;
-            None means `head_dim`. Other families use `head_dim`.
-        final_logit_softcapping: Gemma 3 only: logits become `c tanh(z / c)` with this `c`;
-            None leaves them as they are.
-        max_position_embeddings: Longest context the model is meant for (written to config.json).
-        initializer_range: Standard deviation of the normal initialisation of weights.
+        attention_bias: q/k/v biases (and o_proj's, but for Qwen2); always for Qwen2.
+        qk_norm: Whether q and k get a per-head RMSNorm (exactly for Qwen3 and Gemma 3).
+        hidden_act: "silu" or "gelu_pytorch_tanh" (Gemma 3's).
+        sliding_window: Window of the sliding-window layers (Mistral, Gemma 3), or None.
+        layer_types: Gemma 3: "full_attention" / "sliding_attention" per layer; None means
+            every sixth layer global. Mistral: every layer slides when there is a window.
+        rope_local_theta: Gemma 3: RoPE base of the sliding layers; None means 10000.
+        query_pre_attn_scalar: Gemma 3: scores are `q k^T / sqrt(query_pre_attn_scalar)`; None
+            means `head_dim`, the scale of the other families.
+        final_logit_softcapping: Gemma 3: logits become `c tanh(z / c)`; None: not capped.
+        max_position_embeddings: Longest context the model is meant for.
+        initializer_range: Standard deviation of the initial weights.
         bos_token_id: Beginning-of-sequence id or None.
         eos_token_id: End-of-sequence id, a tuple of ids (a list is converted), or None.
         pad_token_id: Padding id or None.
-        param_dtype: "float32" or "bfloat16"; parameters are stored and computed in this dtype.
+        param_dtype: "float32" or "bfloat16", of the parameters and the compute.
 
     Raises:
         ValueError: Naming the field, if a field is invalid or the combination cannot be written as
