@@ -48,6 +48,11 @@ from artifex.generative_models.training.rl.optimizer_split import (
     interrupt_scope,
     lower_programs,
 )
+from artifex.generative_models.training.rl.packing import (
+    pack_batch,
+    packed_log_prob_fn,
+    should_pack,
+)
 from artifex.generative_models.training.rl.ref_sync import (
     check_sync_setup,
     reference_sync_due,
@@ -69,12 +74,14 @@ from artifex.generative_models.training.sharding import (
     PartitionRules,
     _path_parts,
     current_mesh,
+    num_data_shards,
     shard_batch,
     shard_model,
     shard_optimizer,
 )
 from artifex.generative_models.utils.compile_options import compiler_options, jit
 from artifex.generative_models.utils.host_memory import release_memory_after_compilation
+from artifex.generative_models.utils.validation import check_float
 
 __all__ = [
     "MIN_MICROBATCH_TOKENS",
@@ -559,6 +566,8 @@ class GRPOTrainer:
         partition_rules: :class:`~artifex.generative_models.training.sharding.PartitionRules`
             (or ``(regex, PartitionSpec)`` pairs) for ``mesh``; default ``PartitionRules()``.
         rng: The run's PRNG key, carried in the train state (default ``jax.random.key(0)``).
+        packing_threshold: Pack a causal-LM batch's sequences into rows without padding
+            (:meth:`maybe_pack`) when more than this fraction of it is padding; None: never.
 
     Examples:
         >>> import jax.numpy as jnp, optax
@@ -585,8 +594,11 @@ class GRPOTrainer:
         mesh: Mesh | None = None,
         partition_rules: PartitionRules | Sequence[tuple[str, Any]] | None = None,
         rng: jax.Array | None = None,
+        packing_threshold: float | None = None,
     ):
         config = GRPOConfig() if config is None else config
+        check_float("packing_threshold", packing_threshold, minimum=0, maximum=1, allow_none=True)
+        self.packing_threshold = packing_threshold
         if not isinstance(model, nnx.Module):
             msg = f"model must be an nnx.Module, got {type(model).__name__}"
             raise TypeError(msg)
@@ -661,6 +673,14 @@ class GRPOTrainer:
             if log_prob_fn is None
             else log_prob_fn
         )
+        if log_prob_fn is None and callable(getattr(model, "packed_hidden_states", None)):
+            # Packed batches (maybe_pack) run packed; every other batch as before.
+            self.log_prob_fn = packed_log_prob_fn(
+                self.log_prob_fn,
+                temperature=config.temperature,
+                remat=config.remat_option,
+                scan_layers=config.scan_layers,
+            )
         self._lora_reference = reference_model is None and _is_lora_only(model, self.wrt)
         _, params, frozen = nnx.split(model, self.wrt, ...)
         check_sync_setup(
@@ -1273,6 +1293,7 @@ class GRPOTrainer:
         """
         if num_microbatches is None:
             num_microbatches = self.auto_microbatches(batch)
+        batch = self.maybe_pack(batch, num_microbatches)
         # A Ctrl-C while the optimizer runs group by group is delivered once the new state is
         # stored: the old arrays are donated by then.
         with interrupt_scope():
@@ -1281,6 +1302,36 @@ class GRPOTrainer:
         host = self.host_metrics(metrics, step=state.step)
         self.maybe_sync_reference(state, metrics)
         return host
+
+    def maybe_pack(self, batch: GRPOBatch, num_microbatches: int = 1) -> GRPOBatch:
+        """``batch`` packed (``pack_batch``) where ``packing_threshold`` says it pays, else as is.
+
+        Packs when the threshold is set, the trainer runs its own causal-LM log-probs (not a
+        custom ``log_prob_fn``, not ``layerwise_update``) and more than that fraction of the
+        batch's positions is padding (``should_pack``). Reads the masks on the host; the
+        packed batch is placed as :meth:`place_batch` places batches. The update's value is
+        the padded batch's, up to rounding; it compiles once per row bucket.
+
+        Args:
+            batch: A prepared batch.
+            num_microbatches: The update's microbatches (each slice is packed on its own).
+
+        Returns:
+            A :class:`~artifex.generative_models.training.rl.packing.PackedGRPOBatch`, or
+            ``batch``.
+        """
+        if (
+            self.packing_threshold is None
+            or self._custom_log_prob_fn
+            or self.config.layerwise_update
+            or not callable(getattr(self.model, "packed_hidden_states", None))
+            or not should_pack(batch, self.packing_threshold)
+        ):
+            return batch
+        shards = 1 if self.mesh is None else num_data_shards(self.mesh)
+        return self.place_batch(
+            pack_batch(batch, num_microbatches=num_microbatches, row_multiple=shards)
+        )
 
     def store_update(self, state: GRPOTrainState) -> None:
         """Writes what an update changes (parameters, optimizer state, step) into the model.

@@ -1164,6 +1164,7 @@ def train(
                             mb = batch if config.num_minibatches == 1 else _take_rows(batch, part)
                             if config.num_minibatches > 1:
                                 mb = trainer.place_batch(mb)
+                            mb = trainer.maybe_pack(mb, steps)  # rows without padding, if it pays
                             state, step_metrics = update_fn(state, mb)
                             updates.append(trainer.host_metrics(step_metrics, step=state.step))
                             state = trainer.maybe_sync_reference(state, step_metrics)

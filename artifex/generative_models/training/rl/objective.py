@@ -473,7 +473,8 @@ def split_microbatches(batch: GRPOBatch, num_microbatches: int) -> GRPOBatch:
         msg = f"num_microbatches={num_microbatches} must be >= 1 and divide the {b} batch rows"
         raise ValueError(msg)
     a = num_microbatches
-    return jax.tree.map(lambda x: x.reshape(a, b // a, *x.shape[1:]), batch)
+    # Each leaf by its own rows (a packed batch's layout has rows of its own, a multiple of A).
+    return jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), batch)
 
 
 def _combine_micro_metrics(stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:

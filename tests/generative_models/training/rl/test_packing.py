@@ -359,3 +359,71 @@ def test_trainer_update_is_the_padded_update(model, micro):
         np.testing.assert_allclose(got_m[key], want_m[key], rtol=1e-4, atol=2e-6, err_msg=key)
     for x, y in zip(got_p, want_p, strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_packs_when_padding_is_above_its_threshold(model):
+    cfg = GRPOConfig(num_generations=4, beta=0.0)
+    results = []
+    for threshold in (None, 0.2):
+        policy = own_copy(model)
+        trainer = GRPOTrainer(
+            policy,
+            nnx.Optimizer(policy, optax.sgd(0.5), wrt=nnx.Param),
+            cfg,
+            packing_threshold=threshold,
+        )
+        batch = ragged_batch(8, t=12)
+        assert padding_fraction(batch) > 0.2
+        packed = trainer.maybe_pack(trainer.prepare_batch(batch))
+        assert isinstance(packed, PackedGRPOBatch) == (threshold is not None)
+        assert trainer.maybe_pack(trainer.prepare_batch(batch), 2) is not packed
+        metrics = trainer.train_step(batch, num_microbatches=2)
+        results.append((metrics, [np.asarray(x) for x in jax.tree.leaves(nnx.state(policy))]))
+    (want_m, want_p), (got_m, got_p) = results
+    for key in want_m:
+        np.testing.assert_allclose(got_m[key], want_m[key], rtol=1e-4, atol=2e-6, err_msg=key)
+    for x, y in zip(got_p, want_p, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    # Above the threshold only; never for a custom log-prob function.
+    policy = own_copy(model)
+    opt = nnx.Optimizer(policy, optax.sgd(0.5), wrt=nnx.Param)
+    high = GRPOTrainer(policy, opt, cfg, packing_threshold=0.99)
+    assert not isinstance(high.maybe_pack(high.prepare_batch(ragged_batch(8))), PackedGRPOBatch)
+    custom = GRPOTrainer(policy, opt, cfg, packing_threshold=0.0, log_prob_fn=packed_log_prob_fn())
+    assert not isinstance(custom.maybe_pack(custom.prepare_batch(ragged_batch(8))), PackedGRPOBatch)
+    with pytest.raises(ValueError, match="packing_threshold"):
+        GRPOTrainer(policy, opt, cfg, packing_threshold=1.5)
+
+
+def test_the_loop_packs_and_trains_as_it_would_padded(monkeypatch):
+    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+    from artifex.generative_models.training.rl import RolloutConfig, TrainConfig, train
+    from artifex.generative_models.training.rl.rewards import math_answer_reward
+
+    rows, _ = addition_dataset(seed=0, num_eval=4)
+    tok = demo_tokenizer()
+    packed_batches = []
+    original = GRPOTrainer.maybe_pack
+
+    def spy(self, batch, num_microbatches=1):
+        out = original(self, batch, num_microbatches)
+        packed_batches.append(isinstance(out, PackedGRPOBatch))
+        return out
+
+    monkeypatch.setattr(GRPOTrainer, "maybe_pack", spy)
+    final = []
+    for threshold in (None, 0.0):
+        model = demo_model(tok, seed=0)
+        opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+        trainer = GRPOTrainer(
+            model, opt, GRPOConfig(num_generations=4, beta=0.0), packing_threshold=threshold
+        )
+        train(
+            trainer, tok, rows[:16], [math_answer_reward(last_number_fallback=True)],
+            TrainConfig(num_steps=2, prompts_per_step=4, num_minibatches=2, progress=False),
+            RolloutConfig(max_new_tokens=6),
+        )  # fmt: skip
+        final.append([np.asarray(x) for x in jax.tree.leaves(nnx.state(model))])
+    assert packed_batches == [False] * 4 + [True] * 4
+    for x, y in zip(final[1], final[0], strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
