@@ -434,8 +434,12 @@ def test_two_grpo_steps_on_smollm2():
          "answer": str(a + b)}
         for a, b in [(12, 7), (30, 14), (5, 9), (21, 21)]
     ]  # fmt: skip
+    from tests.spread_reward import text_reward
+
+    # The real model answers most of these right in every sample: the text reward adds a spread
+    # within groups (a batch of zero advantages is not applied).
     result = train(
-        trainer, tok, rows, [math_answer_reward(extraction="last_number")],
+        trainer, tok, rows, [math_answer_reward(extraction="last_number"), text_reward],
         TrainConfig(num_steps=2, prompts_per_step=2, seed=0, progress=False),
         RolloutConfig(max_new_tokens=8),
     )  # fmt: skip
