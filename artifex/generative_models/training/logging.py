@@ -1,7 +1,9 @@
 """Metric writers for training loops: JSON Lines, TensorBoard, a progress bar, completions.
 
-Metrics go to a JSON Lines file, TensorBoard (when installed) and a progress bar; sample
-completions to a JSON Lines file and a console table (:class:`CompletionLog`).
+Metrics go to a JSON Lines file, a progress bar and any other writers given to
+:class:`MetricLogger` (TensorBoard here; Weights & Biases and trackio in
+:mod:`~artifex.generative_models.training.trackers`); sample completions to a JSON Lines file,
+a console table and the same writers (:class:`CompletionLog`).
 
 Every writer writes from the primary process only (``jax.process_index() == 0``), so a
 multi-host run logs once.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,6 +30,7 @@ __all__ = [
     "MetricLogger",
     "ProgressBar",
     "TensorBoardWriter",
+    "completions_as_table",
     "format_completions_table",
     "is_primary_process",
 ]
@@ -129,9 +133,10 @@ class JsonlWriter:
 
 
 class TensorBoardWriter:
-    """Scalars to TensorBoard event files, through ``tensorboardX`` or ``torch.utils.tensorboard``.
+    """Metrics to TensorBoard event files, through ``tensorboardX`` or ``torch.utils.tensorboard``.
 
-    Use :meth:`create`, which returns ``None`` when neither package is installed.
+    Use :meth:`create`, which returns ``None`` when neither package is installed
+    (``pip install 'artifex-grpo[tensorboard]'`` installs ``tensorboardX``).
 
     Args:
         writer: A ``SummaryWriter``.
@@ -148,15 +153,28 @@ class TensorBoardWriter:
         self._writer = writer
 
     @classmethod
-    def create(cls, logdir: str | os.PathLike[str]) -> TensorBoardWriter | None:
+    def create(
+        cls, logdir: str | os.PathLike[str], *, purge_step: int | None = None
+    ) -> TensorBoardWriter | None:
         """A writer for ``logdir``, or ``None`` if no TensorBoard writer package is installed.
 
         Args:
             logdir: Directory for the event files.
+            purge_step: TensorBoard hides the events of steps ``>= purge_step`` written to
+                ``logdir`` before (``SummaryWriter``'s ``purge_step``): a run resumed from the
+                checkpoint of step ``s`` passes ``s + 1``, a run started over ``0``. ``None``
+                hides nothing.
 
         Returns:
             The writer or ``None`` (also on non-primary processes).
+
+        Raises:
+            TypeError: ``purge_step`` is not an int or ``None``.
+            ValueError: ``purge_step`` is negative.
         """
+        purge_step = check_int(
+            "TensorBoardWriter.purge_step", purge_step, minimum=0, allow_none=True
+        )
         if not is_primary_process():
             return None
         try:
@@ -166,18 +184,41 @@ class TensorBoardWriter:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 return None
-        return cls(SummaryWriter(os.fspath(logdir)))
+        return cls(SummaryWriter(os.fspath(logdir), purge_step=purge_step))
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Writes each finite scalar of ``metrics`` under its name.
+        """Writes every entry of ``metrics``: numbers as scalars (NaN and infinities too), text.
 
         Args:
             step: The step number.
-            metrics: Scalar metrics.
+            metrics: The step's metrics; a value that is not a number is written as text.
         """
         for key, value in metrics.items():
-            if isinstance(value, int | float) and math.isfinite(value):
-                self._writer.add_scalar(key, value, step)
+            if isinstance(value, numbers.Real):
+                self._writer.add_scalar(key, float(value), step)
+            else:
+                self._writer.add_text(key, str(value), step)
+        self._writer.flush()
+
+    def write_completions(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        r"""Writes the step's completions as one Markdown table, under the tag ``completions``.
+
+        The columns are those of :func:`completions_as_table`; the text is written whole, with
+        ``|`` escaped and line breaks shown as ``\n``, missing values as ``-``.
+
+        Args:
+            step: The step number.
+            records: The records :meth:`CompletionLog.log` returns.
+        """
+        columns, rows = completions_as_table(records)
+
+        def cell(value: Any) -> str:
+            text = "-" if value is None else str(value)
+            return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "\\n")
+
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+        self._writer.add_text("completions", "\n".join(lines), step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -243,18 +284,24 @@ class ProgressBar:
 
 
 class MetricLogger:
-    """Fans metrics out to a JSONL file, TensorBoard (when installed) and a progress bar.
+    """Fans metrics out to a JSONL file, TensorBoard, other writers and a progress bar.
 
     Args:
         jsonl_path: JSONL file, or ``None``.
-        tensorboard_dir: TensorBoard log directory, or ``None``.
+        tensorboard_dir: TensorBoard log directory, or ``None`` (no TensorBoard writer is
+            made when neither ``tensorboardX`` nor ``torch`` is installed: see
+            :meth:`TensorBoardWriter.create`).
         progress_total: Steps for the progress bar, or ``None`` for no bar.
         progress_initial: Steps already done.
         resume_step: The step a resumed run restarts from: the JSONL file keeps only the
             records up to it (see :class:`JsonlWriter`); ``None`` appends.
+        writers: More writers, each with ``write(step, metrics)`` and ``close()`` (the
+            trackers of :func:`~artifex.generative_models.training.trackers.open_trackers`);
+            :meth:`close` closes them.
 
     Raises:
-        TypeError: A step count that is not an int (or ``None`` where allowed).
+        TypeError: A step count that is not an int (or ``None`` where allowed), or a writer
+            without ``write`` and ``close`` methods.
         ValueError: A negative step count.
 
     Examples:
@@ -276,8 +323,10 @@ class MetricLogger:
         progress_total: int | None = None,
         progress_initial: int = 0,
         resume_step: int | None = None,
+        writers: Sequence[Any] = (),
     ):
         check_int("MetricLogger.resume_step", resume_step, minimum=0, allow_none=True)
+        self.writers = _checked_writers("MetricLogger.writers", writers, ("write", "close"))
         check_int("MetricLogger.progress_total", progress_total, minimum=0, allow_none=True)
         check_int("MetricLogger.progress_initial", progress_initial, minimum=0)
         self.jsonl = None if jsonl_path is None else JsonlWriter(jsonl_path, keep_until=resume_step)
@@ -302,14 +351,35 @@ class MetricLogger:
             self.jsonl.write(step, metrics)
         if self.tensorboard is not None:
             self.tensorboard.write(step, metrics)
+        for writer in self.writers:
+            writer.write(step, metrics)
         if self.progress is not None and advance:
             self.progress.update(metrics)
 
     def close(self) -> None:
-        """Closes every writer."""
-        for writer in (self.jsonl, self.tensorboard, self.progress):
-            if writer is not None:
-                writer.close()
+        """Closes every writer (all of them, even if one fails; the first error is raised)."""
+        error = None
+        for writer in (self.jsonl, self.tensorboard, *self.writers, self.progress):
+            try:
+                if writer is not None:
+                    writer.close()
+            except Exception as err:
+                error = error or err
+        self.writers = []
+        if error is not None:
+            raise error
+
+
+def _checked_writers(name: str, writers: Any, methods: Sequence[str]) -> list[Any]:
+    if isinstance(writers, str | bytes) or not isinstance(writers, Sequence):
+        msg = f"{name} must be a sequence of writers, got {writers!r}"
+        raise TypeError(msg)
+    for writer in writers:
+        missing = [m for m in methods if not callable(getattr(writer, m, None))]
+        if missing:
+            msg = f"{name}: {writer!r} has no {' or '.join(missing)} method"
+            raise TypeError(msg)
+    return list(writers)
 
 
 # ------------------------------------------------------------------------------ completions
@@ -393,6 +463,50 @@ def format_completions_table(
     return "\n".join(out)
 
 
+def completions_as_table(
+    records: Sequence[Mapping[str, Any]],
+) -> tuple[list[str], list[list[Any]]]:
+    """The records of :meth:`CompletionLog.log` as the columns and rows of a tracker's table.
+
+    One column per key of the records, in their order (``step``, ``index``, ``group``,
+    ``prompt``, ``completion``, ``reward``, ``advantage``), except ``rewards``, which becomes one
+    column per reward function, ``rewards/<name>``, where ``rewards`` stood. A value a record
+    lacks is ``None``. Nothing is shortened.
+
+    Args:
+        records: The records.
+
+    Returns:
+        ``(columns, rows)``: the column names and one list of values per record.
+
+    Examples:
+        >>> from artifex.generative_models.training.logging import completions_as_table
+        >>> records = [{"step": 3, "prompt": "1+2=", "completion": "3",
+        ...             "rewards": {"math": 1.0, "format": None}, "advantage": 0.5}]
+        >>> columns, rows = completions_as_table(records)
+        >>> columns
+        ['step', 'prompt', 'completion', 'rewards/math', 'rewards/format', 'advantage']
+        >>> rows
+        [[3, '1+2=', '3', 1.0, None, 0.5]]
+    """
+    columns: dict[str, tuple[str, str | None]] = {}  # column -> (record key, reward name)
+    for record in records:
+        for key, value in record.items():
+            if key == "rewards" and isinstance(value, Mapping):
+                for name in value:
+                    columns.setdefault(f"rewards/{name}", (key, str(name)))
+            else:
+                columns.setdefault(str(key), (key, None))
+    rows = [
+        [
+            record.get(key) if name is None else (record.get(key) or {}).get(name)
+            for key, name in columns.values()
+        ]
+        for record in records
+    ]
+    return list(columns), rows
+
+
 class CompletionLog:
     """Sample completions of a run: every one to a JSONL file, a few in a console table.
 
@@ -410,6 +524,9 @@ class CompletionLog:
     dropped when a resumed run rewrites the file (``keep_until``). The file is never rotated.
 
     Only the primary process writes and prints; :meth:`log` returns the records everywhere.
+    ``writers`` (experiment trackers) get each call's records too, through their
+    ``write_completions(step, records)``; they are closed by their owner (the
+    :class:`MetricLogger` that holds them), not by :meth:`close`.
 
     Args:
         path: The JSONL file (its directory is created), or ``None`` for the table only.
@@ -419,6 +536,10 @@ class CompletionLog:
             of steps ``<= keep_until`` (see :class:`JsonlWriter`); ``None`` appends.
         stream: Where the table goes (default ``sys.stdout``); it is written with
             ``tqdm.write`` so a progress bar stays intact.
+        writers: Writers with a ``write_completions(step, records)`` method.
+
+    Raises:
+        TypeError: A writer without a ``write_completions`` method.
 
     Examples:
         >>> import io
@@ -447,7 +568,9 @@ class CompletionLog:
         max_chars: int = 40,
         keep_until: int | None = None,
         stream: IO[str] | None = None,
+        writers: Sequence[Any] = (),
     ):
+        self.writers = _checked_writers("CompletionLog.writers", writers, ("write_completions",))
         self.path = None if path is None else os.fspath(path)
         self.print_rows = int(print_rows)
         self.max_chars = int(max_chars)
@@ -518,6 +641,8 @@ class CompletionLog:
             view = memoryview(data.encode("utf-8"))
             while view:  # one write in practice; loop on a short write
                 view = view[os.write(self._fd, view) :]
+        for writer in self.writers:
+            writer.write_completions(int(step), records)
         if self.print_rows > 0 and records:
             shown = min(self.print_rows, n)
             where = "" if self.path is None else f"; all in {self.path}"

@@ -30,11 +30,14 @@ def test_tensorboard_writer_uses_an_installed_summary_writer(tmp_path, monkeypat
     written = []
 
     class SummaryWriter:
-        def __init__(self, logdir):
-            self.logdir = logdir
+        def __init__(self, logdir, purge_step=None):
+            written.append(("purge_step", purge_step))
 
         def add_scalar(self, key, value, step):
             written.append((key, value, step))
+
+        def add_text(self, key, text, step):
+            written.append((key, text, step))
 
         def flush(self):
             pass
@@ -47,9 +50,22 @@ def test_tensorboard_writer_uses_an_installed_summary_writer(tmp_path, monkeypat
     )
     logger = MetricLogger(tensorboard_dir=str(tmp_path), jsonl_path=str(tmp_path / "m.jsonl"))
     assert isinstance(logger.tensorboard, TensorBoardWriter)
-    logger.log(3, {"reward_mean": 0.5, "inf": float("inf"), "name": "x"})
+    logger.log(3, {"reward_mean": 0.5, "inf": float("inf"), "name": "x", "ok": True})
     logger.close()
-    assert written == [("reward_mean", 0.5, 3), "closed"]  # non-finite / non-numeric skipped
+    # every key: non-finite numbers as scalars (TensorBoard shows them), text as text
+    assert written == [
+        ("purge_step", None),
+        ("reward_mean", 0.5, 3),
+        ("inf", float("inf"), 3),
+        ("name", "x", 3),
+        ("ok", 1.0, 3),
+        "closed",
+    ]
+    written.clear()
+    TensorBoardWriter.create(tmp_path, purge_step=5)
+    assert written == [("purge_step", 5)]
+    with pytest.raises(ValueError, match=r"TensorBoardWriter.purge_step must be an int >= 0"):
+        TensorBoardWriter.create(tmp_path, purge_step=-1)
 
 
 def test_without_tensorboard_packages_there_is_no_writer(tmp_path, monkeypatch):

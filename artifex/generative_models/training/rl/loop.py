@@ -10,7 +10,7 @@ Each step (Algorithm 1 of DeepSeekMath, outer loop):
 4. run ``num_iterations`` (GRPO's ``mu``) passes over the batch, each split into
    ``num_minibatches`` optimizer updates, each accumulating gradients over
    ``gradient_accumulation_steps`` microbatches (the update does not depend on the split);
-5. log the metrics (JSONL every step, TensorBoard when installed, a progress bar), evaluate
+5. log the metrics (JSONL every step, the ``report_to`` trackers, a progress bar), evaluate
    pass@1 on held-out prompts every ``eval_every`` steps, checkpoint every ``checkpoint_every``.
 
 Everything random derives from ``seed`` and the step number, and the data position is saved in
@@ -68,6 +68,7 @@ from artifex.generative_models.training.rl.rollout import (
 from artifex.generative_models.training.rl.state import NonFiniteUpdateError
 from artifex.generative_models.training.rl.step_rewards import StepRewards
 from artifex.generative_models.training.sharding import host_array, process_row_range
+from artifex.generative_models.training.trackers import check_report_to
 from artifex.generative_models.utils.validation import check_int
 
 if TYPE_CHECKING:  # annotations only: the trainer's module sits above the loop
@@ -121,7 +122,8 @@ class TrainConfig:
             least this.
         eval_num_samples: Samples per evaluation prompt for pass@k, mean@n and maj@n
             (:mod:`~artifex.generative_models.training.rl.evaluation_metrics`); 1: greedy only.
-        log_dir: Directory for ``metrics.jsonl`` and TensorBoard events (``None``: no files).
+        log_dir: Directory for ``metrics.jsonl`` and the trackers' files (``None``: no files).
+        report_to: Trackers (:mod:`~artifex.generative_models.training.trackers`).
         checkpoint_dir: Orbax checkpoint directory (``None``: no checkpoints).
         checkpoint_every: Save every this many steps (0: only at the end).
         keep_checkpoints: Keep the newest this many checkpoints.
@@ -162,6 +164,7 @@ class TrainConfig:
     pass_threshold: float = 1.0
     eval_num_samples: int = 1
     log_dir: str | None = None
+    report_to: tuple[str, ...] = ("jsonl",)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
@@ -218,6 +221,13 @@ class TrainConfig:
             self.pass_threshold
         ):
             msg = f"TrainConfig.pass_threshold must be a finite number, got {self.pass_threshold!r}"
+            raise ValueError(msg)
+        object.__setattr__(self, "report_to", check_report_to(self.report_to))
+        if "tensorboard" in self.report_to and self.log_dir is None:
+            msg = (
+                "TrainConfig.report_to names 'tensorboard', which writes to log_dir/tb, but "
+                "log_dir is None: set log_dir"
+            )
             raise ValueError(msg)
 
     @property

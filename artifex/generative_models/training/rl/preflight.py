@@ -15,7 +15,8 @@
    a run with another checkpoint directory (recorded in ``.artifex-run.json``) is refused
    instead of being appended to, or cut back to this run's checkpoint step on a resume;
 5. the metric and completion logs are opened (a resumed run keeps only the records up to its
-   checkpoint's step).
+   checkpoint's step), and the experiment trackers of ``report_to`` started
+   (:func:`~artifex.generative_models.training.trackers.open_trackers`).
 
 Whatever fails releases what was taken before it.
 """
@@ -35,6 +36,7 @@ from artifex.generative_models.training.logging import (
     is_primary_process,
 )
 from artifex.generative_models.training.run_lock import RunLock
+from artifex.generative_models.training.trackers import open_trackers
 from artifex.generative_models.utils.atomic import atomic_write_json
 
 __all__ = [
@@ -273,26 +275,48 @@ def open_run_outputs(config: Any, trainer: Any, fingerprint: Mapping[str, Any]) 
                 f"checkpoint's (step {out.start_step}), not step {config.num_steps}'s"
             )
         resume_step = out.start_step if out.start_step > 0 else None
-        out.logger = MetricLogger(
-            jsonl_path=None
-            if config.log_dir is None
-            else os.path.join(config.log_dir, "metrics.jsonl"),
-            resume_step=resume_step,
-            tensorboard_dir=None if config.log_dir is None else os.path.join(config.log_dir, "tb"),
-            progress_total=config.num_steps if config.progress else None,
-            progress_initial=min(out.start_step, config.num_steps),
+        # TensorBoard hides what an earlier attempt logged past this run's start (all of it
+        # on a fresh start): those steps are logged again.
+        trackers = open_trackers(
+            config.report_to,
+            log_dir=config.log_dir,
+            config=_tracker_config(config, fingerprint),
+            purge_step=out.start_step + 1 if out.start_step > 0 else 0,
         )
+        try:
+            out.logger = MetricLogger(
+                jsonl_path=None
+                if config.log_dir is None
+                else os.path.join(config.log_dir, "metrics.jsonl"),
+                resume_step=resume_step,
+                progress_total=config.num_steps if config.progress else None,
+                progress_initial=min(out.start_step, config.num_steps),
+                writers=trackers,
+            )
+        except BaseException:
+            for writer in trackers:
+                writer.close()
+            raise
         out.samples = CompletionLog(
             os.path.join(config.log_dir, "completions.jsonl")
             if config.log_dir is not None and config.log_completions_every
             else None,
             print_rows=config.completions_to_print,
             keep_until=resume_step,
+            writers=trackers,
         )
     except BaseException:
         out.close()
         raise
     return out
+
+
+def _tracker_config(config: Any, fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's settings for W&B's and trackio's config panel (the parameter shapes left out)."""
+    settings = (
+        {"train_config": dataclasses.asdict(config)} if dataclasses.is_dataclass(config) else {}
+    )
+    return settings | {k: v for k, v in fingerprint.items() if k != "trainable_shapes"}
 
 
 def _restore(
