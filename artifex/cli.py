@@ -159,6 +159,17 @@ def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps:
     return optax.join_schedules([warmup, after], [warmup_steps])
 
 
+def _report_to(text: str) -> list[str]:
+    """An argparse type for ``--report-to``: tracker names, checked (packages included)."""
+    from artifex.generative_models.training.trackers import check_report_to
+
+    try:
+        check_report_to(text, field="the option")
+    except (ValueError, ImportError) as err:  # argparse names the option first
+        raise argparse.ArgumentTypeError(str(err).removeprefix("the option: ")) from err
+    return [name.strip().lower() for name in text.split(",")]
+
+
 def _finite_float(text: str) -> float:
     """An argparse type: a finite float."""
     try:
@@ -592,7 +603,18 @@ def build_parser() -> argparse.ArgumentParser:
         "</tool_call>)",
     )
     _add_dataclass_options(tr, GRPOConfig)
-    _add_dataclass_options(tr, TrainConfig)
+    _add_dataclass_options(tr, TrainConfig, skip=("report_to",))
+    tr.add_argument(
+        "--report-to",
+        dest="TrainConfig.report_to",
+        action="extend",
+        type=_report_to,
+        default=argparse.SUPPRESS,
+        metavar="NAMES",
+        help="experiment trackers besides metrics.jsonl: tensorboard, wandb, trackio "
+        "(comma-separated or repeated; none, the default: metrics.jsonl only); each needs its "
+        "extra, e.g. pip install 'artifex-grpo[wandb]' (docs/training-loop.md)",
+    )
     _add_dataclass_options(tr, RolloutConfig)
     _add_convert_parser(sub)
     for sub_parser in (demo, tr):
