@@ -37,6 +37,9 @@ from typing import Any
 from artifex.cli_ecosystem import add_options as add_ecosystem_options
 from artifex.cli_ecosystem import check_options as check_ecosystem_options
 from artifex.cli_ecosystem import reward_model_from_args, save_adapter
+from artifex.cli_engines import add_options as add_engine_options
+from artifex.cli_engines import build_engine
+from artifex.cli_engines import check_options as check_engine_options
 
 __all__ = [
     "build_parser",
@@ -500,6 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--reward-mode", choices=("sum", "normalized"), default="sum")
     add_ecosystem_options(tr, _parse_bool)  # --reward-model, --adapter-output, --save-merged
+    add_engine_options(tr)  # --rollout-engine, --vllm-option
     tr.add_argument("--answer-column", default="answer")
     tr.add_argument(
         "--answer-extraction",
@@ -1137,6 +1141,7 @@ def _train(args: argparse.Namespace) -> int:
         raise FileNotFoundError(msg)
     check_multi_turn_flags(args)
     check_ecosystem_options(args)
+    check_engine_options(args)
     loop_kwargs = _collect(args, TrainConfig)
     if "num_steps" not in loop_kwargs:
         msg = "--num-steps is required for train"
@@ -1236,6 +1241,7 @@ def _train_held(
             reference = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
     trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference, mesh=mesh)
     hooks = _multi_turn_hooks(args, rollout_config)
+    engine = build_engine(args, model)  # --rollout-engine vllm: a colocated vLLM engine
     check_free_space(args.output, loop.checkpoint_dir, model, trainer)
     final = merge_lora if args.lora_rank > 0 else (lambda m: m)
     try:
@@ -1249,6 +1255,7 @@ def _train_held(
             eval_dataset=eval_rows,
             fingerprint_extra=run_fingerprint(args, total),
             step_rewards=_step_rewards(args),
+            rollout_engine=engine,
             **hooks,
         )
     except CheckpointWriteError as err:

@@ -60,6 +60,7 @@ from artifex.generative_models.training.rl.rollout import (
     RolloutConfig,
     SupportsPolicy,
     as_policy,
+    check_engine_rollout,
     rollout,
     rollout_batch_like,
     sample_completions,
@@ -876,6 +877,7 @@ def train(
     evaluate_fn: Callable[..., dict[str, float]] | None = None,
     fingerprint_extra: Mapping[str, Any] | None = None,
     step_rewards: StepRewards | None = None,
+    rollout_engine: Any = None,
 ) -> TrainResult:
     """Trains ``trainer``'s policy with GRPO on prompts from ``dataset``.
 
@@ -905,6 +907,12 @@ def train(
             mode) and the dataset.
         step_rewards: Per-step rewards
             (:mod:`~artifex.generative_models.training.rl.step_rewards`), single-turn only.
+        rollout_engine: A :class:`~artifex.generative_models.inference.engines.RolloutEngine`
+            (e.g. a colocated
+            :class:`~artifex.generative_models.inference.engines.vllm.VLLMEngine`) that samples
+            every rollout, given the policy's weights before each one after an update; the
+            evaluation samples with the library's sampler. Single-turn only, without a rollout
+            placement. ``None``: the library's sampler.
 
     Returns:
         A :class:`TrainResult`.
@@ -1005,6 +1013,14 @@ def train(
             raise ValueError(msg)
 
     check_tokenizer_fits(tokenizer, policy.model)
+    if rollout_engine is not None:  # an external engine samples (inference/engines)
+        if rollout_fn is not None or rollout_placement is not None:
+            msg = (
+                "train(rollout_engine=...) samples the single-turn rollout with the engine; it "
+                "does not combine with a custom rollout_fn (multi-turn) or a rollout_placement"
+            )
+            raise ValueError(msg)
+        check_engine_rollout(rcfg, policy.mesh)
     if step_rewards is not None:  # the single-turn rollout with step rewards (step_rewards.py)
         if rollout_fn is not None:
             msg = (
@@ -1014,6 +1030,8 @@ def train(
             )
             raise ValueError(msg)
         rollout_fn = functools.partial(rollout, step_rewards=step_rewards)
+    if rollout_engine is not None:
+        rollout_fn = functools.partial(rollout_fn or rollout, engine=rollout_engine)
     if spans_processes(policy.mesh) and config.dynamic_sampling:
         msg = (
             "TrainConfig.dynamic_sampling is not supported on a mesh spanning several processes "

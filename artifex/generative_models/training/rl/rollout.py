@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from artifex.generative_models.inference.engines.base import RolloutEngine, SamplerEngine
 from artifex.generative_models.inference.sampling import (
     bucket_length,
     check_fits_positions,
@@ -57,6 +58,7 @@ __all__ = [
     "Rollout",
     "RolloutConfig",
     "SupportsPolicy",
+    "check_engine_rollout",
     "encode_prompts",
     "rollout",
     "rollout_batch_like",
@@ -415,6 +417,7 @@ def sample_completions(
     num_generations: int,
     temperature: float,
     mesh: Any = None,
+    engine: RolloutEngine | None = None,
 ) -> Completions:
     """Encodes the rows' prompts, samples ``num_generations`` completions each and decodes them.
 
@@ -437,13 +440,18 @@ def sample_completions(
         num_generations: Completions per prompt.
         temperature: Sampling temperature (0: greedy).
         mesh: Optional device mesh the model is placed on.
+        engine: A :class:`~artifex.generative_models.inference.engines.RolloutEngine` that
+            samples instead of the library's sampler: it is given ``model``'s weights
+            (``sync_weights``, a no-op when unchanged) and the encoded prompts; ``None``: the
+            library's sampler (``generate``).
 
     Returns:
         A :class:`Completions`.
 
     Raises:
-        ValueError: Missing prompt column, empty or too-long prompts, or a dataset column named
-            ``completion_length``.
+        ValueError: Missing prompt column, empty or too-long prompts, a dataset column named
+            ``completion_length``, or an ``engine`` with a mesh spanning several processes or
+            with ``RolloutConfig.row_groups`` (a setting of the library's sampler).
 
     Examples:
         >>> import jax
@@ -471,14 +479,13 @@ def sample_completions(
         max_prompt_length=config.max_prompt_length,
     )
     across = spans_processes(mesh)
+    if engine is not None:
+        check_engine_rollout(config, mesh)
     if across:
         ids, mask = _global_prompts(ids, mask, mesh, tokenizer.pad_id)
-    elif mesh is not None and ids.shape[0] % num_data_shards(mesh) == 0:
+    elif engine is None and mesh is not None and ids.shape[0] % num_data_shards(mesh) == 0:
         ids, mask = shard_batch((jnp.asarray(ids), jnp.asarray(mask)), mesh)
-    out = generate(
-        model,
-        ids,
-        mask,
+    settings = dict(
         key=key,
         num_generations=num_generations,
         max_new_tokens=config.max_new_tokens,
@@ -487,8 +494,12 @@ def sample_completions(
         top_p=config.top_p,
         eos_ids=tokenizer.eos_ids,
         pad_id=tokenizer.pad_id,
-        row_groups=config.row_groups,
     )
+    if engine is not None:  # an external engine samples (inference/engines)
+        engine.sync_weights(model)
+        out = engine.generate(ids, mask, **settings)
+    else:
+        out = generate(model, ids, mask, row_groups=config.row_groups, **settings)
     if across:
         # Each process decodes (and the caller scores) only its own rows.
         rows_sharding = jax.sharding.NamedSharding(mesh, batch_partition_spec(mesh))
@@ -574,6 +585,7 @@ def rollout(
     need_old_log_probs: bool = False,
     placement: Any = None,
     step_rewards: StepRewards | None = None,
+    engine: RolloutEngine | None = None,
 ) -> Rollout:
     """Samples ``num_generations`` completions per row, scores them and builds the batch.
 
@@ -595,13 +607,19 @@ def rollout(
             back to the trainer's mesh); ``None`` samples with the trainer's model where it is.
         step_rewards: A :class:`~artifex.generative_models.training.rl.step_rewards.StepRewards`
             whose per-step rewards fill ``step_rewards`` (process supervision); ``None``: none.
+        engine: A :class:`~artifex.generative_models.inference.engines.RolloutEngine` that
+            samples (given the policy's weights first, when they changed): its per-token
+            log-probs fill ``sampler_log_probs`` when the loss reads them; old log-probs are
+            recomputed by the training graph under ``old_log_probs="auto"`` unless the engine is
+            the library's own ``SamplerEngine``. ``None``: the library's sampler.
 
     Returns:
         A :class:`Rollout`.
 
     Raises:
         ValueError: Missing prompt column, empty or too-long prompts, a reward function with
-            the wrong output (see the rewards module).
+            the wrong output (see the rewards module), or an ``engine`` with a ``placement``
+            (see :func:`check_engine_rollout` for the rest).
 
     Examples:
         >>> import jax
@@ -635,6 +653,9 @@ def rollout(
     grpo = policy.config
     k = grpo.num_generations
     mesh = policy.mesh
+    if engine is not None and placement is not None:
+        msg = "rollout: a rollout placement is for the library's sampler, not for an engine"
+        raise ValueError(msg)
     sampler_model, sampler_mesh = policy.model, mesh
     if placement is not None:  # the sampler on its own mesh: sync the weights onto it
         sampler_model, sampler_mesh = placement.sampler_model(policy.model), placement.mesh
@@ -647,6 +668,7 @@ def rollout(
         num_generations=k,
         temperature=grpo.temperature,
         mesh=sampler_mesh,
+        engine=engine,
     )
     out = sampled.output
     combined = rewards(sampled.prompts, sampled.completions, group_size=k, **sampled.columns)
@@ -675,7 +697,9 @@ def rollout(
         batch = placement.to_training(batch, mesh)
     if need_old_log_probs:
         use_sampler = config.old_log_probs == "sampler" or (
-            config.old_log_probs == "auto" and _sampler_matches_loss(policy, config)
+            config.old_log_probs == "auto"
+            and _sampler_matches_loss(policy, config)
+            and (engine is None or type(engine) is SamplerEngine)  # its numbers are the loss's
         )
         if use_sampler:
             old = out.log_probs
@@ -788,6 +812,39 @@ def rollout_batch_like(
         shapes = jax.eval_shape(policy.score, batch)
         batch = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     return batch
+
+
+def check_engine_rollout(config: RolloutConfig, mesh: Any) -> None:
+    """Raises unless a rollout engine can sample with these settings.
+
+    An engine samples in one process, from host prompts, with its own batching.
+
+    Args:
+        config: The rollout settings.
+        mesh: The training mesh (``None``: one device).
+
+    Raises:
+        ValueError: ``RolloutConfig.row_groups`` set (a setting of the library's sampler), or a
+            mesh spanning several processes.
+
+    Examples:
+        >>> from artifex.generative_models.training import RolloutConfig
+        >>> from artifex.generative_models.training.rl.rollout import check_engine_rollout
+        >>> check_engine_rollout(RolloutConfig(), None)
+        >>> check_engine_rollout(RolloutConfig(row_groups=2), None)
+        Traceback (most recent call last):
+            ...
+        ValueError: RolloutConfig.row_groups=2 is a setting of the library's sampler, not of engines
+    """
+    if config.row_groups is not None:
+        msg = (
+            f"RolloutConfig.row_groups={config.row_groups} is a setting of the library's "
+            "sampler, not of engines"
+        )
+        raise ValueError(msg)
+    if spans_processes(mesh):
+        msg = "a rollout engine samples in one process; the training mesh spans several processes"
+        raise ValueError(msg)
 
 
 def _rewards_array(total: Any, mesh: Any) -> jax.Array:
