@@ -192,10 +192,16 @@ class VLLMEngine:
         )
         check_bool("VLLMEngine.enforce_eager", enforce_eager)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if isinstance(model, str | os.PathLike):
-            path = os.fspath(model)
-            self.config = read_hf_config(path)
-        elif hasattr(getattr(model, "config", None), "to_hf_config"):
+        self.llm: Any = None
+        from_model = not isinstance(model, str | os.PathLike)
+        if from_model and not hasattr(getattr(model, "config", None), "to_hf_config"):
+            msg = (
+                "VLLMEngine: model must be a causal LM (with a config) or a Hugging Face model "
+                f"directory, got {type(model).__name__}"
+            )
+            raise TypeError(msg)
+        vllm = _import_vllm()  # before any file is written
+        if from_model:
             self.config = model.config
             self._tmp = tempfile.TemporaryDirectory(prefix="artifex-vllm-")
             path = self._tmp.name
@@ -203,12 +209,8 @@ class VLLMEngine:
             if dtype == "auto":
                 dtype = self.config.param_dtype
         else:
-            msg = (
-                "VLLMEngine: model must be a causal LM (with a config) or a Hugging Face model "
-                f"directory, got {type(model).__name__}"
-            )
-            raise TypeError(msg)
-        vllm = _import_vllm()
+            path = os.fspath(model)
+            self.config = read_hf_config(path)
         extra = dict(llm_kwargs)
         if gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = gpu_memory_utilization
