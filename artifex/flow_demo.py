@@ -7,10 +7,11 @@ pretrained briefly with rectified flow matching on scikit-learn's 8x8 digits, so
 recognizable but imperfect digits. GRPO then samples ``K`` images per requested class with the
 Flow-GRPO SDE sampler, scores them with a small digit classifier's confidence in the requested class
 (combined with a small brightness term, to show how image rewards combine), and updates the
-model with the library's unchanged ``GRPOTrainer`` through the flow log-prob hook: each
-denoising step is a "token" whose log-prob is the exact Gaussian transition density. The
-reference for the KL penalty is the pretrained model; the closed-form per-step KL to it is
-reported. Run it with ``artifex-grpo demo --task flow``.
+model with the library's ``GRPOTrainer`` through the flow log-prob hook: each denoising step is
+a "token" whose log-prob is the exact Gaussian transition density. The reference for the KL
+penalty is the pretrained model, and the penalty is the exact per-step KL between the two
+Gaussian transitions (``GRPOConfig(kl_estimator="exact")``). Run it with
+``artifex-grpo demo --task flow``.
 """
 
 from __future__ import annotations
@@ -26,13 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from artifex.generative_models.inference.flow_sampling import (
-    FlowSampler,
-    SDEConfig,
-    flow_kl,
-    flow_log_prob_fn,
-    to_grpo_batch,
-)
+from artifex.generative_models.inference.flow_sampling import FlowSampler, SDEConfig
 from artifex.generative_models.models.flow import (
     DigitClassifier,
     FlowDiT,
@@ -48,6 +43,7 @@ from artifex.generative_models.models.flow import (
     train_flow_matching,
 )
 from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn, to_grpo_batch
 from artifex.generative_models.training.rl.grpo import GRPOTrainer
 from artifex.generative_models.utils.atomic import atomic_write, atomic_write_json
 from artifex.generative_models.utils.validation import check_choice, check_int
@@ -81,7 +77,9 @@ class FlowDemoConfig:
         num_generations: Images per class prompt ``K`` (the group size).
         num_sampling_steps: Denoising steps ``S``.
         noise_level: SDE noise level ``a``.
-        train_steps: Steps trained per trajectory (``None``: all ``S``).
+        window_size: SDE window ``W`` (MixGRPO / Flow-GRPO-Fast: ``W`` consecutive SDE steps
+            at a random position, the rest ODE steps; ``None``: every step is an SDE step).
+        train_steps: Steps trained per trajectory (``None``: every SDE step).
         learning_rate: Adam learning rate of GRPO.
         beta: KL coefficient (per-step KL to the pretrained model).
         brightness_weight: Weight of the brightness reward added to the classifier reward.
@@ -108,6 +106,7 @@ class FlowDemoConfig:
     num_generations: int = 8
     num_sampling_steps: int = 10
     noise_level: float = 0.7
+    window_size: int | None = None
     train_steps: int | None = None
     learning_rate: float = 3e-4
     beta: float = 0.05
@@ -149,6 +148,7 @@ class FlowDemoConfig:
         SDEConfig(
             num_steps=self.num_sampling_steps,
             noise_level=self.noise_level,
+            window_size=self.window_size,
             train_steps=self.train_steps,
         )  # validates the sampler fields
 
@@ -216,7 +216,7 @@ def _evaluate(
 ) -> tuple[float, float, np.ndarray]:
     traj = sampler(model, classes, num, key)
     images = np.asarray(traj.images)
-    labels = np.asarray(traj.labels)
+    labels = np.asarray(traj.prompts)
     reward = float(np.mean(reward_fn(images, labels)))
     pred = np.asarray(jnp.argmax(classifier(jnp.asarray(images)), axis=-1))
     return reward, float(np.mean(pred == labels)), images.reshape(len(classes), num, 8, 8)
@@ -315,11 +315,15 @@ def run_flow_demo(config: FlowDemoConfig | None = None, *, verbose: bool = True)
     sde = SDEConfig(
         num_steps=config.num_sampling_steps,
         noise_level=config.noise_level,
+        window_size=config.window_size,
         train_steps=config.train_steps,
     )
     sampler = FlowSampler(sde)
+    eval_sampler = FlowSampler(dataclasses.replace(sde, window_size=None, train_steps=None))
     classes = np.asarray(config.classes, np.int32)
-    before = _evaluate(sampler, model, classes, config.num_eval, keys[1], reward_fn, classifier)
+    before = _evaluate(
+        eval_sampler, model, classes, config.num_eval, keys[1], reward_fn, classifier
+    )
     log(f"before GRPO: reward {before[0]:.3f}, class accuracy {before[1]:.3f}")
 
     t0 = time.perf_counter()
@@ -328,38 +332,29 @@ def run_flow_demo(config: FlowDemoConfig | None = None, *, verbose: bool = True)
     grpo = GRPOConfig(
         num_generations=config.num_generations,
         beta=config.beta,
+        kl_estimator="exact",
         entropy_coeff=0.0,
         max_grad_norm=1.0,
     )
     trainer = GRPOTrainer(
         model, optimizer, grpo, reference_model=reference, log_prob_fn=flow_log_prob_fn(sde)
     )
-    kl_fn = jax.jit(
-        lambda gd, s, rgd, rs, b: flow_kl(nnx.merge(gd, s), nnx.merge(rgd, rs), b, sde),
-        static_argnums=(0, 2),
-    )
-    ref_graphdef, ref_state = nnx.split(reference)
     reward_curve: list[float] = []
     kl_curve: list[float] = []
     key = keys[2]
     for step in range(config.grpo_steps):
         key, k_sample, k_mask = jax.random.split(key, 3)
         traj = sampler(model, classes, config.num_generations, k_sample)
-        rewards = reward_fn(np.asarray(traj.images), np.asarray(traj.labels))
-        batch = to_grpo_batch(
-            traj, rewards, group_size=config.num_generations, config=sde, key=k_mask
-        )
-        graphdef, state = nnx.split(model)
-        kl = kl_fn(graphdef, state, ref_graphdef, ref_state, batch)
-        mask = np.asarray(batch.completion_mask)
-        kl_curve.append(float(np.sum(np.asarray(kl) * mask) / np.sum(mask)))
-        trainer.train_step(batch)
+        rewards = reward_fn(np.asarray(traj.images), np.asarray(traj.prompts))
+        batch = to_grpo_batch(traj, rewards, group_size=config.num_generations, key=k_mask)
+        metrics = trainer.train_step(batch)
+        kl_curve.append(metrics["kl"])  # the exact KL before this update
         reward_curve.append(float(np.mean(rewards)))
         if step % 10 == 0 or step == config.grpo_steps - 1:
             log(f"GRPO step {step:3d}: reward {reward_curve[-1]:.3f}, KL {kl_curve[-1]:.4f}")
     seconds["grpo"] = time.perf_counter() - t0
 
-    after = _evaluate(sampler, model, classes, config.num_eval, keys[1], reward_fn, classifier)
+    after = _evaluate(eval_sampler, model, classes, config.num_eval, keys[1], reward_fn, classifier)
     log(f"after GRPO:  reward {after[0]:.3f}, class accuracy {after[1]:.3f}")
     seconds["total"] = time.perf_counter() - t_start
     result = FlowDemoResult(

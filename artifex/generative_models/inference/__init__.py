@@ -11,18 +11,17 @@ from artifex.generative_models.inference.continuous import (
 # Multi-turn: KV-cache continuation across turns
 # flow-matching image models (Flow-GRPO)
 from artifex.generative_models.inference.flow_sampling import (
+    MAX_NOISE_LEVEL,
     FlowSampler,
     FlowTrajectory,
     SDEConfig,
-    flow_kl,
-    flow_log_prob_fn,
+    check_prompts,
     gaussian_kl,
     gaussian_log_prob,
     sample_flow,
     sde_step,
     sde_transition,
     time_grid,
-    to_grpo_batch,
 )
 from artifex.generative_models.inference.multiturn import (
     DEFAULT_APPEND_BUCKETS,
@@ -45,6 +44,7 @@ __all__ = [
     "DEFAULT_APPEND_BUCKETS",
     "DEFAULT_MAX_SLOTS",
     "DEFAULT_PROMPT_BUCKETS",
+    "MAX_NOISE_LEVEL",
     "ROW_GROUP_MAX_MATRIX_SIZE",
     "FlowSampler",
     "FlowTrajectory",
@@ -55,9 +55,8 @@ __all__ = [
     "append_tokens",
     "auto_row_groups",
     "bucket_length",
+    "check_prompts",
     "decode_turn",
-    "flow_kl",
-    "flow_log_prob_fn",
     "gaussian_kl",
     "gaussian_log_prob",
     "generate",
@@ -68,6 +67,5 @@ __all__ = [
     "sde_transition",
     "slot_buckets",
     "time_grid",
-    "to_grpo_batch",
     "width_bucket",
 ]

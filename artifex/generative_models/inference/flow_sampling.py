@@ -14,19 +14,26 @@ Rectified flow samples by integrating ``dx = v_theta(x_t, t) dt`` from ``t = 1``
     ``std_s = sigma_{t_s} sqrt(-dt)``,
 
 whose log-density is exact: ``log p = -||x_{s+1} - mu||^2 / (2 std^2) - D log std
-- (D / 2) log(2 pi)`` for ``D`` pixels. A denoising trajectory of ``S`` steps is a
-"completion" of length ``S`` whose per-step log-probs play the role of per-token log-probs in
-GRPO (:func:`flow_log_prob_fn` plugs them into ``GRPOTrainer`` unchanged). At ``t = 1``,
-where ``sigma_t`` is infinite, ``1 - t`` is replaced by ``1 - t_1`` (as in the paper's code).
-With ``a = 0`` the SDE sampler is the Euler ODE sampler.
+- (D / 2) log(2 pi)`` for ``D`` pixels. At ``t = 1``, where ``sigma_t`` is infinite, ``1 - t``
+is replaced by ``1 - t_1`` (as in the paper's code). With ``a = 0`` the SDE sampler is the Euler
+ODE sampler.
 
-Two transitions with the same variance (policy and reference from the same state) have the
-closed-form KL ``KL = ||mu_theta - mu_ref||^2 / (2 std^2)`` (:func:`gaussian_kl`).
+**SDE windows** (MixGRPO, Flow-GRPO-Fast): with ``SDEConfig.window_size = W`` only the ``W``
+consecutive steps ``[w, w + W)`` of a trajectory are SDE steps (with a log-prob); the others are
+Euler ODE steps ``x + v dt`` (deterministic, log-prob 0). Only the window is trained, so the
+GRPO update evaluates the model on ``W`` of the ``S`` steps.
+
+A denoising trajectory is a "completion" whose trained steps play the role of tokens in GRPO:
+:mod:`~artifex.generative_models.training.rl.flow_batch` packs trajectories into a
+``GRPOBatch`` and provides the log-prob hook and the closed-form KL
+``KL = ||mu_theta - mu_ref||^2 / (2 std^2)`` of two transitions with the same variance
+(:func:`gaussian_kl`).
 
 References:
     Liu et al., 2025, "Flow-GRPO: Training Flow Matching Models via Online RL",
-    arXiv:2505.05470; Xue et al., 2025, "DanceGRPO: Unleashing GRPO on Visual Generation",
-    arXiv:2505.07818; Lipman et al., 2022, arXiv:2210.02747; Liu et al., 2022,
+    arXiv:2505.05470; Li et al., 2025, "MixGRPO: Unlocking Flow-based GRPO Efficiency with
+    Mixed ODE-SDE", arXiv:2507.21802; Xue et al., 2025, "DanceGRPO: Unleashing GRPO on Visual
+    Generation", arXiv:2505.07818; Lipman et al., 2022, arXiv:2210.02747; Liu et al., 2022,
     arXiv:2209.03003.
 """
 
@@ -34,31 +41,33 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.logprobs import LogProbFn
-from artifex.generative_models.utils.validation import check_int
+from artifex.generative_models.utils.validation import check_float, check_int
 
 __all__ = [
+    "MAX_NOISE_LEVEL",
     "FlowSampler",
     "FlowTrajectory",
     "SDEConfig",
-    "flow_kl",
-    "flow_log_prob_fn",
+    "check_prompts",
     "gaussian_kl",
     "gaussian_log_prob",
     "sample_flow",
     "sde_step",
     "sde_transition",
     "time_grid",
-    "to_grpo_batch",
 ]
+
+#: Largest noise level ``a``: the Euler-Maruyama mean scales ``x_s`` by ``1 - a^2 / (2 max(s, 1))``
+#: (with the ``1 - t_1`` cap at ``s = 0``), which is negative at the first steps for
+#: ``a > sqrt(2)``: the discretization overshoots and, for large ``a``, diverges.
+MAX_NOISE_LEVEL = math.sqrt(2.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,35 +75,67 @@ class SDEConfig:
     """Settings of the Flow-GRPO sampler.
 
     Attributes:
-        num_steps: Denoising steps ``S`` (the "completion length").
-        noise_level: ``a`` in ``sigma_t = a sqrt(t / (1 - t))``; 0 gives the Euler ODE sampler.
-        train_steps: How many of the ``S`` steps of each trajectory are trained (chosen at
+        num_steps: Denoising steps ``S``.
+        noise_level: ``a`` in ``sigma_t = a sqrt(t / (1 - t))``, in ``[0, sqrt(2)]``
+            (:data:`MAX_NOISE_LEVEL`); 0 gives the Euler ODE sampler.
+        window_size: ``W``: only ``W`` consecutive steps per trajectory are SDE steps, the rest
+            ODE steps (MixGRPO / Flow-GRPO-Fast); ``None``: every step is an SDE step.
+        train_steps: How many of the SDE steps of each trajectory are trained (chosen at
             random per trajectory, as Flow-GRPO trains on a fraction of the timesteps);
-            ``None`` trains all.
+            ``None`` trains all of them.
+
+    Raises:
+        TypeError: A field of the wrong type.
+        ValueError: A field out of range.
 
     Examples:
         >>> from artifex.generative_models.inference import SDEConfig
-        >>> sde = SDEConfig(num_steps=10, noise_level=0.7, train_steps=4)
-        >>> sde.num_steps, sde.train_steps, SDEConfig(noise_level=0.0).noise_level  # 0: the ODE
-        (10, 4, 0.0)
+        >>> sde = SDEConfig(num_steps=10, noise_level=0.7, window_size=2)
+        >>> sde.num_stochastic_steps, sde.num_trained_steps
+        (2, 2)
+        >>> SDEConfig(num_steps=10, train_steps=4).num_trained_steps
+        4
     """
 
     num_steps: int = 10
     noise_level: float = 0.7
+    window_size: int | None = None
     train_steps: int | None = None
 
     def __post_init__(self) -> None:
         check_int("SDEConfig.num_steps", self.num_steps, minimum=2)
-        if not (math.isfinite(self.noise_level) and self.noise_level >= 0):
-            msg = f"SDEConfig.noise_level must be finite and >= 0, got {self.noise_level}"
+        check_float("SDEConfig.noise_level", self.noise_level, minimum=0.0)
+        if self.noise_level > MAX_NOISE_LEVEL:
+            msg = (
+                f"SDEConfig.noise_level must be in [0, sqrt(2)]: the Euler-Maruyama mean scales "
+                f"x_s by 1 - a^2 / 2 at the first steps, negative above sqrt(2), got "
+                f"{self.noise_level!r}"
+            )
             raise ValueError(msg)
         check_int(
-            "SDEConfig.train_steps",
-            self.train_steps,
+            "SDEConfig.window_size",
+            self.window_size,
             minimum=1,
             maximum=self.num_steps,
             allow_none=True,
         )
+        check_int(
+            "SDEConfig.train_steps",
+            self.train_steps,
+            minimum=1,
+            maximum=self.num_stochastic_steps,
+            allow_none=True,
+        )
+
+    @property
+    def num_stochastic_steps(self) -> int:
+        """SDE steps per trajectory: ``window_size``, or ``num_steps`` without a window."""
+        return self.num_steps if self.window_size is None else self.window_size
+
+    @property
+    def num_trained_steps(self) -> int:
+        """Trained steps per trajectory ``K`` (the completion length of the GRPO batch)."""
+        return self.num_stochastic_steps if self.train_steps is None else self.train_steps
 
 
 def time_grid(num_steps: int) -> np.ndarray:
@@ -197,19 +238,124 @@ def gaussian_kl(mean: jax.Array, ref_mean: jax.Array, std: jax.Array) -> jax.Arr
     return jnp.sum(diff * diff / (2.0 * std * std), axis=-1)
 
 
+def _is_concrete(*xs: Any) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def check_prompts(model: Any, prompts: Any, rows: int | None = None) -> np.ndarray:
+    """Checks prompts against a flow model on the host: integer ids in the model's range.
+
+    Class-conditioned models (``model.config.num_classes``) take ``(B,)`` labels in
+    ``[0, num_classes)``; text-conditioned ones (``model.config.vocab_size``) ``(B, L)`` token
+    ids in ``[0, vocab_size)``.
+
+    Args:
+        model: The flow model.
+        prompts: The prompts (array-like).
+        rows: The expected number of rows, or ``None``.
+
+    Returns:
+        The prompts as an int32 NumPy array.
+
+    Raises:
+        TypeError: The prompts are not integers.
+        ValueError: Wrong rank or rows, or an id out of the model's range.
+
+    Examples:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+        >>> from artifex.generative_models.inference import check_prompts
+        >>> model = FlowModel(FlowModelConfig(num_classes=3, hidden_dim=8), rngs=nnx.Rngs(0))
+        >>> check_prompts(model, [0, 2]).tolist()
+        [0, 2]
+        >>> check_prompts(model, [0, 3])
+        Traceback (most recent call last):
+            ...
+        ValueError: prompts must be class labels in [0, 3), got 3 at row 1
+    """
+    host = np.asarray(prompts)
+    if host.dtype == object or not np.issubdtype(host.dtype, np.integer):
+        msg = f"prompts must be integer class labels or token ids, got dtype {host.dtype}"
+        if host.size and np.issubdtype(host.dtype, np.number):
+            msg += f" (first value {host.reshape(-1)[0]!r})"
+        raise TypeError(msg)
+    cfg = getattr(model, "config", None)
+    vocab = getattr(cfg, "vocab_size", None)
+    classes = getattr(cfg, "num_classes", None)
+    if vocab is not None:
+        ndim, what, limit = 2, "token ids", vocab
+    else:
+        ndim, what, limit = 1, "class labels", classes
+    if host.ndim != ndim:
+        shape = "(B, L)" if ndim == 2 else "(B,)"
+        msg = f"prompts must be {what} of shape {shape}, got shape {host.shape}"
+        raise ValueError(msg)
+    if rows is not None and host.shape[0] != rows:
+        msg = f"prompts must have {rows} rows, got shape {host.shape}"
+        raise ValueError(msg)
+    if limit is not None and host.size and (host.min() < 0 or host.max() >= limit):
+        bad = np.argwhere((host < 0) | (host >= limit))[0]
+        msg = f"prompts must be {what} in [0, {limit}), got {host[tuple(bad)]} at row {bad[0]}"
+        raise ValueError(msg)
+    return host.astype(np.int32)
+
+
+def _check_noise(noise: Any, config: SDEConfig, data_dim: int | None) -> None:
+    shape = tuple(np.shape(noise))
+    if (
+        len(shape) != 3
+        or shape[1] != config.num_steps + 1
+        or (data_dim is not None and shape[2] != data_dim)
+    ):
+        d = "D" if data_dim is None else data_dim
+        msg = f"noise must have shape (B, {config.num_steps + 1}, {d}), got {shape}"
+        raise ValueError(msg)
+    if _is_concrete(noise):
+        bad = ~np.isfinite(np.asarray(noise))
+        if bad.any():
+            row = int(np.argwhere(bad)[0][0])
+            msg = f"noise must be finite, got {int(bad.sum())} NaN or infinite values (row {row})"
+            raise ValueError(msg)
+
+
+def _window_starts(window_start: Any, b: int, config: SDEConfig) -> jax.Array:
+    """``(B,)`` int32 first SDE step of each row (0 without a window)."""
+    if config.window_size is None:
+        if window_start is not None:
+            msg = "window_start is only used with SDEConfig.window_size"
+            raise ValueError(msg)
+        return jnp.zeros((b,), jnp.int32)
+    if window_start is None:
+        msg = "sample_flow needs a window_start with SDEConfig.window_size (FlowSampler draws one)"
+        raise ValueError(msg)
+    last = config.num_steps - config.window_size
+    if _is_concrete(window_start):
+        host = np.asarray(window_start)
+        if not np.issubdtype(host.dtype, np.integer):
+            msg = f"window_start must be an int or (B,) ints, got dtype {host.dtype}"
+            raise TypeError(msg)
+        if host.shape not in ((), (b,)) or host.min() < 0 or host.max() > last:
+            msg = (
+                f"window_start must be an int or ({b},) ints in [0, {last}] (num_steps - "
+                f"window_size), got {host.tolist()}"
+            )
+            raise ValueError(msg)
+    return jnp.broadcast_to(jnp.asarray(window_start, jnp.int32), (b,))
+
+
 def sde_step(
     model: Any,
     x: jax.Array,
-    labels: jax.Array,
+    prompts: jax.Array,
     step: jax.Array,
     config: SDEConfig,
 ) -> tuple[jax.Array, jax.Array]:
     """Transition mean and std of step ``step`` (from ``t_step`` to ``t_{step+1}``) under ``model``.
 
     Args:
-        model: ``model(x, t, labels) -> v`` on flattened images.
+        model: ``model(x, t, prompts) -> v`` on flattened images.
         x: ``(N, D)`` states at step ``step``.
-        labels: ``(N,)`` int class prompts.
+        prompts: ``(N,)`` class labels or ``(N, L)`` token ids.
         step: ``(N,)`` int step indices in ``[0, S)``.
         config: Sampler settings.
 
@@ -228,22 +374,35 @@ def sde_step(
         >>> mu.shape, std.shape, bool((std > 0).all())
         ((2, 16), (2, 1), True)
     """
-    host_grid = time_grid(config.num_steps)
-    grid = jnp.asarray(host_grid)
+    v, t, t_next = _velocity(model, x, prompts, step, config)
+    return sde_transition(x, v, t, t_next, _t_cap(config), config.noise_level)
+
+
+def _t_cap(config: SDEConfig) -> float:
+    return float(time_grid(config.num_steps)[1])
+
+
+def _velocity(
+    model: Any, x: jax.Array, prompts: jax.Array, step: jax.Array, config: SDEConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``v_theta(x, t_step)`` and the times ``t_step``, ``t_{step+1}`` as ``(N, 1)`` columns."""
+    grid = jnp.asarray(time_grid(config.num_steps))
     t = grid[step]
-    v = model(x, t, labels)
-    return sde_transition(
-        x, v, t[:, None], grid[step + 1][:, None], float(host_grid[1]), config.noise_level
-    )
+    v = jnp.asarray(model(x, t, prompts), jnp.float32)
+    return v, t[:, None], grid[step + 1][:, None]
 
 
-class FlowTrajectory(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FlowTrajectory:
     """Sampled denoising trajectories.
 
     Attributes:
         states: ``(B, S + 1, D)`` states from noise (index 0) to the image (index ``S``).
-        log_probs: ``(B, S)`` log-densities of each transition (0 when ``noise_level == 0``).
-        labels: ``(B,)`` class prompts.
+        log_probs: ``(B, S)`` log-densities of each transition (0 on ODE steps).
+        prompts: ``(B,)`` class labels or ``(B, L)`` token ids.
+        stochastic: ``(B, S)`` bool, True on the SDE steps (the window, or every step).
+        config: The sampler settings (static metadata).
 
     Examples:
         >>> import jax
@@ -253,39 +412,57 @@ class FlowTrajectory(NamedTuple):
         >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> traj = FlowSampler(SDEConfig(num_steps=4))(model, [3], 2, jax.random.key(0))
-        >>> traj.states.shape, traj.log_probs.shape, traj.images.shape, traj.labels.tolist()
+        >>> traj.states.shape, traj.log_probs.shape, traj.images.shape, traj.prompts.tolist()
         ((2, 5, 16), (2, 4), (2, 16), [3, 3])
     """
 
     states: jax.Array
     log_probs: jax.Array
-    labels: jax.Array
+    prompts: jax.Array
+    stochastic: jax.Array
+    config: SDEConfig = dataclasses.field(metadata=dict(static=True))
 
     @property
     def images(self) -> jax.Array:
         """The final samples ``(B, D)`` (flattened)."""
         return self.states[:, -1]
 
+    @property
+    def batch_size(self) -> int:
+        """Number of trajectories ``B``."""
+        return int(np.shape(self.states)[0])
+
 
 def sample_flow(
-    model: Any, labels: jax.Array, noise: jax.Array, config: SDEConfig
+    model: Any,
+    prompts: jax.Array,
+    noise: jax.Array,
+    config: SDEConfig,
+    window_start: jax.Array | int | None = None,
 ) -> FlowTrajectory:
     """Samples trajectories with the SDE (or, at ``noise_level == 0``, the Euler ODE).
 
     Deterministic given ``noise``: ``noise[:, 0]`` is the starting point ``x_{t=1}``,
-    ``noise[:, s + 1]`` the standard normal draw of step ``s``.
+    ``noise[:, s + 1]`` the standard normal draw of step ``s`` (unused on ODE steps). With
+    ``config.window_size = W``, row ``i`` takes SDE steps ``[w_i, w_i + W)`` and Euler ODE
+    steps elsewhere.
 
     Args:
-        model: ``model(x, t, labels) -> v`` on flattened images.
-        labels: ``(B,)`` int class prompts.
+        model: ``model(x, t, prompts) -> v`` on flattened images.
+        prompts: ``(B,)`` class labels or ``(B, L)`` token ids.
         noise: ``(B, S + 1, D)`` standard normal draws.
         config: Sampler settings.
+        window_start: With ``window_size``: the first SDE step, an int or ``(B,)`` ints in
+            ``[0, S - W]``; otherwise ``None``.
 
     Returns:
         The :class:`FlowTrajectory`.
 
     Raises:
-        ValueError: ``noise`` does not have ``S + 1`` steps.
+        ValueError: ``noise`` has the wrong shape or (checked when concrete) NaN or infinite
+            values; prompts out of the model's range; a missing or out-of-range
+            ``window_start``.
+        TypeError: Prompts or ``window_start`` that are not integers.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -298,39 +475,60 @@ def sample_flow(
         >>> traj = sample_flow(model, jnp.array([1, 2]), noise, SDEConfig(num_steps=4))
         >>> traj.states.shape, bool(jnp.allclose(traj.states[:, 0], noise[:, 0]))
         ((2, 5, 16), True)
-        >>> ode = sample_flow(model, jnp.array([1, 2]), noise,
-        ...                   SDEConfig(num_steps=4, noise_level=0.0))
-        >>> float(jnp.abs(ode.log_probs).max())  # the ODE has no transition densities
-        0.0
+        >>> mixed = sample_flow(model, jnp.array([1, 2]), noise,
+        ...                     SDEConfig(num_steps=4, window_size=2), window_start=1)
+        >>> mixed.stochastic[0].tolist()  # SDE steps 1 and 2, ODE steps 0 and 3
+        [False, True, True, False]
     """
-    b, s1, _ = noise.shape
-    if s1 != config.num_steps + 1:
-        msg = f"noise must have shape (B, {config.num_steps + 1}, D), got {noise.shape}"
-        raise ValueError(msg)
-    labels = jnp.asarray(labels, jnp.int32)
+    data_dim = getattr(getattr(model, "config", None), "data_dim", None)
+    _check_noise(noise, config, data_dim)
+    b = np.shape(noise)[0]
+    if _is_concrete(prompts):
+        prompts = check_prompts(model, prompts, rows=b)
+    prompts = jnp.asarray(prompts, jnp.int32)
+    starts = _window_starts(window_start, b, config)
+    width = config.num_stochastic_steps
+    t_cap = _t_cap(config)
+    sde = config.noise_level > 0.0
 
     def body(x: jax.Array, xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple]:
         s, eps = xs
-        mu, std = sde_step(model, x, labels, jnp.full((b,), s), config)
-        if config.noise_level == 0.0:
-            return mu, (mu, jnp.zeros((b,), jnp.float32))
-        x_next = mu + std * eps
-        return x_next, (x_next, gaussian_log_prob(x_next, mu, std))
+        v, t, t_next = _velocity(model, x, prompts, jnp.full((b,), s), config)
+        ode = x + v * (t_next - t)
+        if not sde:
+            return ode, (ode, jnp.zeros((b,), jnp.float32), jnp.zeros((b,), bool))
+        mu, std = sde_transition(x, v, t, t_next, t_cap, config.noise_level)
+        stochastic = (s >= starts) & (s < starts + width)
+        x_next = jnp.where(stochastic[:, None], mu + std * eps, ode)
+        log_prob = jnp.where(stochastic, gaussian_log_prob(x_next, mu, std), 0.0)
+        return x_next, (x_next, log_prob, stochastic)
 
     x0 = jnp.asarray(noise[:, 0], jnp.float32)
     eps = jnp.moveaxis(jnp.asarray(noise[:, 1:], jnp.float32), 1, 0)
-    _, (xs, lps) = jax.lax.scan(body, x0, (jnp.arange(config.num_steps), eps))
+    _, (xs, lps, stoch) = jax.lax.scan(body, x0, (jnp.arange(config.num_steps), eps))
     states = jnp.concatenate([x0[:, None], jnp.moveaxis(xs, 0, 1)], axis=1)
-    return FlowTrajectory(states, jnp.moveaxis(lps, 0, 1), labels)
+    return FlowTrajectory(
+        states=states,
+        log_probs=jnp.moveaxis(lps, 0, 1),
+        prompts=prompts,
+        stochastic=jnp.moveaxis(stoch, 0, 1),
+        config=config,
+    )
 
 
 class FlowSampler:
-    """A compiled :func:`sample_flow` shell: ``K`` images per class prompt.
+    """A compiled :func:`sample_flow` shell: ``K`` images per prompt.
 
-    Rows are prompt-major: row ``i`` belongs to prompt ``i // K``, generation ``i % K``.
+    Rows are prompt-major: row ``i`` belongs to prompt ``i // K``, generation ``i % K``. With
+    ``config.window_size`` the window's first step is drawn uniformly from ``[0, S - W]`` for
+    the whole batch (Flow-GRPO-Fast) unless ``window_start`` is given (e.g. MixGRPO's sliding
+    schedule).
 
     Args:
         config: Sampler settings.
+
+    Raises:
+        TypeError: ``config`` is not an :class:`SDEConfig`.
 
     Examples:
         >>> import jax
@@ -341,7 +539,7 @@ class FlowSampler:
         ...                                   time_features=8), rngs=nnx.Rngs(0))
         >>> sampler = FlowSampler(SDEConfig(num_steps=4))
         >>> traj = sampler(model, [3, 5], 4, jax.random.key(0))  # 4 images per class prompt
-        >>> traj.labels.tolist(), sampler.num_compilations
+        >>> traj.prompts.tolist(), sampler.num_compilations
         ([3, 3, 3, 3, 5, 5, 5, 5], 1)
     """
 
@@ -358,193 +556,63 @@ class FlowSampler:
         """How many times the sampler has been traced (one per model graph and shape)."""
         return self._num_traces
 
-    def _sample(self, graphdef: Any, state: nnx.State, labels: jax.Array, noise: jax.Array):
+    def _sample(
+        self,
+        graphdef: Any,
+        state: nnx.State,
+        prompts: jax.Array,
+        noise: jax.Array,
+        window_start: jax.Array,
+    ) -> FlowTrajectory:
         self._num_traces += 1
-        return sample_flow(nnx.merge(graphdef, state), labels, noise, self.config)
+        window = None if self.config.window_size is None else window_start
+        return sample_flow(nnx.merge(graphdef, state), prompts, noise, self.config, window)
 
     def __call__(
-        self, model: nnx.Module, prompts: Any, num_generations: int, key: jax.Array
+        self,
+        model: nnx.Module,
+        prompts: Any,
+        num_generations: int,
+        key: jax.Array,
+        *,
+        window_start: int | None = None,
     ) -> FlowTrajectory:
-        """Samples ``num_generations`` trajectories per class prompt.
+        """Samples ``num_generations`` trajectories per prompt.
 
         Row ``i`` belongs to prompt ``i // K``, generation ``i % K``.
 
         Args:
             model: The velocity network (``model.config.data_dim`` pixels).
-            prompts: ``(P,)`` int class prompts.
+            prompts: ``(P,)`` class labels or ``(P, L)`` token ids.
             num_generations: ``K``.
             key: PRNG key.
+            window_start: With ``window_size``: the first SDE step of every row (``None``:
+                drawn with ``key``).
 
         Returns:
             The :class:`FlowTrajectory` of ``P * K`` rows.
+
+        Raises:
+            TypeError: Prompts that are not integers, a non-int ``num_generations``.
+            ValueError: Prompts out of the model's range, a bad ``window_start``.
         """
-        labels = jnp.repeat(jnp.asarray(prompts, jnp.int32), num_generations)
+        k = check_int("num_generations", num_generations, minimum=1)
+        host = check_prompts(model, prompts)
+        prompts = jnp.repeat(jnp.asarray(host), k, axis=0)
+        b = prompts.shape[0]
+        k_noise, k_window = jax.random.split(key)
+        cfg = self.config
+        if cfg.window_size is None:
+            if window_start is not None:
+                msg = "window_start is only used with SDEConfig.window_size"
+                raise ValueError(msg)
+            start = jnp.zeros((b,), jnp.int32)
+        elif window_start is None:
+            last = cfg.num_steps - cfg.window_size
+            start = jnp.full((b,), jax.random.randint(k_window, (), 0, last + 1), jnp.int32)
+        else:
+            start = _window_starts(check_int("window_start", window_start), b, cfg)
         d = model.config.data_dim
-        noise = jax.random.normal(key, (labels.shape[0], self.config.num_steps + 1, d))
+        noise = jax.random.normal(k_noise, (b, cfg.num_steps + 1, d))
         graphdef, state = nnx.split(model)
-        return self._fn(graphdef, state, labels, noise)
-
-
-def to_grpo_batch(
-    trajectory: FlowTrajectory,
-    rewards: jax.Array | np.ndarray,
-    *,
-    group_size: int,
-    config: SDEConfig,
-    key: jax.Array | None = None,
-    ref_log_probs: jax.Array | None = None,
-) -> GRPOBatch:
-    """Packs trajectories into a :class:`GRPOBatch` read by :func:`flow_log_prob_fn`.
-
-    Layout: ``prompt_ids`` holds the states ``(B, S + 1, D)`` (float32), ``completion_ids``
-    the class prompt at each of the ``S`` steps ``(B, S)`` (int32), ``completion_mask`` 1 on
-    the trained steps (``config.train_steps`` drawn at random per row with ``key``, or all),
-    ``old_log_probs`` the sampler's log-probs (on the trained steps).
-
-    Args:
-        trajectory: From :class:`FlowSampler` or :func:`sample_flow` (``noise_level > 0``).
-        rewards: ``(B,)`` rewards of the final images.
-        group_size: ``K`` generations per prompt.
-        config: The sampler settings the trajectories were drawn with.
-        key: PRNG key choosing the trained steps (needed when ``train_steps`` is set).
-        ref_log_probs: Optional ``(B, S)`` reference log-probs.
-
-    Returns:
-        The batch.
-
-    Raises:
-        ValueError: ``train_steps`` is set without a ``key``, or shapes disagree.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> from flax import nnx
-        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
-        >>> from artifex.generative_models.inference import FlowSampler, SDEConfig, to_grpo_batch
-        >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
-        ...                                   time_features=8), rngs=nnx.Rngs(0))
-        >>> sde = SDEConfig(num_steps=4, train_steps=2)
-        >>> traj = FlowSampler(sde)(model, [3], 2, jax.random.key(0))
-        >>> batch = to_grpo_batch(traj, jnp.array([1.0, 0.0]), group_size=2, config=sde,
-        ...                       key=jax.random.key(1))
-        >>> batch.prompt_ids.shape, batch.completion_mask.sum(axis=1).tolist()
-        ((2, 5, 16), [2.0, 2.0])
-    """
-    b, s = trajectory.log_probs.shape
-    if s != config.num_steps:
-        msg = f"trajectory has {s} steps but config.num_steps is {config.num_steps}"
-        raise ValueError(msg)
-    if config.train_steps is None or config.train_steps == s:
-        mask = jnp.ones((b, s), jnp.float32)
-    else:
-        if key is None:
-            msg = "to_grpo_batch needs a key to choose SDEConfig.train_steps steps per row"
-            raise ValueError(msg)
-        ranks = jnp.argsort(jax.random.uniform(key, (b, s)), axis=1).argsort(axis=1)
-        mask = (ranks < config.train_steps).astype(jnp.float32)
-    labels = jnp.asarray(trajectory.labels, jnp.int32)
-    return GRPOBatch(
-        prompt_ids=jnp.asarray(trajectory.states, jnp.float32),
-        completion_ids=jnp.broadcast_to(labels[:, None], (b, s)),
-        completion_mask=mask,
-        rewards=jnp.asarray(rewards, jnp.float32),
-        old_log_probs=jnp.asarray(trajectory.log_probs, jnp.float32),
-        ref_log_probs=ref_log_probs,
-        group_size=group_size,
-    )
-
-
-def flow_log_prob_fn(config: SDEConfig) -> LogProbFn:
-    """The log-prob hook for ``GRPOTrainer``/``make_grpo_loss`` on flow trajectories.
-
-    ``fn(model, batch)`` recomputes each transition's Gaussian under ``model`` and returns the
-    log-density of the stored next state (``(B, S)``) and the transition's entropy
-    ``D/2 log(2 pi e std^2)`` (independent of the parameters).
-
-    Args:
-        config: The sampler settings (``noise_level > 0``).
-
-    Returns:
-        ``fn(model, batch) -> (log_probs, entropy)``.
-
-    Raises:
-        ValueError: ``noise_level`` is 0 (the ODE has no density).
-
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> from flax import nnx
-        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
-        >>> from artifex.generative_models.inference import (
-        ...     FlowSampler, SDEConfig, flow_log_prob_fn, to_grpo_batch)
-        >>> model = FlowModel(FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1,
-        ...                                   time_features=8), rngs=nnx.Rngs(0))
-        >>> sde = SDEConfig(num_steps=4)
-        >>> traj = FlowSampler(sde)(model, [3], 2, jax.random.key(0))
-        >>> batch = to_grpo_batch(traj, jnp.array([1.0, 0.0]), group_size=2, config=sde)
-        >>> logp, entropy = flow_log_prob_fn(sde)(model, batch)
-        >>> logp.shape, bool(jnp.allclose(logp, traj.log_probs, atol=1e-4))  # same as the sampler's
-        ((2, 4), True)
-    """
-    if config.noise_level == 0.0:
-        msg = "flow_log_prob_fn needs SDEConfig.noise_level > 0 (the ODE sampler has no density)"
-        raise ValueError(msg)
-
-    def fn(model: Any, batch: GRPOBatch) -> tuple[jax.Array, jax.Array]:
-        mu, std, x_next = _batch_transitions(model, batch, config)
-        d = x_next.shape[-1]
-        log_probs = gaussian_log_prob(x_next, mu, std)
-        entropy = 0.5 * d * jnp.log(2.0 * math.pi * math.e * std[..., 0] ** 2)
-        return log_probs, jnp.broadcast_to(entropy, log_probs.shape)
-
-    return fn
-
-
-def _batch_transitions(
-    model: Any, batch: GRPOBatch, config: SDEConfig
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    states = jnp.asarray(batch.prompt_ids, jnp.float32)
-    b, s1, d = states.shape
-    s = s1 - 1
-    steps = jnp.broadcast_to(jnp.arange(s), (b, s)).reshape(-1)
-    x = states[:, :-1].reshape(b * s, d)
-    labels = jnp.asarray(batch.completion_ids, jnp.int32).reshape(-1)
-    mu, std = sde_step(model, x, labels, steps, config)
-    return mu.reshape(b, s, d), std.reshape(b, s, 1), states[:, 1:]
-
-
-def flow_kl(model: Any, ref_model: Any, batch: GRPOBatch, config: SDEConfig) -> jax.Array:
-    r"""Closed-form per-step KL between the policy's and the reference's transitions.
-
-    ``KL_s = ||mu_theta(x_s) - mu_ref(x_s)||^2 / (2 std_s^2)`` at every stored state; the
-    two transitions share ``std_s``. Use it as the per-step KL (masked by
-    ``completion_mask`` and aggregated like the GRPO loss) or as a metric.
-
-    Args:
-        model: The policy.
-        ref_model: The reference (gradients are not stopped; wrap it yourself if needed).
-        batch: A batch from :func:`to_grpo_batch`.
-        config: The sampler settings.
-
-    Returns:
-        ``(B, S)`` float32 KL divergences.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> from flax import nnx
-        >>> from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
-        >>> from artifex.generative_models.inference import (
-        ...     FlowSampler, SDEConfig, flow_kl, to_grpo_batch)
-        >>> cfg = FlowModelConfig(image_shape=(4, 4), hidden_dim=16, num_blocks=1, time_features=8)
-        >>> model = FlowModel(cfg, rngs=nnx.Rngs(0))
-        >>> sde = SDEConfig(num_steps=4)
-        >>> batch = to_grpo_batch(FlowSampler(sde)(model, [3], 2, jax.random.key(0)),
-        ...                       jnp.array([1.0, 0.0]), group_size=2, config=sde)
-        >>> float(flow_kl(model, model, batch, sde).max())  # the same means: no divergence
-        0.0
-        >>> ref = nnx.clone(model)
-        >>> nnx.update(ref, jax.tree.map(lambda p: p + 0.01, nnx.state(ref, nnx.Param)))
-        >>> bool((flow_kl(model, ref, batch, sde) > 0).all())
-        True
-    """
-    mu, std, _ = _batch_transitions(model, batch, config)
-    mu_ref, _, _ = _batch_transitions(ref_model, batch, config)
-    return gaussian_kl(mu, mu_ref, std)
+        return self._fn(graphdef, state, prompts, noise, start)

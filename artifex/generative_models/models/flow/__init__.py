@@ -7,9 +7,11 @@ from artifex.generative_models.models.flow.dit import (
     sincos_position_embeddings,
     unpatchify,
 )
+from artifex.generative_models.models.flow.io import load_flow_model, save_flow_model
 from artifex.generative_models.models.flow.model import (
     FlowModel,
     FlowModelConfig,
+    check_class_labels,
     timestep_features,
 )
 from artifex.generative_models.models.flow.rewards import (
@@ -37,12 +39,15 @@ __all__ = [
     "FlowTrainConfig",
     "ImageReward",
     "brightness_reward",
+    "check_class_labels",
     "classifier_reward",
     "combine_image_rewards",
     "compressibility_reward",
     "flow_matching_loss",
     "load_digits_images",
+    "load_flow_model",
     "patchify",
+    "save_flow_model",
     "sincos_position_embeddings",
     "timestep_features",
     "train_classifier",

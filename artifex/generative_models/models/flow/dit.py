@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from artifex.generative_models.models.flow.model import timestep_features
+from artifex.generative_models.models.flow.io import register_flow_model
+from artifex.generative_models.models.flow.model import check_class_labels, timestep_features
 from artifex.generative_models.utils.validation import check_int
 
 __all__ = [
@@ -275,6 +276,7 @@ class _DiTBlock(nnx.Module):
         return h + gate2[:, None, :] * z
 
 
+@register_flow_model("flow_dit", FlowDiTConfig)
 class FlowDiT(nnx.Module):
     """Class-conditioned DiT velocity field ``v_theta(x, t, y)`` for rectified flow.
 
@@ -333,7 +335,11 @@ class FlowDiT(nnx.Module):
 
         Returns:
             ``(B, data_dim)`` float32 velocities ``dx/dt``.
+
+        Raises:
+            ValueError: Concrete labels out of ``[0, num_classes)``.
         """
+        check_class_labels(labels, self.config.num_classes)
         cfg = self.config
         phi = timestep_features(t, cfg.time_features)
         c = self.time_out(nnx.silu(self.time_in(phi))) + self.label(jnp.asarray(labels, jnp.int32))

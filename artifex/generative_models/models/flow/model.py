@@ -14,9 +14,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-__all__ = ["FlowModel", "FlowModelConfig", "timestep_features"]
+from artifex.generative_models.models.flow.io import register_flow_model
+from artifex.generative_models.utils.validation import check_int
+
+__all__ = ["FlowModel", "FlowModelConfig", "check_class_labels", "timestep_features"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,14 +53,13 @@ class FlowModelConfig:
 
     def __post_init__(self) -> None:
         shape = tuple(self.image_shape)
-        if len(shape) not in (2, 3) or any(int(s) < 1 for s in shape):
-            msg = f"FlowModelConfig.image_shape must be (H, W) or (H, W, C) > 0, got {shape}"
+        if len(shape) not in (2, 3):
+            msg = f"FlowModelConfig.image_shape must be (H, W) or (H, W, C), got {shape}"
             raise ValueError(msg)
+        for i, s in enumerate(shape):
+            check_int(f"FlowModelConfig.image_shape[{i}]", s, minimum=1)
         for name in ("num_classes", "hidden_dim", "num_blocks", "time_features"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                msg = f"FlowModelConfig.{name} must be a positive int, got {value!r}"
-                raise ValueError(msg)
+            check_int(f"FlowModelConfig.{name}", getattr(self, name), minimum=1)
         if self.time_features % 2:
             msg = f"FlowModelConfig.time_features must be even, got {self.time_features}"
             raise ValueError(msg)
@@ -65,6 +68,44 @@ class FlowModelConfig:
     def data_dim(self) -> int:
         """Number of values in one image (``H * W * C``)."""
         return math.prod(self.image_shape)
+
+
+def check_class_labels(labels: jax.Array, num_classes: int) -> None:
+    """Raises ``ValueError`` for class labels outside ``[0, num_classes)`` (concrete arrays only).
+
+    An embedding lookup would clamp them silently. Traced labels (inside ``jit``) are not
+    checked; the samplers check theirs on the host.
+
+    Args:
+        labels: ``(B,)`` int labels.
+        num_classes: The number of classes.
+
+    Raises:
+        TypeError: Labels that are not integers.
+        ValueError: A label out of range, or labels that are not ``(B,)``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.flow import check_class_labels
+        >>> check_class_labels(jnp.array([0, 9]), 10)
+        >>> check_class_labels(jnp.array([10]), 10)
+        Traceback (most recent call last):
+            ...
+        ValueError: class labels must be in [0, 10), got 10 at row 0
+    """
+    if isinstance(labels, jax.core.Tracer):
+        return
+    host = np.asarray(labels)
+    if not np.issubdtype(host.dtype, np.integer):
+        msg = f"class labels must be integers, got dtype {host.dtype}"
+        raise TypeError(msg)
+    if host.ndim != 1:
+        msg = f"class labels must have shape (B,), got {host.shape}"
+        raise ValueError(msg)
+    bad = np.flatnonzero((host < 0) | (host >= num_classes))
+    if bad.size:
+        msg = f"class labels must be in [0, {num_classes}), got {host[bad[0]]} at row {bad[0]}"
+        raise ValueError(msg)
 
 
 def timestep_features(t: jax.Array, num_features: int) -> jax.Array:
@@ -107,6 +148,7 @@ class _Block(nnx.Module):
         return h + self.fc2(nnx.silu(z))
 
 
+@register_flow_model("flow_mlp", FlowModelConfig)
 class FlowModel(nnx.Module):
     """Class-conditioned velocity field ``v_theta(x, t, y)`` for rectified flow on tiny images.
 
@@ -150,7 +192,11 @@ class FlowModel(nnx.Module):
 
         Returns:
             ``(B, data_dim)`` float32 velocities ``dx/dt``.
+
+        Raises:
+            ValueError: Concrete labels out of ``[0, num_classes)``.
         """
+        check_class_labels(labels, self.config.num_classes)
         c = nnx.silu(
             self.time(timestep_features(t, self.config.time_features))
             + self.label(jnp.asarray(labels, jnp.int32))

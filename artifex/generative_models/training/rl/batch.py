@@ -76,6 +76,11 @@ class GRPOBatch:
             the sampler/trainer mismatch correction (``GRPOConfig.sampler_correction``) and the
             off-policy sequence mask; NaN marks a token the sampler could not score. ``None``:
             no correction.
+        conditioning: Further inputs of a non-token policy's log-prob function, a pytree of
+            ``(B, ...)`` arrays (its static metadata included): a flow model's prompts and
+            sampler settings (``FlowConditioning``, see
+            :mod:`~artifex.generative_models.training.rl.flow_batch`). ``None`` for language
+            models.
         group_size: Static group size ``G`` (pytree metadata).
         shared_prompts: Static flag: the ``G`` rows of each group have the same prompt (as in
             every GRPO rollout), so a causal LM can encode each prompt once for its group.
@@ -109,6 +114,7 @@ class GRPOBatch:
     step_rewards: jax.Array | None = None
     group_ids: jax.Array | None = None
     sampler_log_probs: jax.Array | None = None
+    conditioning: Any = None
     group_size: int = dataclasses.field(default=4, metadata=dict(static=True))
     shared_prompts: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -234,6 +240,10 @@ class GRPOBatch:
                 f"got {_shape(self.prompt_mask)}"
             )
             raise ValueError(msg)
+        for leaf in jax.tree.leaves(self.conditioning):
+            if len(_shape(leaf)) < 1 or _shape(leaf)[0] != b:
+                msg = f"GRPOBatch.conditioning arrays must have {b} rows, got shape {_shape(leaf)}"
+                raise ValueError(msg)
         if self.advantages is not None and _shape(self.advantages) not in ((b,), (b, t)):
             msg = (
                 f"GRPOBatch.advantages must have shape ({b},) or ({b}, {t}), "

@@ -33,7 +33,8 @@ since DeepSeekMath. Each variant is a setting, not a new trainer:
   ``advantage_estimator``.
 
 The KL estimators ``k1``, ``k2`` and ``k3`` are Schulman's (2020, "Approximating KL
-Divergence"); formulas of every option are in the docstrings of
+Divergence"); ``"exact"`` is the closed-form KL a log-prob function provides (a flow model's
+Gaussian transitions, Flow-GRPO); formulas of every option are in the docstrings of
 :mod:`~artifex.generative_models.training.rl.losses` and
 :mod:`~artifex.generative_models.training.rl.advantages`.
 """
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 RewardScaling = Literal["group", "batch", "none"]
-KLEstimator = Literal["k1", "k2", "k3"]
+KLEstimator = Literal["k1", "k2", "k3", "exact"]
 LossAggregation = Literal["sequence_mean", "token_mean", "constant_length", "sequence_sum"]
 ImportanceSamplingLevel = Literal["token", "sequence", "sequence_token"]
 AdvantageBaseline = Literal["group_mean", "leave_one_out"]
@@ -75,7 +76,7 @@ AdvantageEstimator = Literal["grpo", "reinforce_pp", "reinforce_pp_baseline", "p
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "scale_rewards": ("group", "batch", "none"),
-    "kl_estimator": ("k1", "k2", "k3"),
+    "kl_estimator": ("k1", "k2", "k3", "exact"),
     "loss_aggregation": ("sequence_mean", "token_mean", "constant_length", "sequence_sum"),
     "importance_sampling_level": ("token", "sequence", "sequence_token"),
     "baseline": ("group_mean", "leave_one_out"),
@@ -100,7 +101,7 @@ class GRPOConfig:
         clip_param_high: ``epsilon_high > 0`` (DAPO).
         dual_clip: ``c > 1`` bounding negative-advantage losses by ``c |A|``.
         beta: KL coefficient >= 0.
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (Schulman, 2020).
+        kl_estimator: ``"k1"``/``"k2"``/``"k3"`` (Schulman, 2020) or ``"exact"``.
         entropy_coeff: Entropy bonus weight >= 0.
         gamma: Per-step reward discount in (0, 1].
         scale_rewards: Scale by the ``"group"`` or ``"batch"`` std, or ``"none"``.

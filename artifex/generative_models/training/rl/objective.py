@@ -301,6 +301,7 @@ def grpo_objective(
     advantages: jax.Array | None = None,
     reward_metrics: bool = True,
     entropy_threshold: jax.Array | None = None,
+    kl: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""The GRPO loss and its metrics from the current policy's per-token log-probs.
 
@@ -329,6 +330,9 @@ def grpo_objective(
         reward_metrics: Whether to add the reward and advantage statistics to the metrics.
         entropy_threshold: Overrides the entropy quantile of ``top_entropy_quantile`` (the
             whole batch's, when this is one of its microbatches).
+        kl: ``(B, T)`` per-token KL to the reference computed by the caller (with
+            ``kl_estimator="exact"``: a log-prob function's ``log_probs_and_kl``); used in
+            place of the estimator on ``ref_log_probs``.
 
     Returns:
         ``(total_loss, metrics)``; metrics are float32 device scalars: ``policy_loss``,
@@ -343,7 +347,8 @@ def grpo_objective(
 
     Raises:
         ValueError: ``entropy`` is ``None`` while ``entropy_coeff > 0`` or
-            ``top_entropy_quantile < 1``.
+            ``top_entropy_quantile < 1``; ``kl_estimator="exact"`` with ``ref_log_probs`` but
+            no ``kl``.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -378,10 +383,18 @@ def grpo_objective(
     policy_loss = losses.aggregate_loss(pg, mask, **agg_kwargs)
     total = policy_loss
 
-    if config.beta > 0.0 and batch.ref_log_probs is not None:
-        kl_tok = losses.kl_divergence(
+    if config.beta > 0.0 and kl is None and batch.ref_log_probs is not None:
+        if config.kl_estimator == "exact":
+            msg = (
+                "GRPOConfig.kl_estimator='exact' takes the per-token KL from the log-prob "
+                "function (kl=...), not from ref_log_probs"
+            )
+            raise ValueError(msg)
+        kl = losses.kl_divergence(
             log_probs, batch.ref_log_probs, mask, estimator=config.kl_estimator
         )
+    if config.beta > 0.0 and kl is not None:
+        kl_tok = jnp.where(mask > 0, jnp.asarray(kl, jnp.float32), 0.0)
         if config.kl_importance_weighted:
             kl_tok = kl_tok * jnp.exp(log_ratio)
         kl = losses.aggregate_loss(kl_tok, mask, **agg_kwargs)

@@ -226,6 +226,11 @@ class _Program:
     log_prob_fn: LogProbFn
     lora_reference: bool
 
+    @property
+    def exact_kl(self) -> bool:
+        """The KL comes from ``log_prob_fn.log_probs_and_kl`` (``kl_estimator="exact"``)."""
+        return self.config.kl_estimator == "exact"
+
     def policy(self, params: Any, frozen: Any) -> nnx.Module:
         return nnx.merge(self.graphdef, params, frozen)
 
@@ -237,10 +242,22 @@ class _Program:
         return None
 
     def needs_reference(self, state: GRPOTrainState, batch: GRPOBatch) -> bool:
-        has_ref = (state.reference is not None and self.ref_graphdef is not None) or (
+        """Whether the reference's log-probs are computed (not with the exact KL)."""
+        return (
+            self.config.beta > 0.0
+            and not self.exact_kl
+            and batch.ref_log_probs is None
+            and self._has_reference(state)
+        )
+
+    def runs_exact_kl(self, state: GRPOTrainState) -> bool:
+        """Whether the update runs the reference for the exact KL."""
+        return self.config.beta > 0.0 and self.exact_kl and self._has_reference(state)
+
+    def _has_reference(self, state: GRPOTrainState) -> bool:
+        return (state.reference is not None and self.ref_graphdef is not None) or (
             self.lora_reference
         )
-        return self.config.beta > 0.0 and batch.ref_log_probs is None and has_ref
 
 
 def _program(
@@ -253,6 +270,16 @@ def _program(
     if not isinstance(config, GRPOConfig):
         msg = f"config must be a GRPOConfig, got {type(config).__name__}"
         raise TypeError(msg)
+    if config.kl_estimator == "exact" and not callable(
+        getattr(log_prob_fn, "log_probs_and_kl", None)
+    ):
+        name = getattr(log_prob_fn, "__name__", type(log_prob_fn).__name__)
+        msg = (
+            "GRPOConfig.kl_estimator='exact' needs a log_prob_fn with a closed-form KL "
+            "(a log_probs_and_kl(model, reference, batch) method, e.g. flow_log_prob_fn(sde)), "
+            f"got {'the default log-prob function' if log_prob_fn is None else name}"
+        )
+        raise ValueError(msg)
     graphdef, _, _ = nnx.split(model, wrt, ...)
     return _Program(
         graphdef=graphdef,
@@ -410,6 +437,7 @@ def make_grpo_gradients(
     ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
         """The objective, its metrics and its gradient for ``state`` on ``batch`` (pure)."""
         needs_ref = program.needs_reference(state, batch)
+        exact_kl = program.runs_exact_kl(state)
         frozen = state.frozen
         # Advantages and the loss normalizer come from the whole batch, so splitting it into
         # microbatches changes nothing but peak memory.
@@ -437,11 +465,17 @@ def make_grpo_gradients(
         def loss_fn(
             params: Any, mb: GRPOBatch, adv: jax.Array
         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+            kl = None
             if needs_ref:
                 ref = program.reference(state, params)
                 ref_lp, _ = log_prob(ref, mb)
                 mb = mb.replace(ref_log_probs=jax.lax.stop_gradient(ref_lp))
-            log_probs, entropy = log_prob(program.policy(params, frozen), mb)
+            if exact_kl:  # the policy's and the reference's transitions in one call
+                log_probs, entropy, kl = log_prob.log_probs_and_kl(
+                    program.policy(params, frozen), program.reference(state, params), mb
+                )
+            else:
+                log_probs, entropy = log_prob(program.policy(params, frozen), mb)
             return grpo_objective(
                 log_probs,
                 entropy,
@@ -451,6 +485,7 @@ def make_grpo_gradients(
                 advantages=adv,
                 reward_metrics=False,
                 entropy_threshold=entropy_threshold,
+                kl=kl,
             )
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

@@ -10,12 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.generative_models.inference.flow_sampling import (
-    FlowSampler,
-    SDEConfig,
-    flow_log_prob_fn,
-    to_grpo_batch,
-)
+from artifex.generative_models.inference.flow_sampling import FlowSampler, SDEConfig
 from artifex.generative_models.models.flow import (
     FlowDiT,
     FlowDiTConfig,
@@ -26,6 +21,7 @@ from artifex.generative_models.models.flow import (
     train_flow_matching,
     unpatchify,
 )
+from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn, to_grpo_batch
 
 # One small shape for the tests that call the network, so they share its compilations.
 _CFG = FlowDiTConfig(
