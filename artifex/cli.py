@@ -6,8 +6,9 @@
 - ``artifex-grpo demo --task flow``: Flow-GRPO on images (a tiny flow-matching model of 8x8
   digits, a classifier reward); writes before/after images and the reward and KL curves.
 - ``artifex-grpo train --model DIR --data FILE.jsonl --reward math ...``: GRPO on a local
-  Hugging Face model (Llama / Qwen) with a local JSONL, JSON or Parquet dataset, or a directory
-  written by ``datasets``' ``save_to_disk`` (``--split`` for a DatasetDict). Prompts are plain
+  Hugging Face model (Llama / Qwen) with a local JSONL, JSON, CSV or Parquet dataset, a directory
+  written by ``datasets``' ``save_to_disk`` (``--split`` for a DatasetDict), or whatever
+  ``datasets.load_dataset`` reads (``--data-format load_dataset``). Prompts are plain
   text or chat messages. ``--reward`` is repeatable and takes a built-in name or your own
   function as ``module:function``. Every field of ``GRPOConfig``, ``TrainConfig`` and
   ``RolloutConfig`` is an option (``--beta 0.04``, ``--loss-aggregation token_mean``,
@@ -34,6 +35,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from artifex.cli_data import add_options as add_data_options
 from artifex.cli_ecosystem import add_options as add_ecosystem_options
 from artifex.cli_ecosystem import check_options as check_ecosystem_options
 from artifex.cli_ecosystem import reward_model_from_args, save_adapter
@@ -214,24 +216,37 @@ def _collect(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     return {k[len(prefix) :]: v for k, v in vars(args).items() if k.startswith(prefix)}
 
 
-def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
-    r"""Reads a local dataset into rows: JSONL, JSON, Parquet, or a ``save_to_disk`` directory.
+def load_rows(
+    path: str,
+    split: str | None = None,
+    data_format: str = "auto",
+    *,
+    default_splits: Sequence[str] = ("train",),
+) -> list[dict[str, Any]]:
+    r"""Reads a local dataset into rows: JSONL, JSON, CSV, Parquet, a ``save_to_disk`` directory.
 
     - ``.jsonl``: one JSON object per line (blank lines skipped);
     - ``.json``: one array of objects;
+    - ``.csv``: a header line, then one row per line (needs ``pyarrow``, which infers each
+      column's type);
     - ``.parquet``: a Parquet file (needs ``pyarrow``);
     - a directory written by Hugging Face ``datasets``' ``Dataset.save_to_disk`` (Arrow files
       listed in its ``state.json``) or ``DatasetDict.save_to_disk`` (a ``dataset_dict.json``
       and one such directory per split). It is read with ``pyarrow``; the ``datasets``
       package is not needed.
 
-    A prompt column may hold plain text or chat messages (a list of ``{"role", "content"}``
-    objects); both come back as they are.
+    ``data_format`` names the reader instead of the extension, or ``load_dataset`` for
+    ``datasets.load_dataset`` (:mod:`artifex.cli_data`). A prompt column may hold plain text
+    or chat messages (a list of ``{"role", "content"}`` objects); both come back as they are.
 
     Args:
         path: The file or directory.
-        split: The split of a ``DatasetDict`` directory. ``None``: ``"train"`` when there is
-            one, else the only split. Only for ``DatasetDict`` directories.
+        split: The split of a ``DatasetDict`` directory (or of what ``load_dataset`` reads).
+            ``None``: the first of ``default_splits`` there is, else the only split.
+        data_format: ``auto``, ``jsonl``, ``json``, ``csv``, ``parquet``, ``save_to_disk`` or
+            ``load_dataset``.
+        default_splits: The splits ``load_dataset``'s result is searched for when ``split`` is
+            ``None`` (a ``DatasetDict`` directory: ``"train"``).
 
     Returns:
         The rows.
@@ -239,9 +254,10 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
     Raises:
         FileNotFoundError: If the file or directory does not exist.
         ValueError: On a line that is not a JSON object or repeats a key (the file and line
-            are named), an unknown extension, a directory that is not a saved dataset, or a
-            missing split.
-        ImportError: For Parquet or Arrow without ``pyarrow`` installed.
+            are named), an unknown extension or format, a directory that is not a saved
+            dataset, or a missing split.
+        ImportError: For CSV, Parquet or Arrow without ``pyarrow``, or ``load_dataset`` without
+            ``datasets`` installed.
 
     Examples:
         >>> import json, os, tempfile
@@ -252,17 +268,28 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
         >>> load_rows(path)
         [{'prompt': '1+2=', 'answer': '3'}]
     """
+    from artifex.cli_data import format_of, load_dataset_rows
     from artifex.generative_models.utils.strict_parse import json_loads_unique
 
-    if os.path.isdir(path):
+    kind = format_of(path, data_format)
+    if kind == "load_dataset":
+        return load_dataset_rows(path, split, default_splits)
+    if kind == "save_to_disk" and os.path.isdir(path):
         return _load_saved_dataset(path, split)
+    if os.path.isdir(path):
+        msg = f"{path} is a directory: --data-format {kind} reads a file"
+        raise ValueError(msg)
     if not os.path.isfile(path):
-        msg = f"dataset file not found: {path}"
+        what = "dataset directory" if kind == "save_to_disk" else "dataset file"
+        msg = f"{what} not found: {path}"
         raise FileNotFoundError(msg)
+    if kind == "save_to_disk":
+        msg = f"{path} is a file: --data-format save_to_disk reads a directory"
+        raise ValueError(msg)
     if split is not None:
         msg = f"--split {split!r} applies to a DatasetDict directory, but {path} is a file"
         raise ValueError(msg)
-    if path.endswith(".json"):
+    if kind == "json":
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
         try:
@@ -279,7 +306,7 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
             msg = f"{path}: a .json dataset must be an array of JSON objects"
             raise ValueError(msg)
         return data
-    if path.endswith(".jsonl"):
+    if kind == "jsonl":
         rows = []
         with open(path, "rb") as fh:  # decoded line by line, so a bad byte names its line
             for i, raw in enumerate(fh, 1):
@@ -303,18 +330,14 @@ def load_rows(path: str, split: str | None = None) -> list[dict[str, Any]]:
                     raise ValueError(msg)
                 rows.append(row)
         return rows
-    if path.endswith(".parquet"):
-        pq = _pyarrow("Parquet", "parquet")
-        try:
-            return pq.read_table(path).to_pylist()
-        except Exception as err:  # pyarrow's errors do not name the file
-            msg = f"{path}: cannot read the Parquet file ({err}): check the file"
-            raise ValueError(msg) from err
-    msg = (
-        f"unknown dataset format {path!r}: use .jsonl, .json, .parquet or a directory written "
-        "by datasets' save_to_disk"
-    )
-    raise ValueError(msg)
+    reader, name = ("parquet", "Parquet") if kind == "parquet" else ("csv", "CSV")
+    module = _pyarrow(name, reader)
+    try:
+        table = module.read_table(path) if kind == "parquet" else module.read_csv(path)
+    except Exception as err:  # pyarrow's errors do not name the file
+        msg = f"{path}: cannot read the {name} file ({err}): check the file"
+        raise ValueError(msg) from err
+    return table.to_pylist()
 
 
 def _pyarrow(what: str, module: str) -> Any:
@@ -462,8 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--data",
         required=True,
-        help="training rows: .jsonl, .json, .parquet, or a directory written by datasets' "
-        "save_to_disk (a Dataset, or a DatasetDict with --split)",
+        help="training rows: .jsonl, .json, .csv, .parquet, or a directory written by datasets' "
+        "save_to_disk (a Dataset, or a DatasetDict with --split); --data-format for others",
     )
     tr.add_argument(
         "--split", default=None, help="split of a DatasetDict --data directory (default: train)"
@@ -474,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="split of a DatasetDict --eval-data directory (default: test, else validation)",
     )
+    add_data_options(tr)  # --data-format, --eval-data-format
     tr.add_argument(
         "--apply-chat-template",
         type=_parse_bool,
@@ -1202,14 +1226,21 @@ def _train_held(
     )
     from artifex.generative_models.training.checkpointing import CheckpointWriteError
     from artifex.generative_models.training.logging import is_primary_process
+    from artifex.generative_models.training.rl.dataset_rows import EVAL_SPLITS
     from artifex.generative_models.training.rl.grpo import GRPOTrainer
     from artifex.generative_models.training.rl.loop import check_tokenizer_fits, train
 
     column = rollout_config.prompt_column
-    rows = _prompts_as_chat(load_rows(args.data, args.split), column, args.apply_chat_template)
+    rows = load_rows(args.data, args.split, args.data_format)
+    rows = _prompts_as_chat(rows, column, args.apply_chat_template)
     eval_rows = None
     if args.eval_data is not None:
-        eval_rows = load_rows(args.eval_data, args.eval_split or _eval_split(args.eval_data))
+        eval_rows = load_rows(
+            args.eval_data,
+            args.eval_split or _eval_split(args.eval_data),
+            args.eval_data_format,
+            default_splits=EVAL_SPLITS,
+        )
         eval_rows = _prompts_as_chat(eval_rows, column, args.apply_chat_template)
     tokenizer = _load(Tokenizer.from_pretrained, args.model, what="tokenizer")
     _check_chat_template(tokenizer, rows, column, args.model, "--data")

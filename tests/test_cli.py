@@ -131,10 +131,10 @@ def test_load_rows_errors(tmp_path):
     p.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match="JSON object"):
         load_rows(str(p))
-    csv = tmp_path / "x.csv"
-    csv.write_text("a,b\n")
+    txt = tmp_path / "x.txt"
+    txt.write_text("a,b\n")
     with pytest.raises(ValueError, match="unknown dataset format"):
-        load_rows(str(csv))
+        load_rows(str(txt))
 
 
 def test_load_rows_reads_parquet(tmp_path):

@@ -45,6 +45,7 @@ from artifex.generative_models.training.checkpointing import training_fingerprin
 from artifex.generative_models.training.logging import CompletionLog, is_primary_process
 from artifex.generative_models.training.rl.advantages import nonconstant_groups
 from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.dataset_rows import EVAL_SPLITS, as_rows
 from artifex.generative_models.training.rl.evaluation_metrics import (
     check_sampled_eval,
     evaluate_sampled,
@@ -885,7 +886,9 @@ def train(
         trainer: A :class:`~artifex.generative_models.training.rl.grpo.GRPOTrainer` on a causal
             LM.
         tokenizer: Its tokenizer.
-        dataset: Rows (mappings) with a prompt column and whatever the rewards read.
+        dataset: Rows (mappings, or a Hugging Face dataset:
+            :func:`~artifex.generative_models.training.rl.dataset_rows.as_rows`) with a prompt
+            column and whatever the rewards read.
         rewards: A :class:`RewardCombiner`, one reward function or a list of them (summed).
         config: Loop settings.
         rollout_config: Generation settings (defaults to ``RolloutConfig()``).
@@ -954,6 +957,9 @@ def train(
         (2, True, 2)
     """
     rcfg = RolloutConfig() if rollout_config is None else rollout_config
+    dataset = as_rows(dataset)
+    if eval_dataset is not None:
+        eval_dataset = as_rows(eval_dataset, default_splits=EVAL_SPLITS, what="eval_dataset")
     if not isinstance(rewards, RewardCombiner):
         funcs = list(rewards) if isinstance(rewards, Sequence) else [rewards]
         rewards = RewardCombiner(funcs)
