@@ -77,6 +77,7 @@ GROUPS: tuple[Group, ...] = (
         "From dataset rows to batches (single- and multi-turn, with tools) and the training "
         "loop with its logging and evaluation.",
         (
+            f"{_RL}.dataset_rows",
             f"{_RL}.rollout",
             f"{_RL}.truncation",
             f"{_RL}.loop",
@@ -87,6 +88,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_RL}.multiturn",
             f"{_RL}.tools",
             f"{_GM}.training.logging",
+            f"{_GM}.training.trackers",
         ),
     ),
     Group(
