@@ -17,8 +17,6 @@ import argparse
 import json
 from typing import Any
 
-__all__ = ["add_options", "build_engine", "check_options", "parse_vllm_option"]
-
 
 def parse_vllm_option(text: str) -> tuple[str, Any]:
     """Parses one ``--vllm-option KEY=VALUE``.

@@ -126,12 +126,16 @@ GROUPS: tuple[Group, ...] = (
     ),
     Group(
         "Sampler",
-        "Compiled KV-cache generation: K completions per prompt, and turn-by-turn decoding.",
+        "Compiled KV-cache generation: K completions per prompt, and turn-by-turn decoding; "
+        "rollout engines (the sampler, vLLM) behind one interface.",
         (
             f"{_GM}.inference",
             f"{_GM}.inference.sampling",
             f"{_GM}.inference.multiturn",
             f"{_GM}.inference.stop_strings",
+            f"{_GM}.inference.engines",
+            f"{_GM}.inference.engines.base",
+            f"{_GM}.inference.engines.vllm",
         ),
     ),
     Group(

@@ -139,7 +139,10 @@ class VLLMEngine:
             adapters merged, to a temporary directory that vLLM starts from, in its parameter
             dtype), or a Hugging Face model directory of the policy's architecture (vLLM starts
             from its weights; the first ``sync_weights`` replaces them).
-        dtype: vLLM's dtype (``"auto"``: the model's parameter dtype, or the directory's).
+        dtype: vLLM's dtype (``"auto"``: the policy's parameter dtype, or the dtype the
+            directory's ``config.json`` names; vLLM's own ``"auto"`` would run a float32
+            model in bfloat16 on a CPU). A lower precision than the trainer's is allowed and
+            shows in the sampler-mismatch metrics.
         seed: vLLM's global seed (each request gets its own seed from the ``key`` too).
         max_model_len: Longest prompt plus completion vLLM plans for (``None``: the model's
             positions).
@@ -206,11 +209,11 @@ class VLLMEngine:
             self._tmp = tempfile.TemporaryDirectory(prefix="artifex-vllm-")
             path = self._tmp.name
             write_hf_checkpoint(hf_weights(model), self.config, path)
-            if dtype == "auto":
-                dtype = self.config.param_dtype
         else:
             path = os.fspath(model)
             self.config = read_hf_config(path)
+        if dtype == "auto":  # vLLM's own "auto" may differ (bfloat16 for float32 on a CPU)
+            dtype = self.config.param_dtype
         extra = dict(llm_kwargs)
         if gpu_memory_utilization is not None:
             extra["gpu_memory_utilization"] = gpu_memory_utilization
