@@ -19,6 +19,7 @@ log directory ``OUT/logs-<run>-p<I>``, so the test can see who wrote what.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -152,6 +153,8 @@ def run_loop(out: str, name: str, ckpt: str, mesh, kill_after: int | None = None
         log_dir=os.path.join(out, f"logs-{name}-p{jax.process_index()}"),
         log_completions_every=1,
         completions_to_print=0,
+        # a tracker too, where its package is installed: process 1 must not write it either
+        report_to="tensorboard" if importlib.util.find_spec("tensorboardX") else "none",
     )
     result = train(
         trainer,

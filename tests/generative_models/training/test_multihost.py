@@ -9,6 +9,7 @@ timeout, so a hang fails the test instead of stalling CI.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests.generative_models.training import multihost_worker as worker
+from tests.generative_models.training.test_trackers import tensorboard_events
 from tests.processes import free_port, wait_for, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -139,6 +141,9 @@ def test_only_process_zero_writes_logs_and_the_model(runs):
         assert f"logs-{run}-p0" in names
         assert f"logs-{run}-p1" not in names  # process 1 never created its log directory
     assert "model-full-p0" in names and "model-full-p1" not in names
+    if importlib.util.find_spec("tensorboardX"):  # the runs report to TensorBoard as well
+        events, _ = tensorboard_events(os.path.join(out, "logs-full-p0", "tb"))
+        assert sorted(events) == [0, 1, 2, 3] and "reward_mean" in events[3]
     steps = [r["step"] for r in _jsonl(os.path.join(out, "logs-full-p0", "metrics.jsonl"))]
     assert steps == [0, 1, 2, 3, 3]  # eval at 0, three steps, eval at the end
     resumed = _jsonl(os.path.join(out, "logs-resume-p0", "metrics.jsonl"))
