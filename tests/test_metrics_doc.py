@@ -85,6 +85,14 @@ def objective_keys() -> set[str]:
             log_probs, entropy, batch, GRPOConfig(num_generations=2, **options)
         )
         keys |= set(metrics)
+    for divergence in ("reverse_kl", "forward_kl", "jsd"):  # on-policy distillation
+        config = GRPOConfig(
+            num_generations=2, distillation_coeff=0.5, distillation_divergence=divergence
+        )
+        _, metrics = grpo_objective(
+            log_probs, entropy, batch, config, distillation=jnp.ones_like(log_probs)
+        )
+        keys |= set(metrics)
     return keys
 
 

@@ -197,6 +197,13 @@ from artifex.generative_models.training.rl.advantages import (
     pass_at_k_advantages,
     reinforce_pp_advantages,
 )
+
+# On-policy distillation: a teacher's divergence on the student's own samples.
+from artifex.generative_models.training.rl.distillation import (
+    chunked_distillation,
+    logits_divergence,
+    sampled_reverse_kl,
+)
 from artifex.generative_models.training.rl.losses import (
     cispo_surrogate,
     entropy_quantile_threshold,
@@ -219,6 +226,7 @@ from artifex.generative_models.training.rl.packing import (
     row_bucket,
     should_pack,
 )
+from artifex.generative_models.training.rl.teacher import make_distillation_terms
 
 # Training options around the loss (see docs/algorithm.md).
 from artifex.generative_models.training.rl.truncation import mask_truncated_completions
@@ -236,6 +244,12 @@ __all__ += [
 ]
 
 __all__ += ["mask_truncated_completions"]
+__all__ += [
+    "chunked_distillation",
+    "logits_divergence",
+    "make_distillation_terms",
+    "sampled_reverse_kl",
+]
 __all__ += [
     "DEFAULT_PACKING_THRESHOLD",
     "PackedGRPOBatch",

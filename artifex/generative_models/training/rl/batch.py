@@ -76,6 +76,8 @@ class GRPOBatch:
             the sampler/trainer mismatch correction (``GRPOConfig.sampler_correction``) and the
             off-policy sequence mask; NaN marks a token the sampler could not score. ``None``:
             no correction.
+        teacher_log_probs: ``(B, T)`` a distillation teacher's log-probs of the tokens
+            (``"reverse_kl"``); ``None``: the update runs its ``teacher_model``.
         conditioning: Further inputs of a non-token policy's log-prob function, a pytree of
             ``(B, ...)`` arrays (its static metadata included): a flow model's prompts and
             sampler settings (``FlowConditioning``, see
@@ -114,6 +116,7 @@ class GRPOBatch:
     step_rewards: jax.Array | None = None
     group_ids: jax.Array | None = None
     sampler_log_probs: jax.Array | None = None
+    teacher_log_probs: jax.Array | None = None
     conditioning: Any = None
     group_size: int = dataclasses.field(default=4, metadata=dict(static=True))
     shared_prompts: bool = dataclasses.field(default=False, metadata=dict(static=True))
@@ -221,6 +224,7 @@ class GRPOBatch:
             "step_rewards": (b, t),
             "group_ids": (b,),
             "sampler_log_probs": (b, t),
+            "teacher_log_probs": (b, t),
         }
         for name, want in expect.items():
             value = getattr(self, name)
@@ -286,7 +290,7 @@ class GRPOBatch:
         # Log-probs of discrete tokens are <= 0; densities of continuous actions (float states
         # in ``prompt_ids``, e.g. Flow-GRPO's Gaussian transitions) may be positive.
         discrete = np.issubdtype(np.dtype(self.prompt_ids.dtype), np.integer)
-        for name in ("old_log_probs", "ref_log_probs", "advantages"):
+        for name in ("old_log_probs", "ref_log_probs", "teacher_log_probs", "advantages"):
             value = getattr(self, name)
             host = None if value is None else _host_values(value)
             if host is None or mask is None:

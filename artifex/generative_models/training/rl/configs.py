@@ -31,6 +31,11 @@ since DeepSeekMath. Each variant is a setting, not a new trainer:
 - High-entropy token training (Wang et al., 2025, arXiv:2506.01939): ``top_entropy_quantile=0.2``.
 - REINFORCE++ (arXiv:2501.03262) and pass@k (arXiv:2508.10751) advantages:
   ``advantage_estimator``.
+- On-policy distillation (GKD, arXiv:2306.13649; Thinking Machines, 2025): a teacher's
+  per-token divergence on the student's samples, ``distillation_coeff`` with
+  ``distillation_divergence`` and ``jsd_beta``, added to the GRPO loss or alone
+  (``policy_loss_coeff=0``); see
+  :mod:`~artifex.generative_models.training.rl.distillation`.
 
 The KL estimators ``k1``, ``k2`` and ``k3`` are Schulman's (2020, "Approximating KL
 Divergence"); ``"exact"`` is the closed-form KL a log-prob function provides (a flow model's
@@ -54,6 +59,7 @@ from artifex.generative_models.utils.validation import (
 __all__ = [
     "AdvantageBaseline",
     "AdvantageEstimator",
+    "DistillationDivergence",
     "GRPOConfig",
     "ImportanceSamplingLevel",
     "KLEstimator",
@@ -73,6 +79,7 @@ PolicyLoss = Literal["clip", "cispo", "sapo", "vespo"]
 SamplerCorrection = Literal["none", "truncate", "mask"]
 SamplerCorrectionLevel = Literal["token", "sequence", "geometric"]
 AdvantageEstimator = Literal["grpo", "reinforce_pp", "reinforce_pp_baseline", "pass_at_k"]
+DistillationDivergence = Literal["reverse_kl", "forward_kl", "jsd"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "scale_rewards": ("group", "batch", "none"),
@@ -84,6 +91,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "sampler_correction": ("none", "truncate", "mask"),
     "sampler_correction_level": ("token", "sequence", "geometric"),
     "advantage_estimator": ("grpo", "reinforce_pp", "reinforce_pp_baseline", "pass_at_k"),
+    "distillation_divergence": ("reverse_kl", "forward_kl", "jsd"),
 }
 
 
@@ -91,9 +99,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 class GRPOConfig:
     """Hyper-parameters of the GRPO objective and update.
 
-    Variants are settings, listed with their papers in
-    :mod:`~artifex.generative_models.training.rl.configs`; the objective (DeepSeekMath, eq. 3) is
-    written out in :mod:`~artifex.generative_models.training.rl.objective`.
+    Variants and their papers: :mod:`~artifex.generative_models.training.rl.configs`; the
+    objective: :mod:`~artifex.generative_models.training.rl.objective`.
 
     Attributes:
         num_generations: Group size ``G >= 2``: completions per prompt.
@@ -105,7 +112,7 @@ class GRPOConfig:
         entropy_coeff: Entropy bonus weight >= 0.
         gamma: Per-step reward discount in (0, 1].
         scale_rewards: Scale by the ``"group"`` or ``"batch"`` std, or ``"none"``.
-        std_ddof: Delta degrees of freedom of the std, 1 or 0.
+        std_ddof: The std's ddof, 1 or 0.
         advantage_eps: ``eps >= 0`` added to the std.
         baseline: ``"group_mean"`` or ``"leave_one_out"`` (RLOO).
         loss_aggregation: ``"sequence_mean"``, ``"token_mean"``, ``"constant_length"`` or
@@ -137,13 +144,16 @@ class GRPOConfig:
         sync_ref_model: TR-DPO reference sync.
         ref_model_mixup_alpha: Policy weight in [0, 1].
         ref_model_sync_steps: Updates per sync.
-        remat: Recompute decoder activations backward (less memory, same values).
+        remat: Gradient checkpointing of the decoder layers (same values).
         remat_every: With ``remat``, recompute only every n-th layer.
-        scan_layers: Scan the update's decoder layers (faster compile, same values).
+        scan_layers: Scan the update's decoder layers (faster compile).
         layerwise_update: Per-layer update programs (needs ``remat``).
-        optimizer_by_layer: Per-layer optimizer programs in ``GRPOTrainer`` where equivalent.
-        update_without_advantage: Apply updates whose advantages are all zero (only KL and
-            entropy move the policy); ``False`` skips them.
+        optimizer_by_layer: Per-layer optimizer programs (``GRPOTrainer``).
+        update_without_advantage: Apply updates whose advantages are all zero (``False``: skip).
+        policy_loss_coeff: Policy term weight >= 0 (0: distillation alone).
+        distillation_coeff: Teacher divergence weight >= 0.
+        distillation_divergence: ``"reverse_kl"``, ``"forward_kl"`` or ``"jsd"``.
+        jsd_beta: JSD teacher weight in (0, 1).
 
     Raises:
         TypeError: A wrongly typed field.
@@ -200,6 +210,10 @@ class GRPOConfig:
     layerwise_update: bool = False
     optimizer_by_layer: bool = True
     update_without_advantage: bool = False
+    policy_loss_coeff: float = 1.0
+    distillation_coeff: float = 0.0
+    distillation_divergence: DistillationDivergence = "reverse_kl"
+    jsd_beta: float = 0.5
 
     def __post_init__(self) -> None:
         # Wrong type: TypeError; right type, out of range: ValueError (utils.validation).
@@ -243,6 +257,45 @@ class GRPOConfig:
             )
             raise ValueError(msg)
         self._check_variants()
+        self._check_distillation()
+
+    def _check_distillation(self) -> None:
+        f = "GRPOConfig."
+        check_float(f + "policy_loss_coeff", self.policy_loss_coeff, minimum=0.0)
+        check_float(f + "distillation_coeff", self.distillation_coeff, minimum=0.0)
+        check_float(f + "jsd_beta", self.jsd_beta, greater_than=0.0, less_than=1.0)
+        if self.jsd_beta != 0.5 and self.distillation_divergence != "jsd":
+            msg = (
+                f"GRPOConfig.jsd_beta={self.jsd_beta} is only used with "
+                f"distillation_divergence='jsd', got {self.distillation_divergence!r}"
+            )
+            raise ValueError(msg)
+        if self.distillation_coeff == 0.0:
+            if self.distillation_divergence != "reverse_kl":
+                msg = (
+                    f"GRPOConfig.distillation_divergence={self.distillation_divergence!r} is "
+                    "only used with distillation_coeff > 0, got distillation_coeff=0"
+                )
+                raise ValueError(msg)
+            if self.policy_loss_coeff == 0.0:
+                msg = (
+                    "GRPOConfig.policy_loss_coeff=0 switches the policy term off: it needs "
+                    "distillation_coeff > 0 (distillation alone), got distillation_coeff=0"
+                )
+                raise ValueError(msg)
+            return
+        if self.layerwise_update:
+            msg = (
+                "GRPOConfig.distillation_coeff > 0 runs a teacher in the update, which "
+                "layerwise_update=True does not support; set layerwise_update=False"
+            )
+            raise ValueError(msg)
+        if self.kl_estimator == "exact":
+            msg = (
+                "GRPOConfig.distillation_coeff > 0 needs a token-level policy; "
+                "kl_estimator='exact' (flow models) does not combine with it"
+            )
+            raise ValueError(msg)
 
     def _check_variants(self) -> None:
         f = "GRPOConfig."

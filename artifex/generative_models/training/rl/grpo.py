@@ -70,6 +70,7 @@ from artifex.generative_models.training.rl.state import (
     make_grpo_train_step,
     write_train_state,
 )
+from artifex.generative_models.training.rl.teacher import check_teacher_setup
 from artifex.generative_models.training.sharding import (
     PartitionRules,
     _path_parts,
@@ -259,6 +260,7 @@ class _CompiledStep:
             state.frozen,
             state.rng,
             state.reference,
+            state.teacher,
         )
 
     def __call__(
@@ -393,10 +395,8 @@ class _SplitStep:
         return _CompiledStep._parts(state)
 
     def _run(self, state: GRPOTrainState, batch: GRPOBatch, fn: Mapping[str, Any]) -> Any:
-        (params, opt_state, step), (frozen, rng, reference) = self._parts(state)
-        loss, metrics, grads = fn["gradients"](
-            (params, opt_state, step), (frozen, rng, reference), batch
-        )
+        (params, opt_state, step), fixed = self._parts(state)
+        loss, metrics, grads = fn["gradients"]((params, opt_state, step), fixed, batch)
         split, _ = self._decisions(params, opt_state)
         if split is None:
             return fn["finish"](params, opt_state, step, grads, loss, metrics, batch)
@@ -538,8 +538,8 @@ class GRPOTrainer:
     step on it and writes the result back. ``train_step(batch)`` validates the batch on the
     host, then runs one step, compiled once per batch shape: per-token log-probs ->
     advantages -> clipped surrogate + KL + entropy -> gradient -> global-norm clipping ->
-    ``optimizer.update``. A step whose loss or gradient is not finite is not applied (model
-    and optimizer keep their state) and raises :class:`NonFiniteUpdateError`.
+    ``optimizer.update``. A step whose loss or gradient is not finite is not applied (the
+    state is kept) and raises :class:`NonFiniteUpdateError`.
 
     The KL term (``beta > 0``) takes its reference log-probs, in order, from the batch's
     ``ref_log_probs``, from ``reference_model`` (run inside the step), or, for a LoRA policy
@@ -558,16 +558,19 @@ class GRPOTrainer:
         config: GRPO options; defaults to ``GRPOConfig()``.
         reference_model: Optional frozen reference policy (same kind of model).
         log_prob_fn: Optional ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
-        mesh: Optional ``jax.sharding.Mesh`` (default: the mesh set with ``jax.set_mesh``, if
-            any). The model, reference and optimizer state are placed on it
+        mesh: Optional ``jax.sharding.Mesh`` (default: the one set with ``jax.set_mesh``).
+            The model, reference, teacher and optimizer state are placed on it
             (:func:`~artifex.generative_models.training.sharding.shard_model`,
             :func:`~artifex.generative_models.training.sharding.shard_optimizer`) and each
             batch is split over its data axes.
         partition_rules: :class:`~artifex.generative_models.training.sharding.PartitionRules`
             (or ``(regex, PartitionSpec)`` pairs) for ``mesh``; default ``PartitionRules()``.
-        rng: The run's PRNG key, carried in the train state (default ``jax.random.key(0)``).
-        packing_threshold: Pack a causal-LM batch's sequences into rows without padding
-            (:meth:`maybe_pack`) when more than this fraction of it is padding; None: never.
+        rng: The run's PRNG key (default ``jax.random.key(0)``).
+        packing_threshold: Pack a causal-LM batch (:meth:`maybe_pack`) when more than this
+            fraction of it is padding; None: never.
+        teacher_model: Optional frozen distillation teacher
+            (:mod:`~artifex.generative_models.training.rl.teacher`), run inside the step.
+        teacher_partition_rules: The teacher's rules on ``mesh`` (default ``partition_rules``).
 
     Examples:
         >>> import jax.numpy as jnp, optax
@@ -595,6 +598,8 @@ class GRPOTrainer:
         partition_rules: PartitionRules | Sequence[tuple[str, Any]] | None = None,
         rng: jax.Array | None = None,
         packing_threshold: float | None = None,
+        teacher_model: nnx.Module | None = None,
+        teacher_partition_rules: PartitionRules | Sequence[tuple[str, Any]] | None = None,
     ):
         config = GRPOConfig() if config is None else config
         check_float("packing_threshold", packing_threshold, minimum=0, maximum=1, allow_none=True)
@@ -624,6 +629,12 @@ class GRPOTrainer:
         if partition_rules is not None and mesh is None:
             msg = "partition_rules were given without a mesh; pass mesh= as well"
             raise TypeError(msg)
+        if teacher_partition_rules is not None and mesh is None:
+            msg = "teacher_partition_rules were given without a mesh; pass mesh= as well"
+            raise TypeError(msg)
+        check_teacher_setup(
+            model, teacher_model, config, custom_log_prob_fn=log_prob_fn is not None
+        )
         if config.layerwise_update:
             if log_prob_fn is not None:
                 msg = (
@@ -639,11 +650,18 @@ class GRPOTrainer:
             # Before placement: device_put onto a mesh may reuse a source buffer, so two models
             # sharing arrays (nnx.clone) would end up sharing device buffers the step donates.
             _unshare_buffers(reference_model, model)
+        if teacher_model is not None:
+            _unshare_buffers(teacher_model, model)
         if mesh is not None:
             shard_model(model, mesh, partition_rules)
             shard_optimizer(optimizer, model, mesh, partition_rules)
             if reference_model is not None:
                 shard_model(reference_model, mesh, partition_rules)
+            if teacher_model is not None:
+                teacher_rules = teacher_partition_rules
+                if teacher_rules is None:  # laid out as the policy
+                    teacher_rules = partition_rules
+                shard_model(teacher_model, mesh, teacher_rules)
         self.mesh = mesh
         self.model = model
         if getattr(model, "layers_stacked", False) and _holds_per_layer_state(optimizer):
@@ -655,6 +673,11 @@ class GRPOTrainer:
         self.optimizer = optimizer
         self.config = config
         self.reference_model = reference_model
+        self.teacher_model = teacher_model
+        # Frozen like the reference: read once, never donated.
+        self._teacher_state = (
+            None if teacher_model is None else nnx.as_pure(nnx.state(teacher_model))
+        )
         self.wrt = optimizer.wrt
         self.rng = jax.random.key(0) if rng is None else rng
         self._placed_rng: tuple[jax.Array, jax.Array] | None = None  # rng on the mesh, cached
@@ -703,7 +726,9 @@ class GRPOTrainer:
         }
         # The library's jit: the backend's options, and usable inside a caller's trace.
         self._log_probs_fn = jit(make_grpo_log_probs(model, config, **self._bound))
-        self.grpo_loss = make_grpo_loss(model, config, wrt=self.wrt, log_prob_fn=self.log_prob_fn)
+        self.grpo_loss = make_grpo_loss(
+            model, config, wrt=self.wrt, log_prob_fn=self.log_prob_fn, teacher_model=teacher_model
+        )
         # XLA's working memory for compiling the step is freed but kept by the C allocator:
         # give it back so that the step's own temporaries do not come on top of it.
         release_memory_after_compilation()
@@ -747,6 +772,7 @@ class GRPOTrainer:
                 self._placed_rng = (rng, _replicated_key(rng, self.mesh))
             rng = self._placed_rng[1]
         state = init_train_state(self.model, self.optimizer, rng=rng)
+        state = state.replace(teacher=self._teacher_state)
         return (
             state
             if self._reference_state is None
@@ -765,10 +791,11 @@ class GRPOTrainer:
         self.rng = _uncommitted_key(state.rng)
 
     def checkpoint_state(self) -> GRPOTrainState:
-        """The part of the train state a checkpoint holds: everything but the reference.
+        """The part of the train state a checkpoint holds: everything but reference and teacher.
 
         Returns:
-            ``self.state`` with ``reference=None`` (a frozen reference is rebuilt, not saved);
+            ``self.state`` with ``reference=None`` and ``teacher=None`` (frozen models are
+            rebuilt, not saved);
             with ``GRPOConfig.sync_ref_model`` the reference too (it changes in training).
 
         Examples:
@@ -784,8 +811,8 @@ class GRPOTrainer:
             (False, True)
         """
         if self.config.sync_ref_model:
-            return self.state
-        return self.state.replace(reference=None)
+            return self.state.replace(teacher=None)
+        return self.state.replace(reference=None, teacher=None)
 
     def load_checkpoint_state(self, state: GRPOTrainState) -> None:
         """Loads a restored :meth:`checkpoint_state`, keeping the current reference.
@@ -796,6 +823,8 @@ class GRPOTrainer:
         """
         if state.reference is None:
             state = state.replace(reference=self.state.reference)
+        if state.teacher is None:
+            state = state.replace(teacher=self._teacher_state)
         self.load_state(state)
 
     def maybe_sync_reference(
@@ -939,14 +968,18 @@ class GRPOTrainer:
             )
         if num_microbatches not in self._steps and self._optimizer_split() is not None:
             gradients = make_grpo_gradients(
-                self.model, self.config, num_microbatches=num_microbatches, **self._bound
+                self.model,
+                self.config,
+                num_microbatches=num_microbatches,
+                teacher_model=self.teacher_model,
+                **self._bound,
             )
 
             # Named like the one-program step (`split_step`): both are "the update" by name.
             def split_step_gradients(dynamic: tuple, fixed: tuple, batch: GRPOBatch):
                 self._num_traces += 1
-                (params, opt_state, step), (frozen, rng, reference) = dynamic, fixed
-                state = GRPOTrainState(params, frozen, opt_state, step, rng, reference)
+                (params, opt_state, step), (frozen, rng, reference, teacher) = dynamic, fixed
+                state = GRPOTrainState(params, frozen, opt_state, step, rng, reference, teacher)
                 return gradients(state, batch)
 
             self._steps[num_microbatches] = _SplitStep(
@@ -962,13 +995,14 @@ class GRPOTrainer:
                 self.optimizer.tx,
                 self.config,
                 num_microbatches=num_microbatches,
+                teacher_model=self.teacher_model,
                 **self._bound,
             )
 
             def split_step(dynamic: tuple, fixed: tuple, batch: GRPOBatch):
                 self._num_traces += 1
-                (params, opt_state, step), (frozen, rng, reference) = dynamic, fixed
-                state = GRPOTrainState(params, frozen, opt_state, step, rng, reference)
+                (params, opt_state, step), (frozen, rng, reference, teacher) = dynamic, fixed
+                state = GRPOTrainState(params, frozen, opt_state, step, rng, reference, teacher)
                 new, metrics = pure(state, batch)
                 return (new.params, new.opt_state, new.step), metrics
 
@@ -1324,6 +1358,10 @@ class GRPOTrainer:
             self.packing_threshold is None
             or self._custom_log_prob_fn
             or self.config.layerwise_update
+            or (
+                self.config.distillation_coeff > 0.0
+                and self.config.distillation_divergence != "reverse_kl"
+            )
             or not callable(getattr(self.model, "packed_hidden_states", None))
             or not should_pack(batch, self.packing_threshold)
         ):
@@ -1369,7 +1407,7 @@ class GRPOTrainer:
         finite_params = host.pop("finite_params") > 0
         finite_opt = host.pop("finite_optimizer_state") > 0
         applied = host.pop("update_applied") > 0
-        if host.pop("reward_signal") == 0 and ok:
+        if host.pop("reward_signal") == 0 and ok and self.config.policy_loss_coeff > 0.0:
             logger.warning(
                 "every reward of this batch is NaN (no reward signal): the reward metrics are "
                 "NaN and %s; check the reward functions",
@@ -1377,7 +1415,11 @@ class GRPOTrainer:
                 if applied
                 else "the update was skipped (parameters unchanged)",
             )
-        elif host.get("advantage_signal", 1.0) == 0 and ok:
+        elif (
+            host.get("advantage_signal", 1.0) == 0
+            and ok
+            and self.config.distillation_coeff == 0.0
+        ):
             logger.warning(
                 "every advantage of this batch is zero (each group's rewards are equal): %s",
                 "only the KL and entropy terms were applied "

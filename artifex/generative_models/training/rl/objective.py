@@ -32,7 +32,9 @@ from artifex.generative_models.training.rl import advantages as adv_lib
 from artifex.generative_models.training.rl import losses
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.distillation import DIVERGENCES
 from artifex.generative_models.training.rl.logprobs import LogProbFn, default_log_prob_fn
+from artifex.generative_models.training.rl.teacher import make_distillation_terms
 
 __all__ = [
     "as_grpo_batch",
@@ -301,19 +303,21 @@ def grpo_objective(
     advantages: jax.Array | None = None,
     reward_metrics: bool = True,
     entropy_threshold: jax.Array | None = None,
+    distillation: jax.Array | None = None,
     kl: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""The GRPO loss and its metrics from the current policy's per-token log-probs.
 
-    ``loss = agg(w * m * l) + beta * agg(c * KL) - entropy_coeff * agg(H)`` where ``agg`` is
-    the configured aggregation (see
+    ``loss = p agg(w * m * l) + beta * agg(c * KL) - entropy_coeff * agg(H) + lambda agg(D)``
+    where ``agg`` is the configured aggregation (see
     :func:`~artifex.generative_models.training.rl.losses.aggregate_loss`), ``l`` the per-token
     policy term (``policy_loss``: the clipped surrogate ``-min(rho A, clip(rho) A)`` with the
     token, sequence or GSPO-token ratio ``rho``; CISPO; SAPO; VESPO), ``m`` the off-policy
     sequence mask and the high-entropy token mask (1 when disabled), ``w`` the sampler/trainer
     correction weights (1 when disabled), ``c`` the importance ratio when
-    ``kl_importance_weighted`` (else 1), and ``A`` the advantages from
-    :func:`compute_advantages`. This is TRL 1.16's ``_compute_loss`` term by term (its
+    ``kl_importance_weighted`` (else 1), ``A`` the advantages from :func:`compute_advantages`,
+    ``p``/``lambda`` the ``policy_loss_coeff``/``distillation_coeff`` and ``D`` the
+    ``distillation``. This is TRL 1.16's ``_compute_loss`` term by term (its
     ``loss_type`` is ``policy_loss`` plus ``loss_aggregation`` here).
 
     Args:
@@ -321,28 +325,30 @@ def grpo_objective(
             (differentiable).
         entropy: ``(B, T)`` entropies of the current policy, or ``None`` (counts as 0; only
             allowed with ``entropy_coeff == 0`` and ``top_entropy_quantile == 1``).
-        batch: The batch (masks, rewards, old, reference and sampler log-probs).
-        config: The objective's options.
+        batch: The batch (masks, rewards, old, reference, sampler, teacher log-probs).
+        config: The options.
         normalizer: Overrides the aggregation denominator (for microbatches of a larger
             batch, see :func:`~artifex.generative_models.training.rl.losses.loss_normalizer`).
-        advantages: Overrides :func:`compute_advantages` (e.g. advantages computed on the whole
-            batch when this is one of its microbatches).
-        reward_metrics: Whether to add the reward and advantage statistics to the metrics.
+        advantages: Overrides :func:`compute_advantages` (e.g. the whole batch's, for one of
+            its microbatches).
+        reward_metrics: Add the reward and advantage statistics to the metrics.
         entropy_threshold: Overrides the entropy quantile of ``top_entropy_quantile`` (the
             whole batch's, when this is one of its microbatches).
+        distillation: ``(B, T)`` per-token distillation loss, given exactly when
+            ``distillation_coeff > 0`` (:mod:`~artifex.generative_models.training.rl.teacher`).
         kl: ``(B, T)`` per-token KL to the reference computed by the caller (with
             ``kl_estimator="exact"``: a log-prob function's ``log_probs_and_kl``); used in
             place of the estimator on ``ref_log_probs``.
 
     Returns:
-        ``(total_loss, metrics)``; metrics are float32 device scalars: ``policy_loss``,
+        ``(total_loss, metrics)``; metrics are float32 scalars: ``policy_loss``,
         ``kl``, ``kl_penalty`` (``beta * kl``), ``approx_kl`` (vs. the sampling policy),
-        ``entropy``, ``clip_fraction_low``, ``clip_fraction_high``, ``clip_fraction``,
-        ``reward_mean``, ``reward_std``, ``advantage_mean``, ``advantage_std``,
+        ``entropy``, ``clip_fraction[_low|_high]``, ``reward_mean/std``,
+        ``advantage_mean/std``,
         ``frac_reward_zero_std``, ``completion_length``, ``num_tokens``, ``total_loss``; with
-        the sampler correction also ``sampler_ratio_mean/min/max`` (the correction weights),
-        ``sampler_logp_diff_mean/max``, ``sampler_kl`` and ``sampler_corrected_fraction``
-        (truncated or masked); ``off_policy_masked_fraction``, ``high_entropy_fraction`` and
+        the sampler correction also the ``sampler_*`` metrics; with distillation
+        ``distill/<divergence>`` and ``distill/penalty``;
+        ``off_policy_masked_fraction``, ``high_entropy_fraction`` and
         ``vespo_weight_mean`` when those are on.
 
     Raises:
@@ -382,6 +388,8 @@ def grpo_objective(
     )
     policy_loss = losses.aggregate_loss(pg, mask, **agg_kwargs)
     total = policy_loss
+    if config.policy_loss_coeff != 1.0:
+        total = config.policy_loss_coeff * policy_loss
 
     if config.beta > 0.0 and kl is None and batch.ref_log_probs is not None:
         if config.kl_estimator == "exact":
@@ -411,6 +419,9 @@ def grpo_objective(
         ent = losses.aggregate_loss(entropy, mask, **agg_kwargs)
         if config.entropy_coeff > 0.0:
             total = total - config.entropy_coeff * ent
+    distill = _distillation_term(distillation, mask, config, agg_kwargs)
+    if distill:
+        total = total + distill["distill/penalty"]
 
     metrics = {
         "policy_loss": policy_loss,
@@ -422,11 +433,34 @@ def grpo_objective(
         "num_tokens": jnp.sum(mask),
         "total_loss": total,
         **extra,
+        **distill,
     }
     if reward_metrics:
         metrics.update(_reward_metrics(batch, advantages))
     metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
     return total, metrics
+
+
+def _distillation_term(
+    distillation: jax.Array | None, mask: jax.Array, config: GRPOConfig, agg_kwargs: dict
+) -> dict[str, jax.Array]:
+    """``distill/<divergence>`` (aggregated) and ``distill/penalty`` (times the coefficient)."""
+    if (distillation is None) != (config.distillation_coeff == 0.0):
+        msg = (
+            "grpo_objective: distillation=... (the per-token distillation loss) must be given "
+            "exactly when GRPOConfig.distillation_coeff > 0, got "
+            f"distillation_coeff={config.distillation_coeff} and "
+            f"distillation={'None' if distillation is None else 'an array'}"
+        )
+        raise ValueError(msg)
+    if distillation is None:
+        return {}
+    per_token = jnp.where(mask > 0, jnp.asarray(distillation, jnp.float32), 0.0)
+    value = losses.aggregate_loss(per_token, mask, **agg_kwargs)
+    return {
+        f"distill/{config.distillation_divergence}": value,
+        "distill/penalty": config.distillation_coeff * value,
+    }
 
 
 _SUMMED = (
@@ -438,6 +472,8 @@ _SUMMED = (
     "num_tokens",
     "sampler_scored_tokens",
     "sampler_units",
+    "distill/penalty",
+    *(f"distill/{name}" for name in DIVERGENCES),
 )
 _TOKEN_WEIGHTED = (
     "approx_kl",
@@ -522,6 +558,7 @@ def make_grpo_loss(
     *,
     wrt: Any = nnx.Param,
     log_prob_fn: LogProbFn | None = None,
+    teacher_model: nnx.Module | None = None,
 ) -> Callable[..., tuple[jax.Array, dict[str, jax.Array]]]:
     """Binds ``model``'s graph and ``config`` into a pure, jit-compiled ``grpo_loss``.
 
@@ -537,6 +574,9 @@ def make_grpo_loss(
         wrt: Filter selecting the differentiable variables (``nnx.Param`` by default).
         log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)``; defaults to
             :func:`~artifex.generative_models.training.rl.logprobs.default_log_prob_fn`.
+        teacher_model: The distillation teacher (``distillation_coeff > 0``; its variables
+            are read at each call), see
+            :func:`~artifex.generative_models.training.rl.teacher.make_distillation_terms`.
 
     Returns:
         ``grpo_loss``.
@@ -563,12 +603,16 @@ def make_grpo_loss(
             remat=config.remat_option,
             scan_layers=config.scan_layers,
         )
+    distill = make_distillation_terms(model, teacher_model, config, log_prob_fn=log_prob_fn)
 
     @jax.jit
-    def _loss(params: nnx.State, rest: nnx.State, batch: GRPOBatch):
+    def _loss(params: nnx.State, rest: nnx.State, teacher: Any, batch: GRPOBatch):
         policy = nnx.merge(graphdef, params, rest)
-        log_probs, entropy = log_prob_fn(policy, batch)
-        return grpo_objective(log_probs, entropy, batch, config)
+        if distill is None:
+            log_probs, entropy = log_prob_fn(policy, batch)
+            return grpo_objective(log_probs, entropy, batch, config)
+        log_probs, entropy, term = distill(policy, teacher, batch)
+        return grpo_objective(log_probs, entropy, batch, config, distillation=term)
 
     def grpo_loss(
         params: nnx.State, batch: GRPOBatch | Mapping[str, Any], rest_state: Any = None
@@ -578,6 +622,7 @@ def make_grpo_loss(
         _check_traceable_batch(batch)
         if rest_state is None:  # read now: a trainer's step replaces (donates) these buffers
             rest_state = nnx.state(model, nnx.Not(wrt))
-        return _loss(params, rest_state, batch)
+        teacher = None if distill is None or teacher_model is None else nnx.state(teacher_model)
+        return _loss(params, rest_state, teacher, batch)
 
     return grpo_loss

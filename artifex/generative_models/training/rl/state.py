@@ -2,7 +2,8 @@ r"""The train state and the pure GRPO update: ``state, metrics = grpo_train_step
 
 :class:`GRPOTrainState` is a pytree of arrays: the policy's trainable parameters, its other
 (frozen) variables, the optax optimizer state, the step count, the run's PRNG key and, beside
-them, the frozen reference policy. :func:`make_grpo_train_step` binds the model's graph, the
+them, the frozen reference policy and distillation teacher.
+:func:`make_grpo_train_step` binds the model's graph, the
 optimizer's gradient transformation and a :class:`GRPOConfig` into a pure function of that
 state and a :class:`GRPOBatch`, so a user can ``jax.jit`` it, call it inside ``jax.lax.scan``,
 shard it, or checkpoint the state directly. :class:`GRPOTrainer` (the stateful ``nnx.Optimizer``
@@ -16,8 +17,9 @@ One update (DeepSeekMath, Algorithm 1, inner loop):
    inside a ``lax.scan`` (the update does not depend on the split);
 3. global-norm clipping, ``tx.update`` and ``optax.apply_updates``;
 4. the guard: if the loss, the gradient norm, the new parameters or the new optimizer state is
-   not finite, or the batch carries no reward signal at all (and no entropy bonus was asked
-   for), the state is returned unchanged (``metrics["update_applied"] == 0``).
+   not finite, or the batch carries no reward signal at all (and no entropy bonus or
+   distillation term was asked for), the state is returned unchanged
+   (``metrics["update_applied"] == 0``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ from artifex.generative_models.training.rl.objective import (
     compute_advantages,
     grpo_objective,
     split_microbatches,
+)
+from artifex.generative_models.training.rl.teacher import (
+    DistillationTerms,
+    make_distillation_terms,
 )
 from artifex.generative_models.utils.validation import check_int
 
@@ -99,6 +105,7 @@ class GRPOTrainState:
         rng: The run's PRNG key. The update is deterministic and passes it through; loops
             draw their sampling keys from it (``jax.random.fold_in(state.rng, step)``).
         reference: The frozen reference policy's variables (``None``: no reference model).
+        teacher: The frozen distillation teacher's variables (``None``: no teacher model).
 
     Examples:
         >>> import jax, optax
@@ -117,6 +124,7 @@ class GRPOTrainState:
     step: jax.Array
     rng: jax.Array
     reference: Any = None
+    teacher: Any = None
 
     def replace(self, **changes: Any) -> GRPOTrainState:
         """A copy with ``changes`` applied (``dataclasses.replace``).
@@ -136,6 +144,7 @@ def init_train_state(
     *,
     reference_model: nnx.Module | None = None,
     rng: jax.Array | None = None,
+    teacher_model: nnx.Module | None = None,
 ) -> GRPOTrainState:
     """The :class:`GRPOTrainState` of an NNX policy, its optimizer and reference.
 
@@ -148,6 +157,7 @@ def init_train_state(
         optimizer: ``nnx.Optimizer(model, tx, wrt=...)``.
         reference_model: Optional frozen reference policy.
         rng: The run's PRNG key (default ``jax.random.key(0)``).
+        teacher_model: Optional frozen distillation teacher (``GRPOConfig.distillation_coeff``).
 
     Returns:
         The state.
@@ -179,6 +189,7 @@ def init_train_state(
         step=optimizer.step[...],
         rng=jax.random.key(0) if rng is None else rng,
         reference=None if reference_model is None else nnx.as_pure(nnx.state(reference_model)),
+        teacher=None if teacher_model is None else nnx.as_pure(nnx.state(teacher_model)),
     )
 
 
@@ -225,6 +236,7 @@ class _Program:
     config: GRPOConfig
     log_prob_fn: LogProbFn
     lora_reference: bool
+    distill: DistillationTerms | None = None  # the teacher's term (distillation_coeff > 0)
 
     @property
     def exact_kl(self) -> bool:
@@ -266,6 +278,9 @@ def _program(
     wrt: Any,
     reference_model: nnx.Module | None,
     log_prob_fn: LogProbFn | None,
+    teacher_model: nnx.Module | None = None,
+    *,
+    distillation: bool = True,
 ) -> _Program:
     if not isinstance(config, GRPOConfig):
         msg = f"config must be a GRPOConfig, got {type(config).__name__}"
@@ -281,7 +296,7 @@ def _program(
         )
         raise ValueError(msg)
     graphdef, _, _ = nnx.split(model, wrt, ...)
-    return _Program(
+    program = _Program(
         graphdef=graphdef,
         ref_graphdef=None if reference_model is None else nnx.graphdef(reference_model),
         config=config,
@@ -297,6 +312,12 @@ def _program(
         ),
         lora_reference=reference_model is None and _is_lora_only(model, wrt),
     )
+    if not distillation:  # log-probs only (make_grpo_log_probs)
+        return program
+    distill = make_distillation_terms(
+        model, teacher_model, config, log_prob_fn=program.log_prob_fn
+    )
+    return dataclasses.replace(program, distill=distill)
 
 
 def make_grpo_train_step(
@@ -308,6 +329,7 @@ def make_grpo_train_step(
     reference_model: nnx.Module | None = None,
     log_prob_fn: LogProbFn | None = None,
     num_microbatches: int = 1,
+    teacher_model: nnx.Module | None = None,
 ) -> Callable[[GRPOTrainState, GRPOBatch], tuple[GRPOTrainState, dict[str, jax.Array]]]:
     """Binds a policy's graph, ``tx`` and ``config`` into the pure ``grpo_train_step``.
 
@@ -329,6 +351,9 @@ def make_grpo_train_step(
             itself with zeroed adapters.
         log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
         num_microbatches: Accumulate gradients over this many equal row slices.
+        teacher_model: The distillation teacher's module (its values come from
+            ``state.teacher``), for ``GRPOConfig.distillation_coeff > 0``
+            (:mod:`~artifex.generative_models.training.rl.teacher`).
 
     Returns:
         ``grpo_train_step``. Its metrics are float32 scalars: those of
@@ -366,6 +391,7 @@ def make_grpo_train_step(
         reference_model=reference_model,
         log_prob_fn=log_prob_fn,
         num_microbatches=num_microbatches,
+        teacher_model=teacher_model,
     )
 
     def grpo_train_step(
@@ -386,6 +412,7 @@ def make_grpo_gradients(
     reference_model: nnx.Module | None = None,
     log_prob_fn: LogProbFn | None = None,
     num_microbatches: int = 1,
+    teacher_model: nnx.Module | None = None,
 ) -> Callable[[GRPOTrainState, GRPOBatch], tuple[jax.Array, dict[str, jax.Array], Any]]:
     """The first half of ``grpo_train_step``: the objective and its gradient, nothing applied.
 
@@ -401,6 +428,7 @@ def make_grpo_gradients(
         reference_model: The reference policy's module, as for ``make_grpo_train_step``.
         log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
         num_microbatches: Accumulate gradients over this many equal row slices.
+        teacher_model: The distillation teacher's module, as for ``make_grpo_train_step``.
 
     Returns:
         ``grpo_gradients``.
@@ -429,7 +457,7 @@ def make_grpo_gradients(
         ((4, 3), True)
     """
     check_int("num_microbatches", num_microbatches, minimum=1)
-    program = _program(model, config, wrt, reference_model, log_prob_fn)
+    program = _program(model, config, wrt, reference_model, log_prob_fn, teacher_model)
     log_prob = program.log_prob_fn
 
     def grpo_gradients(
@@ -470,6 +498,21 @@ def make_grpo_gradients(
                 ref = program.reference(state, params)
                 ref_lp, _ = log_prob(ref, mb)
                 mb = mb.replace(ref_log_probs=jax.lax.stop_gradient(ref_lp))
+            if program.distill is not None:  # the student's log-probs beside the teacher's term
+                log_probs, entropy, term = program.distill(
+                    program.policy(params, frozen), state.teacher, mb
+                )
+                return grpo_objective(
+                    log_probs,
+                    entropy,
+                    mb,
+                    config,
+                    normalizer=normalizer,
+                    advantages=adv,
+                    reward_metrics=False,
+                    entropy_threshold=entropy_threshold,
+                    distillation=term,
+                )
             if exact_kl:  # the policy's and the reference's transitions in one call
                 log_probs, entropy, kl = log_prob.log_probs_and_kl(
                     program.policy(params, frozen), program.reference(state, params), mb
@@ -619,6 +662,8 @@ def _guard_decision(
         apply = ok & (signal | (config.entropy_coeff > 0.0))
     else:
         apply = ok & (metrics["advantage_signal"] > 0)
+    if config.distillation_coeff > 0.0:  # the teacher's term is a signal of its own
+        apply = ok
     f32 = jnp.float32
     metrics = dict(metrics, grad_norm=grad_norm.astype(f32))
     metrics["update_applied"] = apply.astype(f32)
@@ -673,7 +718,7 @@ def make_grpo_log_probs(
         >>> old.shape, bool((old < 0).all()), ref is None
         ((2, 1), True, True)
     """
-    program = _program(model, config, wrt, reference_model, log_prob_fn)
+    program = _program(model, config, wrt, reference_model, log_prob_fn, distillation=False)
 
     def log_probs(state: GRPOTrainState, batch: GRPOBatch) -> tuple[jax.Array, jax.Array | None]:
         lp, _ = program.log_prob_fn(program.policy(state.params, state.frozen), batch)
