@@ -149,4 +149,3 @@ def load_dataset_rows(
         msg = f"{path} has no split {split!r} ({split_option}); its splits are {names}"
         raise ValueError(msg)
     return as_rows(loaded[split]).to_list()
-

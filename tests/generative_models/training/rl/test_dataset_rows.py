@@ -28,7 +28,7 @@ ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "level": a % 3}
 @pytest.fixture()
 def hf_datasets(tmp_path, monkeypatch):
     """The real ``datasets`` package, offline, with its cache in a temporary directory."""
-    datasets = pytest.importorskip("datasets", reason="datasets is not installed (the extra)")
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed ([datasets])")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
