@@ -15,6 +15,7 @@ from artifex.generative_models.training import trackers
 from tests.generative_models.training.test_trackers import (
     same,
     tensorboard_events,
+    wandb_env,
     wandb_history,
 )
 
@@ -83,8 +84,8 @@ def test_none_beside_a_tracker_is_an_error(monkeypatch, capsys, tmp_path):
     reason="needs tensorboardX and wandb (the [tensorboard] and [wandb] extras)",
 )
 def test_train_reports_to_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name, value in wandb_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
     tok = demo_tokenizer()
     model_dir = tmp_path / "model"
     demo_model(tok).save_pretrained(str(model_dir))

@@ -46,6 +46,16 @@ def installed(module):
     return importlib.util.find_spec(module) is not None
 
 
+def wandb_env(tmp_path):
+    """W&B offline, its own files (debug logs, artifact staging, settings) under ``tmp_path``."""
+    return {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        **{f"WANDB_{d}_DIR": str(tmp_path / f"wandb-{d.lower()}") for d in ("DATA", "CACHE",
+                                                                            "CONFIG")},
+    }  # fmt: skip
+
+
 needs_tensorboardx = pytest.mark.skipif(
     not installed("tensorboardX"), reason="tensorboardX is not installed (the [tensorboard] extra)"
 )
@@ -325,8 +335,8 @@ def test_tensorboard_writes_every_key_and_the_completions_table(tmp_path):
 
 @needs_wandb
 def test_wandb_offline_writes_every_key_and_the_completions_table(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name, value in wandb_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setenv("WANDB_PROJECT", "artifex-test")
     writer = WandbWriter.create(log_dir=str(tmp_path), config={"train_config": {"seed": 3}})
     writer.write(0, {"eval/pass@1": 0.5})
@@ -413,8 +423,7 @@ def test_the_loop_reports_every_key_of_every_step_to_each_installed_tracker(tmp_
         pytest.skip("no tracker package is installed (the [tensorboard], [wandb], [trackio] extra)")
     env = {
         **os.environ,
-        "WANDB_MODE": "offline",
-        "WANDB_SILENT": "true",
+        **wandb_env(tmp_path),
         "TRACKIO_DIR": str(tmp_path / "trackio"),
         "PYTHONPATH": ROOT,
     }
