@@ -301,6 +301,20 @@ class VLLMEngine:
         :func:`~artifex.generative_models.inference.sampling.generate` (``temperature=0``:
         greedy); the defaults of ``eos_ids`` and ``pad_id`` come from the engine's config.
 
+        Args:
+            prompt_ids: ``(B, P)`` integer token ids, left-padded.
+            prompt_mask: ``(B, P)`` 1 on real tokens (``None``: no padding).
+            key: PRNG key; the output is a function of it (and of the weights).
+            num_generations: ``K >= 1`` completions per prompt.
+            max_new_tokens: ``N >= 1``, the most tokens of a completion (the output's width).
+            temperature: ``tau >= 0``; 0 is greedy.
+            top_k: Sample among the ``top_k`` most likely tokens only (``None``: all).
+            top_p: Nucleus mass in (0, 1]; 1 disables it.
+            eos_ids: Token id(s) that end a completion (``None``: the model config's).
+            pad_id: Filler of the padding (``None``: the config's pad id, else the first
+                end-of-sequence id, else 0).
+            prompt_buckets: Prompt widths to left-pad to (``None``: the longest prompt's).
+
         Returns:
             A :class:`~artifex.generative_models.inference.sampling.SamplerOutput` with vLLM's
             tokens and per-token log-probs.

@@ -891,31 +891,25 @@ def train(
             column and whatever the rewards read.
         rewards: A :class:`RewardCombiner`, one reward function or a list of them (summed).
         config: Loop settings.
-        rollout_config: Generation settings (defaults to ``RolloutConfig()``).
+        rollout_config: Generation settings (``None``: ``RolloutConfig()``).
         eval_dataset: Held-out rows for pass@1 (optional).
-        eval_reward: Scores evaluation completions; defaults to the first reward function.
+        eval_reward: Scores evaluation completions (``None``: the first reward function).
         rollout_placement: A
             :class:`~artifex.generative_models.training.placement.RolloutPlacement`: sample
-            (rollouts and evaluation) on a mesh of its own, the weights resharded onto it
-            before each rollout; ``None``: sample on the trainer's mesh.
+            (rollouts and evaluation) on a mesh of its own; ``None``: on the trainer's mesh.
         rollout_fn: Replaces :func:`~artifex.generative_models.training.rl.rollout.rollout`
             (same signature), e.g. a
             :class:`~artifex.generative_models.training.rl.multiturn.MultiTurnRollout`.
         evaluate_fn: Replaces :func:`evaluate` (same signature), e.g.
             ``MultiTurnRollout.evaluate``.
-        fingerprint_extra: JSON-able settings outside the trainer that change the results (the
-            pretrained weights' identity, the optimizer's settings: ``artifex-grpo train``
-            passes them): recorded in every checkpoint under ``"run"``, and a resumed run must
-            match them, as it must match the configs, the reward functions (names, weights,
-            mode) and the dataset.
+        fingerprint_extra: JSON-able settings outside the trainer that change the results
+            (``artifex-grpo train`` passes the weights' identity and the optimizer's settings),
+            recorded in every checkpoint under ``"run"``; a resumed run must match them, as it
+            must match the configs, the reward functions and the dataset.
         step_rewards: Per-step rewards
             (:mod:`~artifex.generative_models.training.rl.step_rewards`), single-turn only.
         rollout_engine: A :class:`~artifex.generative_models.inference.engines.RolloutEngine`
-            (e.g. a colocated
-            :class:`~artifex.generative_models.inference.engines.vllm.VLLMEngine`) that samples
-            every rollout, given the policy's weights before each one after an update; the
-            evaluation samples with the library's sampler. Single-turn only, without a rollout
-            placement. ``None``: the library's sampler.
+            that samples rollouts, given the policy's weights after each update.
 
     Returns:
         A :class:`TrainResult`.
