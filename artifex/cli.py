@@ -483,6 +483,15 @@ def build_parser() -> argparse.ArgumentParser:
         )
     tr.add_argument("--model", required=True, help="Hugging Face model directory")
     tr.add_argument(
+        "--teacher-model",
+        default=None,
+        metavar="DIR",
+        help="Hugging Face model directory of a distillation teacher (the model's tokenizer, "
+        "any size); needs --distillation-coeff > 0: on-policy distillation of its per-token "
+        "divergence (--distillation-divergence reverse_kl|forward_kl|jsd, --jsd-beta), added to "
+        "GRPO or alone with --policy-loss-coeff 0",
+    )
+    tr.add_argument(
         "--data",
         required=True,
         help="training rows: .jsonl, .json, .csv, .parquet, or a directory written by datasets' "
@@ -1178,6 +1187,7 @@ def _train(args: argparse.Namespace) -> int:
     check_run_paths(args.output, args.model, loop.checkpoint_dir)
     mesh = _setup_devices(args)  # first: jax.distributed.initialize precedes any computation
     grpo = GRPOConfig(**_collect(args, GRPOConfig))
+    _check_teacher_flags(args, grpo)
     rollout_config = RolloutConfig(**_collect(args, RolloutConfig))
 
     # Pre-flight: every output location is checked (and --output held for this run) before
@@ -1270,7 +1280,13 @@ def _train_held(
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         if grpo.beta > 0:
             reference = _load(from_pretrained, args.model, dtype=args.dtype, what="model")
-    trainer = GRPOTrainer(model, optimizer, grpo, reference_model=reference, mesh=mesh)
+    teacher = None
+    if args.teacher_model is not None:  # on-policy distillation (--distillation-coeff)
+        teacher = _load(from_pretrained, args.teacher_model, dtype=args.dtype, what="teacher model")
+        check_tokenizer_fits(tokenizer, teacher)
+    trainer = GRPOTrainer(
+        model, optimizer, grpo, reference_model=reference, mesh=mesh, teacher_model=teacher
+    )
     hooks = _multi_turn_hooks(args, rollout_config)
     engine = build_engine(args, model)  # --rollout-engine vllm: a colocated vLLM engine
     check_free_space(args.output, loop.checkpoint_dir, model, trainer)
@@ -1284,7 +1300,7 @@ def _train_held(
             loop,
             rollout_config,
             eval_dataset=eval_rows,
-            fingerprint_extra=run_fingerprint(args, total),
+            fingerprint_extra=_with_teacher(run_fingerprint(args, total), args),
             step_rewards=_step_rewards(args),
             rollout_engine=engine,
             **hooks,
@@ -1343,6 +1359,35 @@ def _train_held(
     if args.save_merged:
         print(f"saved the trained model to {args.output}")
     return 0
+
+
+def _check_teacher_flags(args: argparse.Namespace, grpo: Any) -> None:
+    """``--teacher-model`` and ``--distillation-coeff`` go together (checked before loading)."""
+    teacher = args.teacher_model
+    if teacher is not None and not os.path.isdir(teacher):
+        msg = f"--teacher-model directory not found: {teacher}"
+        raise FileNotFoundError(msg)
+    if teacher is not None and grpo.distillation_coeff == 0.0:
+        msg = (
+            "--teacher-model is used by on-policy distillation: give --distillation-coeff > 0 "
+            "(e.g. 1.0), or leave --teacher-model out"
+        )
+        raise ValueError(msg)
+    if teacher is None and grpo.distillation_coeff > 0.0:
+        msg = (
+            f"--distillation-coeff {grpo.distillation_coeff} distills from a teacher: give "
+            "--teacher-model DIR"
+        )
+        raise ValueError(msg)
+
+
+def _with_teacher(fingerprint: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The run's fingerprint with the teacher's directory (absent without one, as before)."""
+    if args.teacher_model is None:
+        return fingerprint
+    from artifex.generative_models.utils.fingerprint import directory_fingerprint
+
+    return {**fingerprint, "teacher": directory_fingerprint(args.teacher_model)}
 
 
 def _eval_split(path: str) -> str | None:

@@ -1150,7 +1150,9 @@ def train(
                 group_ids=None if batch.group_ids is None else host_array(batch.group_ids),
                 step=step,
             )
-            if step == start_step + 1:  # a run that cannot learn is told so at once
+            # A run that cannot learn is told so at once (a distilled one learns from its
+            # teacher whatever the rewards).
+            if step == start_step + 1 and trainer.config.distillation_coeff == 0.0:
                 note = reward_signal_diagnosis(host_array(ro.batch.rewards), ro.batch.group_size)
                 if note is not None and is_primary_process():
                     _log.warning(note)

@@ -281,3 +281,41 @@ def test_refusals():
         GRPOTrainer(student, opt, on, teacher_model=nnx.Linear(4, VOCAB, rngs=nnx.Rngs(0)))
     with pytest.raises(TypeError, match="without a mesh"):
         GRPOTrainer(student, opt, on, teacher_model=teacher, teacher_partition_rules=[])
+
+
+def test_the_command_distills_from_a_teacher_directory(tmp_path, capsys):
+    """``artifex-grpo train --teacher-model DIR --distillation-coeff ...``: one step, logged."""
+    import json
+
+    from artifex.cli import main
+    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+
+    tok = demo_tokenizer()
+    demo_model(tok).save_pretrained(str(tmp_path / "student"))
+    tok.save_pretrained(str(tmp_path / "student"))
+    wide = dict(vocab_size=tok.vocab_size, hidden_size=96, intermediate_size=128, num_layers=2)
+    CausalLM(CausalLMConfig.tiny(**wide), rngs=nnx.Rngs(3)).save_pretrained(str(tmp_path / "big"))
+    rows, _ = addition_dataset(num_eval=4)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:8]))
+    common = ["train", "--model", str(tmp_path / "student"), "--data", str(data)]
+    common += ["--reward", "math", "--num-steps", "1", "--prompts-per-step", "2"]
+    common += ["--num-generations", "2", "--max-new-tokens", "3", "--progress", "false"]
+    common += ["--checkpoint-dir", "none", "--log-dir", str(tmp_path / "logs")]
+    common += ["--output", str(tmp_path / "out")]
+    teacher = ["--teacher-model", str(tmp_path / "big")]
+    distill = ["--distillation-coeff", "1.0", "--distillation-divergence", "jsd"]
+    distill += ["--jsd-beta", "0.3", "--policy-loss-coeff", "0"]
+
+    assert main([*common, *teacher]) == 2
+    assert "give --distillation-coeff > 0" in capsys.readouterr().err
+    assert main([*common, *distill]) == 2
+    assert "give --teacher-model DIR" in capsys.readouterr().err
+    assert main([*common, "--teacher-model", str(tmp_path / "none"), *distill]) == 2
+    assert "--teacher-model directory not found" in capsys.readouterr().err
+
+    assert main([*common, *teacher, *distill]) == 0
+    logged = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").open()]
+    step = [m for m in logged if "distill/jsd" in m]
+    assert len(step) == 1 and step[0]["distill/jsd"] > 0
+    np.testing.assert_allclose(step[0]["distill/penalty"], step[0]["distill/jsd"], rtol=1e-6)
