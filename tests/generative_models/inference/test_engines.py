@@ -238,6 +238,18 @@ def test_sampler_engine_is_generate_behind_the_interface():
         SamplerEngine(continuous=True, row_groups=2)
 
 
+def test_the_continuous_sampler_engine_decodes_greedy_as_generate():
+    model = tiny()
+    engine = SamplerEngine(continuous=True)
+    engine.sync_weights(model)
+    ids, mask = jnp.array([[0, 4, 5], [6, 7, 8]]), jnp.array([[0, 1, 1], [1, 1, 1]])
+    kw = dict(key=jax.random.key(0), num_generations=2, max_new_tokens=6, temperature=0.0)
+    got, want = engine.generate(ids, mask, **kw), generate(model, ids, mask, **kw)
+    for name in ("completion_ids", "completion_mask", "truncated", "lengths"):
+        a, b = getattr(got, name), getattr(want, name)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 def test_a_rollout_with_the_sampler_engine_is_the_rollout_without_one():
     trainer, tok = make_trainer(sampler_correction="truncate")
     rewards = RewardCombiner([text_reward])
