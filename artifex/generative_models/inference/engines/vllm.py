@@ -50,7 +50,7 @@ from artifex.generative_models.inference.engines.base import (
     resolve_special_ids,
 )
 from artifex.generative_models.inference.sampling import DEFAULT_PROMPT_BUCKETS, SamplerOutput
-from artifex.generative_models.utils.validation import check_bool, check_int
+from artifex.generative_models.utils.validation import check_bool, check_float, check_int
 
 __all__ = ["VLLMEngine", "torch_weights"]
 
@@ -158,8 +158,9 @@ class VLLMEngine:
     Raises:
         ImportError: vLLM is not installed.
         TypeError: ``model`` neither a model nor a path, or a setting of the wrong type.
-        ValueError: A reserved ``vllm.LLM`` argument, a directory without ``config.json``,
-            or ``VLLM_ENABLE_V1_MULTIPROCESSING`` set to another value than ``0``.
+        ValueError: A reserved ``vllm.LLM`` argument, a setting out of its range, or
+            ``VLLM_ENABLE_V1_MULTIPROCESSING`` set to another value than ``0``.
+        FileNotFoundError: A directory without ``config.json``.
 
     Examples:
         >>> from artifex.generative_models.inference.engines import VLLMEngine
@@ -194,6 +195,13 @@ class VLLMEngine:
             "VLLMEngine.kv_cache_memory_bytes", kv_cache_memory_bytes, minimum=1, allow_none=True
         )
         check_bool("VLLMEngine.enforce_eager", enforce_eager)
+        check_float(
+            "VLLMEngine.gpu_memory_utilization",
+            gpu_memory_utilization,
+            greater_than=0.0,
+            maximum=1.0,
+            allow_none=True,
+        )
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.llm: Any = None
         from_model = not isinstance(model, str | os.PathLike)
