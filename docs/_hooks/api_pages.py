@@ -67,6 +67,7 @@ GROUPS: tuple[Group, ...] = (
         (
             f"{_GM}.training",
             f"{_RL}.grpo",
+            f"{_RL}.packing",
             f"{_RL}.state",
             f"{_RL}.ref_sync",
             f"{_RL}.teacher",
@@ -133,6 +134,7 @@ GROUPS: tuple[Group, ...] = (
         (
             f"{_GM}.inference",
             f"{_GM}.inference.sampling",
+            f"{_GM}.inference.continuous",
             f"{_GM}.inference.multiturn",
             f"{_GM}.inference.stop_strings",
             f"{_GM}.inference.engines",

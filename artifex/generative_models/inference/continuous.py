@@ -114,12 +114,17 @@ def _layer_kwargs(model: Any) -> dict[str, Any]:
     return {} if stack is None else {"layer_stack": stack}
 
 
+def _hidden_type(model: Any) -> jax.ShapeDtypeStruct:
+    """Shape ``(1, D)`` and dtype of the model's last hidden state (traced, not run)."""
+    hidden = jax.eval_shape(lambda: model.hidden_states(jnp.zeros((1, 1), jnp.int32))[0])
+    return jax.ShapeDtypeStruct((1, hidden.shape[-1]), hidden.dtype)
+
+
 @jit(static_argnames=("graphdef", "rows", "width"))
 def _init_store(graphdef: nnx.GraphDef, state: nnx.State, *, rows: int, width: int):
     model = nnx.merge(graphdef, state)
     cache = model.init_cache(rows, width)
-    hidden = jnp.zeros((rows, model.config.hidden_size), model.dtype)
-    return cache, hidden
+    return cache, jnp.zeros((rows, *_hidden_type(model).shape[1:]), _hidden_type(model).dtype)
 
 
 @jit(static_argnames=("graphdef", "slots", "width", "window"))
@@ -130,7 +135,7 @@ def _init_slots(graphdef: nnx.GraphDef, state: nnx.State, *, slots: int, width: 
     zeros = jnp.zeros((slots,), jnp.int32)
     return {
         "cache": cache,
-        "first": jnp.zeros((slots, model.config.hidden_size), model.dtype),
+        "first": jnp.zeros((slots, *_hidden_type(model).shape[1:]), _hidden_type(model).dtype),
         "req": jnp.full((slots,), -1, jnp.int32),
         "fresh": jnp.zeros((slots,), jnp.bool_),
         "ngen": zeros,

@@ -116,6 +116,21 @@ class PackedGRPOBatch(GRPOBatch):
     :func:`packed_log_prob_fn` reads ``layout`` and runs the model over the packed rows.
 
     Attributes:
+        prompt_ids: As in :class:`GRPOBatch`.
+        completion_ids: As in :class:`GRPOBatch`.
+        completion_mask: As in :class:`GRPOBatch`.
+        rewards: As in :class:`GRPOBatch`.
+        prompt_mask: As in :class:`GRPOBatch`.
+        old_log_probs: As in :class:`GRPOBatch`.
+        ref_log_probs: As in :class:`GRPOBatch`.
+        advantages: As in :class:`GRPOBatch`.
+        step_rewards: As in :class:`GRPOBatch`.
+        group_ids: As in :class:`GRPOBatch`.
+        sampler_log_probs: As in :class:`GRPOBatch`.
+        teacher_log_probs: As in :class:`GRPOBatch`.
+        conditioning: As in :class:`GRPOBatch`.
+        group_size: As in :class:`GRPOBatch`.
+        shared_prompts: As in :class:`GRPOBatch`.
         layout: The packing (:func:`pack_batch`).
 
     Examples:
