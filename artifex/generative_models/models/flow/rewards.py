@@ -34,6 +34,24 @@ __all__ = [
 ImageReward = Callable[[Any, Any], Any]
 
 
+def _finite_images(images: Any, name: str) -> np.ndarray:
+    """``images`` as float64 rows ``(B, -1)``; ``ValueError`` naming the rows that are not finite.
+
+    A NaN or infinite image would otherwise get a real score (clipped to the brightest value,
+    or compressed as whatever bytes the cast makes).
+    """
+    x = np.asarray(images, np.float64)
+    x = x.reshape(x.shape[0], -1) if x.ndim else x.reshape(1, 1)
+    bad = np.flatnonzero(~np.isfinite(x).all(axis=1))
+    if bad.size:
+        msg = (
+            f"{name}: images must be finite, got NaN or infinite values in {bad.size} row(s), "
+            f"first row {bad[0]}"
+        )
+        raise ValueError(msg)
+    return x
+
+
 class DigitClassifier(nnx.Module):
     """A small MLP classifier ``images -> logits`` for flattened tiny images.
 
@@ -147,7 +165,8 @@ def classifier_reward(classifier: Callable[[jax.Array], jax.Array]) -> ImageRewa
         classifier: ``images -> (B, C)`` logits (e.g. a trained :class:`DigitClassifier`).
 
     Returns:
-        ``fn(images, labels) -> (B,)`` float32 NumPy rewards.
+        ``fn(images, labels) -> (B,)`` float32 NumPy rewards; it raises ``ValueError`` for NaN
+        or infinite images.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -166,6 +185,7 @@ def classifier_reward(classifier: Callable[[jax.Array], jax.Array]) -> ImageRewa
         return jnp.take_along_axis(p, labels[:, None], axis=-1)[:, 0]
 
     def reward(images: Any, labels: Any) -> np.ndarray:
+        _finite_images(images, "classifier_reward")
         images = jnp.asarray(images, jnp.float32)
         return np.asarray(probs(state, images, jnp.asarray(labels, jnp.int32)))
 
@@ -183,13 +203,16 @@ def brightness_reward(images: Any, labels: Any = None) -> np.ndarray:
     Returns:
         ``(B,)`` float32 rewards.
 
+    Raises:
+        ValueError: NaN or infinite images.
+
     Examples:
         >>> import numpy as np
         >>> from artifex.generative_models.models.flow import brightness_reward
         >>> brightness_reward(np.stack([np.full((2, 2), -1.0), np.ones((2, 2))])).tolist()
         [0.0, 1.0]
     """
-    x = np.asarray(images, np.float64).reshape(np.shape(images)[0], -1)
+    x = _finite_images(images, "brightness_reward")
     return np.mean((np.clip(x, -1.0, 1.0) + 1.0) / 2.0, axis=1).astype(np.float32)
 
 
@@ -206,6 +229,9 @@ def compressibility_reward(images: Any, labels: Any = None) -> np.ndarray:
     Returns:
         ``(B,)`` float32 rewards (may be slightly negative for incompressible tiny images).
 
+    Raises:
+        ValueError: NaN or infinite images.
+
     Examples:
         >>> import numpy as np
         >>> from artifex.generative_models.models.flow import compressibility_reward
@@ -218,7 +244,7 @@ def compressibility_reward(images: Any, labels: Any = None) -> np.ndarray:
         Black et al., 2023, "Training Diffusion Models with Reinforcement Learning",
         arXiv:2305.13301.
     """
-    x = np.asarray(images, np.float64).reshape(np.shape(images)[0], -1)
+    x = _finite_images(images, "compressibility_reward")
     q = np.round((np.clip(x, -1.0, 1.0) + 1.0) * 127.5).astype(np.uint8)
     out = [1.0 - len(zlib.compress(row.tobytes(), 9)) / row.size for row in q]
     return np.asarray(out, np.float32)

@@ -26,6 +26,7 @@ from flax import nnx
 
 from artifex.generative_models.models.flow.dit import FlowDiT
 from artifex.generative_models.models.flow.model import FlowModel
+from artifex.generative_models.models.flow.text_dit import TextFlowDiT
 
 __all__ = [
     "FlowTrainConfig",
@@ -64,7 +65,7 @@ def load_digits_images() -> tuple[np.ndarray, np.ndarray]:
 
 
 def flow_matching_loss(
-    model: FlowDiT | FlowModel,
+    model: FlowDiT | FlowModel | TextFlowDiT,
     x0: jax.Array,
     labels: jax.Array,
     noise: jax.Array,
@@ -77,7 +78,7 @@ def flow_matching_loss(
     Args:
         model: The velocity network ``model(x, t, labels)`` on flattened images.
         x0: ``(B, ...)`` data images (flattened inside).
-        labels: ``(B,)`` int class labels.
+        labels: ``(B,)`` int class labels or ``(B, L)`` prompt token ids.
         noise: ``(B, ...)`` standard normal noise ``x_1`` (shape of ``x0``).
         t: ``(B,)`` times in ``[0, 1]``.
 
@@ -142,7 +143,7 @@ class FlowTrainConfig:
 
 
 def train_flow_matching(
-    model: FlowDiT | FlowModel,
+    model: FlowDiT | FlowModel | TextFlowDiT,
     images: np.ndarray | jax.Array,
     labels: np.ndarray | jax.Array,
     config: FlowTrainConfig | None = None,
@@ -155,14 +156,16 @@ def train_flow_matching(
     Args:
         model: The velocity network (updated in place).
         images: ``(N, ...)`` training images in ``[-1, 1]``.
-        labels: ``(N,)`` int labels.
+        labels: ``(N,)`` int labels, or ``(N, L)`` prompt token ids for a text-conditioned
+            model.
         config: Settings; defaults to ``FlowTrainConfig()``.
 
     Returns:
         The per-step losses.
 
     Raises:
-        ValueError: ``images`` and ``labels`` have different numbers of rows.
+        ValueError: ``images`` and ``labels`` have different numbers of rows, or images of
+            another size than the model's.
 
     Examples:
         >>> import numpy as np
@@ -180,10 +183,16 @@ def train_flow_matching(
     config = FlowTrainConfig() if config is None else config
     images = jnp.asarray(images, jnp.float32)
     labels = jnp.asarray(labels, jnp.int32)
-    if images.shape[0] != labels.shape[0] or labels.ndim != 1:
+    if images.shape[0] != labels.shape[0] or labels.ndim not in (1, 2):
         msg = (
-            f"images and labels must have the same number of rows, got {images.shape} and "
-            f"{labels.shape}"
+            f"images and labels must have the same number of rows (labels (N,) or token ids "
+            f"(N, L)), got {images.shape} and {labels.shape}"
+        )
+        raise ValueError(msg)
+    if images.reshape(images.shape[0], -1).shape[1] != model.config.data_dim:
+        msg = (
+            f"images must have {model.config.data_dim} values each (the model's image_shape "
+            f"{model.config.image_shape}), got shape {images.shape}"
         )
         raise ValueError(msg)
     n = images.shape[0]

@@ -73,3 +73,19 @@ def test_combine_image_rewards_like_text_rewards():
         combine_image_rewards([lambda imgs, labs: np.zeros(3)], x, y)
     with pytest.raises(ValueError, match="at least one"):
         combine_image_rewards([], x, y)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_images_get_an_error_not_a_score(bad):
+    x = np.zeros((3, 8, 8))
+    x[1, 2, 3] = bad
+    clf = DigitClassifier(rngs=nnx.Rngs(0))
+    for name, fn in (
+        ("brightness_reward", brightness_reward),
+        ("compressibility_reward", compressibility_reward),
+        ("classifier_reward", lambda im, lab: classifier_reward(clf)(im, lab)),
+    ):
+        with pytest.raises(ValueError, match=rf"{name}: images must be finite.*first row 1"):
+            fn(x, np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="brightness_reward: images must be finite"):
+        combine_image_rewards([brightness_reward], x, None)
