@@ -1,0 +1,615 @@
+"""Quantized frozen bases (QLoRA): int8, int4 or NF4 storage of the projections of `CausalLM`.
+
+`quantize_base` replaces the seven projections of every layer (`LORA_TARGETS`, or a subset) by
+`QuantizedLinear`: its kernel `W` (in, out) is stored as integer codes `q` and one float32 scale
+`s` per block of `block_size` consecutive input rows of each output column (absmax blockwise
+quantization, QLoRA's layout), and each call computes `y = x deq(q, s) + b + lora(x)` with
+
+- int8: `s = absmax / 127.5`, `q = clip(round(W / s), -128, 127)`, `deq = s q`;
+- int4: `s = absmax / 7.5`, `q = clip(round(W / s), -8, 7)`, `deq = s q`;
+- NF4: `s = absmax`, `q` the nearest of the 16 NormalFloat levels `c_k` to `W / s`,
+  `deq = s c_q` (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023).
+
+Every weight then lies within `error_bound(qtype) * absmax` of its block's absmax: 1/255 for
+int8, 1/15 for int4 and 0.1519 for NF4 (half the widest gap between NF4 levels, next to -1);
+a projection's output within `error_bound * sum_i |x_i| absmax(block(i), j)` of `x W`.
+
+The quantization itself (calibration, rounding, the NF4 code book, dequantization) is qwix's
+(`qwix.quantize`, `qwix.dequantize`; the `quantize` extra). Two 4-bit codes are packed into one
+byte here, so the storage is 4 bits per weight on every backend (XLA:CPU keeps `int4` arrays one
+byte per element), plus 32 / `block_size` bits of scale. The codes and scales are
+`QuantizedWeight` variables, not `nnx.Param`: no optimizer selects them, and a trainer keeps
+them with the frozen state. The matrix product's backward pass dequantizes again instead of
+keeping the dequantized kernel, so a gradient through the base costs no full-precision copy.
+
+Embeddings, `lm_head`, norms and biases keep the model's dtype. LoRA adapters (`apply_lora`,
+before or after `quantize_base`) stay in their own dtype and are the only trained parameters.
+`dequantize_base` gives a full-precision copy (for `merge_lora` and `save_pretrained`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from artifex.generative_models.models.causal_lm.lora import LORA_TARGETS
+from artifex.generative_models.models.causal_lm.model import CausalLM
+from artifex.generative_models.models.causal_lm.modules import Linear, f32_products
+
+__all__ = [
+    "QTYPES",
+    "QuantizeConfig",
+    "QuantizedLinear",
+    "QuantizedWeight",
+    "dequantize_base",
+    "dequantize_weight",
+    "error_bound",
+    "is_quantized",
+    "quantize_base",
+    "quantize_weight",
+    "quantized_matmul",
+]
+
+#: The storage formats: 8-bit integers, 4-bit integers, 4-bit NormalFloat.
+QTYPES = ("int8", "int4", "nf4")
+_BITS = {"int8": 8, "int4": 4, "nf4": 4}
+# Half the widest gap between adjacent NF4 levels (-1 and -0.6961928009986877).
+_ERROR_BOUNDS = {"int8": 1.0 / 255.0, "int4": 1.0 / 15.0, "nf4": (1.0 - 0.6961928009986877) / 2}
+_EXTRA = "pip install 'artifex-grpo[quantize]'"
+
+
+def _qwix() -> Any:
+    try:
+        import qwix
+    except ImportError as err:
+        msg = f"quantized bases need the qwix package: {_EXTRA}"
+        raise ImportError(msg) from err
+    return qwix
+
+
+def _qwix_qtype(qtype: str) -> Any:
+    return {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}[qtype]
+
+
+def _check_qtype(qtype: Any, where: str = "qtype") -> None:
+    if qtype not in QTYPES:
+        msg = f"{where} must be one of {QTYPES}, got {qtype!r}"
+        raise ValueError(msg)
+
+
+def _check_block_size(block_size: Any, where: str = "block_size") -> None:
+    if block_size is None:
+        return
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+        msg = f"{where} must be an int >= 2 or None (one scale per output column), got "
+        raise ValueError(msg + repr(block_size))
+    if block_size % 2:
+        msg = f"{where} must be even (two 4-bit codes share a byte), got {block_size}"
+        raise ValueError(msg)
+
+
+def error_bound(qtype: str) -> float:
+    """The largest `|W - deq(q(W))|` of a format, as a fraction of its block's absmax.
+
+    Args:
+        qtype: One of `QTYPES`.
+
+    Returns:
+        1/255 (int8), 1/15 (int4) or 0.15190 (NF4).
+
+    Raises:
+        ValueError: If `qtype` is not one of `QTYPES`.
+
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm.quantize import error_bound
+        >>> round(error_bound("int8") * 255, 6), round(error_bound("nf4"), 4)
+        (1.0, 0.1519)
+    """
+    _check_qtype(qtype)
+    return _ERROR_BOUNDS[qtype]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class QuantizeConfig:
+    """How `quantize_base` stores the frozen base.
+
+    Attributes:
+        qtype: "int8", "int4" or "nf4".
+        block_size: Input rows per scale (QLoRA's 64); None: one scale per output column.
+            Every targeted projection's input width must be a multiple of it.
+        target_modules: Projection names among `LORA_TARGETS` (default: all seven).
+
+    Raises:
+        ValueError: Naming the field, for an unknown qtype or projection, or a block size
+            that is not an even int >= 2 (nor None).
+
+    Examples:
+        >>> from artifex.generative_models.models.causal_lm.quantize import QuantizeConfig
+        >>> config = QuantizeConfig(qtype="nf4")
+        >>> config.block_size, config.bits_per_weight  # 4 bits + a float32 scale per 64
+        (64, 4.5)
+    """
+
+    qtype: str
+    block_size: int | None = 64
+    target_modules: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self) -> None:
+        _check_qtype(self.qtype)
+        _check_block_size(self.block_size)
+        if isinstance(self.target_modules, str):
+            object.__setattr__(self, "target_modules", (self.target_modules,))
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if unknown or not self.target_modules:
+            msg = f"target_modules: expected names in {LORA_TARGETS}, got {self.target_modules}"
+            raise ValueError(msg)
+
+    @property
+    def bits_per_weight(self) -> float | None:
+        """Storage bits per weight, scales included (None when `block_size` is None)."""
+        if self.block_size is None:
+            return None
+        return _BITS[self.qtype] + 32 / self.block_size
+
+
+def _pack(codes: jax.Array) -> jax.Array:
+    """(in, out) codes in [-8, 15] -> (in / 2, out) uint8, row 2i in the low nibble."""
+    n = codes.astype(jnp.int8).astype(jnp.uint8) & 0xF
+    return n[0::2] | (n[1::2] << 4)
+
+
+def _unpack(packed: jax.Array, signed: bool) -> jax.Array:
+    """The inverse of `_pack`: (in / 2, out) uint8 -> (in, out) int8 (signed) or uint8."""
+    nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=1)
+    nibbles = nibbles.reshape(2 * packed.shape[0], *packed.shape[1:])
+    if signed:
+        return (nibbles.astype(jnp.int8) ^ 8) - 8
+    return nibbles
+
+
+def quantize_weight(
+    weight: jax.Array, qtype: str, block_size: int | None = 64
+) -> tuple[jax.Array, jax.Array]:
+    """Quantizes a kernel (in, out) with qwix: absmax scales per block of input rows.
+
+    Args:
+        weight: A floating (in, out) kernel (computed in float32).
+        qtype: One of `QTYPES`.
+        block_size: Input rows per scale; None: one scale per column.
+
+    Returns:
+        `(codes, scale)`: int8 codes (in, out) for int8, else two 4-bit codes per uint8
+        (in / 2, out), row 2i in the low nibble; float32 scales (in / block_size, out).
+
+    Raises:
+        ValueError: For a weight that is not a 2-D floating array, a bad `qtype` or
+            `block_size`, or an input width that is not a multiple of `block_size` (or odd).
+        ImportError: Without qwix (the `quantize` extra).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm.quantize import (
+        ...     dequantize_weight, error_bound, quantize_weight)
+        >>> w = jax.random.normal(jax.random.key(0), (128, 8))
+        >>> codes, scale = quantize_weight(w, "int4", block_size=64)
+        >>> codes.shape, codes.dtype, scale.shape
+        ((64, 8), dtype('uint8'), (2, 8))
+        >>> err = jnp.abs(dequantize_weight(codes, scale, "int4") - w)
+        >>> bool((err <= error_bound("int4") * jnp.abs(w).max() * 1.0001).all())
+        True
+    """
+    _check_qtype(qtype)
+    _check_block_size(block_size)
+    shape = tuple(getattr(weight, "shape", ()))
+    dtype = getattr(weight, "dtype", None)
+    if len(shape) != 2 or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        msg = f"weight must be a 2-D floating array (in, out), got shape {shape} dtype {dtype}"
+        raise ValueError(msg)
+    if block_size is not None and shape[0] % block_size:
+        msg = f"input width {shape[0]} is not a multiple of block_size {block_size}"
+        raise ValueError(msg)
+    if _BITS[qtype] == 4 and shape[0] % 2:
+        msg = f"{qtype} packs two input rows per byte: the input width must be even, got {shape[0]}"
+        raise ValueError(msg)
+    _qwix()  # the extra's error before tracing
+    return _quantize(jnp.asarray(weight), qtype, block_size)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize(weight: jax.Array, qtype: str, block_size: int | None) -> tuple[jax.Array, ...]:
+    tiles = {} if block_size is None else {0: block_size}
+    q = _qwix().quantize(
+        weight.astype(jnp.float32), _qwix_qtype(qtype), channelwise_axes=(1,), tiled_axes=tiles
+    )
+    if qtype == "int8":
+        return q.qvalue, q.scale
+    return _pack(q.qvalue), q.scale
+
+
+def dequantize_weight(
+    codes: jax.Array, scale: jax.Array, qtype: str, dtype: Any = jnp.float32
+) -> jax.Array:
+    """The kernel that `codes` and `scale` stand for (qwix's dequantization).
+
+    Args:
+        codes: Codes from `quantize_weight` (int8 (in, out), or packed uint8 (in / 2, out)).
+        scale: float32 scales (blocks, out).
+        qtype: The format they were made with.
+        dtype: The result's dtype.
+
+    Returns:
+        The (in, out) kernel, `scale * value(code)` broadcast over each block, in `dtype`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm.quantize import (
+        ...     dequantize_weight, quantize_weight)
+        >>> w = jnp.array([[1.0], [-0.5]])
+        >>> deq = dequantize_weight(*quantize_weight(w, "nf4", block_size=2), "nf4")
+        >>> [round(float(v), 4) for v in deq.ravel()]  # the NF4 levels 1 and -0.5251
+        [1.0, -0.5251]
+    """
+    _check_qtype(qtype)
+    qwix = _qwix()
+    values = codes if qtype == "int8" else _unpack(codes, signed=qtype == "int4")
+    array = qwix.QArray(values, scale, None, _qwix_qtype(qtype))
+    return qwix.dequantize(array).astype(dtype)
+
+
+def _product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w` as `Linear` computes it (float32 results for 16-bit operands on the CPU)."""
+    if f32_products(x.dtype):
+        return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.matmul(x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def quantized_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
+    """`x @ deq(codes, scale)` whose backward pass dequantizes again (no saved kernel).
+
+    The gradient flows to `x` only: the codes and scales are frozen storage (their cotangents
+    are zero).
+
+    Args:
+        x: Input (N, in), in the dtype the kernel is dequantized to.
+        codes: Codes from `quantize_weight`.
+        scale: Its scales.
+        qtype: The format.
+
+    Returns:
+        (N, out) in the dtype of `x`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from artifex.generative_models.models.causal_lm.quantize import (
+        ...     dequantize_weight, quantize_weight, quantized_matmul)
+        >>> w = jax.random.normal(jax.random.key(0), (4, 3))
+        >>> codes, scale = quantize_weight(w, "int8", block_size=None)
+        >>> x = jnp.arange(8.0).reshape(2, 4)
+        >>> w_hat = dequantize_weight(codes, scale, "int8")
+        >>> bool(jnp.allclose(quantized_matmul(x, codes, scale, "int8"), x @ w_hat))
+        True
+        >>> dx = jax.grad(lambda x: quantized_matmul(x, codes, scale, "int8").sum())(x)
+        >>> bool(jnp.allclose(dx[0], w_hat.sum(1)))  # d sum(x W) / dx = W 1
+        True
+    """
+    return _product(x, dequantize_weight(codes, scale, qtype, x.dtype))
+
+
+def _qmm_fwd(
+    x: jax.Array, codes: jax.Array, scale: jax.Array, qtype: str
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    y = _product(x, dequantize_weight(codes, scale, qtype, x.dtype))
+    return y, (codes, scale, jnp.zeros((0,), x.dtype))
+
+
+def _qmm_bwd(
+    qtype: str, res: tuple[jax.Array, jax.Array, jax.Array], ct: jax.Array
+) -> tuple[jax.Array, None, jax.Array]:
+    codes, scale, like = res
+    w = dequantize_weight(codes, scale, qtype, like.dtype)
+    return _product(ct.astype(like.dtype), w.T), None, jnp.zeros_like(scale)
+
+
+quantized_matmul.defvjp(_qmm_fwd, _qmm_bwd)
+
+
+class QuantizedWeight(nnx.Variable):
+    """Frozen quantized storage (codes or scales): not an `nnx.Param`, so never trained."""
+
+
+class QuantizedLinear(Linear):
+    """`Linear` whose kernel is stored quantized: `y = x deq(q, s) + b + lora(x)`.
+
+    Built by `quantize_base` (or `from_linear`). `kernel_codes` and `kernel_scale` are
+    `QuantizedWeight` variables; the bias stays an `nnx.Param` of the model's dtype; `lora`
+    works as on `Linear`. There is no `kernel`: `dequantized_kernel()` computes it.
+
+    Args:
+        codes: Codes from `quantize_weight`.
+        scale: Their scales.
+        bias: Bias (out,) or None.
+        qtype: The format.
+        in_features: Input width.
+        out_features: Output width.
+        dtype: The dtype the kernel is dequantized to and computed in (the model's).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import Linear
+        >>> from artifex.generative_models.models.causal_lm.quantize import QuantizedLinear
+        >>> proj = Linear(64, 4, use_bias=False, std=0.02, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        >>> q = QuantizedLinear.from_linear(proj, "int8", block_size=32)
+        >>> q.kernel_codes.shape, q.kernel_scale.shape
+        ((64, 4), (2, 4))
+        >>> x = jnp.ones((2, 64))
+        >>> bool(jnp.allclose(q(x), proj(x), atol=64 * 0.1 / 255))  # sum |x| absmax / 255
+        True
+    """
+
+    def __init__(
+        self,
+        codes: jax.Array,
+        scale: jax.Array,
+        bias: jax.Array | None,
+        *,
+        qtype: str,
+        in_features: int,
+        out_features: int,
+        dtype: Any,
+    ) -> None:
+        _check_qtype(qtype)
+        rows = in_features if qtype == "int8" else in_features // 2
+        if tuple(codes.shape) != (rows, out_features) or scale.shape[-1] != out_features:
+            msg = (
+                f"{qtype} codes of a ({in_features}, {out_features}) kernel must be "
+                f"({rows}, {out_features}) with scales (blocks, {out_features}), got "
+                f"{tuple(codes.shape)} and {tuple(scale.shape)}"
+            )
+            raise ValueError(msg)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.qtype = qtype
+        self.dtype = jnp.dtype(dtype)
+        self.kernel_codes = QuantizedWeight(codes)
+        self.kernel_scale = QuantizedWeight(scale)
+        self.bias = None if bias is None else nnx.Param(bias)
+        self.lora: Any = nnx.data(None)
+
+    @classmethod
+    def from_linear(
+        cls, linear: Linear, qtype: str, block_size: int | None = 64
+    ) -> QuantizedLinear:
+        """Quantizes a `Linear` (its adapter, if any, is moved over unchanged).
+
+        Args:
+            linear: The projection.
+            qtype: One of `QTYPES`.
+            block_size: Input rows per scale (None: one per column).
+
+        Returns:
+            The quantized projection.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> from flax import nnx
+            >>> from artifex.generative_models.models.causal_lm import Linear
+            >>> from artifex.generative_models.models.causal_lm.quantize import QuantizedLinear
+            >>> lin = Linear(8, 2, use_bias=True, std=0.1, dtype=jnp.float32, rngs=nnx.Rngs(0))
+            >>> QuantizedLinear.from_linear(lin, "nf4", block_size=None).kernel_codes.shape
+            (4, 2)
+        """
+        kernel = linear.kernel[...]
+        codes, scale = quantize_weight(kernel, qtype, block_size)
+        bias = None if linear.bias is None else linear.bias[...]
+        out = cls(
+            codes,
+            scale,
+            bias,
+            qtype=qtype,
+            in_features=linear.in_features,
+            out_features=linear.out_features,
+            dtype=kernel.dtype,
+        )
+        out.lora = linear.lora
+        return out
+
+    @property
+    def kernel(self) -> Any:
+        """Not stored: raises `AttributeError` (see `dequantized_kernel`, `dequantize_base`)."""
+        msg = (
+            f"this projection's kernel is stored quantized ({self.qtype}); "
+            "dequantized_kernel() computes it and dequantize_base(model) gives a "
+            "full-precision copy of the model (for merge_lora and save_pretrained)"
+        )
+        raise AttributeError(msg)
+
+    def dequantized_kernel(self) -> jax.Array:
+        """The kernel (in, out) the codes stand for, in the projection's dtype."""
+        return dequantize_weight(
+            self.kernel_codes[...], self.kernel_scale[...], self.qtype, self.dtype
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Projects the last axis: `x deq(q, s) + b + lora(x)`.
+
+        Args:
+            x: Array (..., in).
+
+        Returns:
+            Array (..., out) in the dtype of `x` promoted with the projection's.
+        """
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        xc = x2.astype(jnp.promote_types(x.dtype, self.dtype))
+        y = quantized_matmul(xc, self.kernel_codes[...], self.kernel_scale[...], self.qtype)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if self.lora is not None:
+            y = y + self.lora(x2).astype(y.dtype)
+        return y.reshape(*lead, y.shape[-1])
+
+
+def _projections(model: CausalLM, names: tuple[str, ...]) -> list[tuple[str, Any, str]]:
+    out = []
+    for i, layer in enumerate(model.layers):
+        for part in ("attn", "mlp"):
+            parent = getattr(layer, part, None)
+            for name in names:
+                if isinstance(getattr(parent, name, None), Linear):
+                    out.append((f"layers.{i}.{part}.{name}", parent, name))
+    return out
+
+
+def is_quantized(model: nnx.Module) -> bool:
+    """Whether `model` holds any `QuantizedLinear`.
+
+    Args:
+        model: Any module.
+
+    Returns:
+        True if some projection is stored quantized.
+
+    Examples:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm.quantize import is_quantized
+        >>> is_quantized(CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0)))
+        False
+    """
+    return any(isinstance(node, QuantizedLinear) for _, node in nnx.iter_graph(model))
+
+
+def quantize_base(model: CausalLM, config: QuantizeConfig) -> CausalLM:
+    """Stores the targeted projections of every layer quantized, in place (QLoRA's base).
+
+    Adapters already applied are kept (unquantized); `apply_lora` may also come after. Build
+    the optimizer afterwards, with `wrt=nnx.LoRAParam`. A stacked model is unstacked, quantized
+    layer by layer and stacked again.
+
+    Args:
+        model: The model (modified in place and returned).
+        config: The format, block size and targets.
+
+    Returns:
+        The same model object, its targets now `QuantizedLinear`.
+
+    Raises:
+        TypeError: If `model` is not a `CausalLM` or `config` not a `QuantizeConfig`.
+        ValueError: If the model is already quantized, or a target's input width is not a
+            multiple of `block_size` (the message names the projection).
+        ImportError: Without qwix (the `quantize` extra).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import (
+        ...     CausalLM, CausalLMConfig, LoRAConfig, apply_lora)
+        >>> from artifex.generative_models.models.causal_lm.quantize import (
+        ...     QuantizeConfig, quantize_base)
+        >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> ids = jnp.array([[1, 2, 3]])
+        >>> before = model(ids)
+        >>> model = quantize_base(model, QuantizeConfig(qtype="int8"))
+        >>> model.layers[0].mlp.up_proj.kernel_codes.dtype
+        dtype('int8')
+        >>> model = apply_lora(model, LoRAConfig(rank=4, alpha=8.0), nnx.Rngs(1))
+        >>> float(jnp.abs(model(ids) - before).max()) < 0.01  # int8 error, B = 0
+        True
+    """
+    if not isinstance(model, CausalLM):
+        msg = f"quantize_base: model must be a CausalLM, got {type(model).__name__}"
+        raise TypeError(msg)
+    if not isinstance(config, QuantizeConfig):
+        msg = f"quantize_base: config must be a QuantizeConfig, got {type(config).__name__}"
+        raise TypeError(msg)
+    if is_quantized(model):
+        msg = "quantize_base: the model is already quantized"
+        raise ValueError(msg)
+    stacked = getattr(model, "layers_stacked", False)
+    if stacked:
+        model.unstack_layers()
+    try:
+        targets = _projections(model, config.target_modules)
+        for path, parent, name in targets:  # check every width before changing anything
+            width = getattr(parent, name).in_features
+            if config.block_size is not None and width % config.block_size:
+                msg = (
+                    f"quantize_base: {path} has input width {width}, not a multiple of "
+                    f"block_size {config.block_size}; choose a block size that divides every "
+                    "target's input width, or None (one scale per output column)"
+                )
+                raise ValueError(msg)
+            if _BITS[config.qtype] == 4 and width % 2:
+                msg = f"quantize_base: {path} has an odd input width {width} ({config.qtype})"
+                raise ValueError(msg)
+        for _, parent, name in targets:
+            proj = getattr(parent, name)
+            setattr(
+                parent, name, QuantizedLinear.from_linear(proj, config.qtype, config.block_size)
+            )
+    finally:
+        if stacked:
+            model.stack_layers()
+    return model
+
+
+def dequantize_base(model: CausalLM) -> CausalLM:
+    """A copy of `model` whose quantized projections are `Linear` again (dequantized kernels).
+
+    The copy computes the same function as `model` (the same kernels, now stored in the
+    model's dtype); adapters are kept, so `merge_lora(dequantize_base(model))` is the trained
+    model as one full-precision checkpoint. `model` is left unchanged.
+
+    Args:
+        model: A model, quantized or not.
+
+    Returns:
+        A `CausalLM` without `QuantizedLinear`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.models.causal_lm.quantize import (
+        ...     QuantizeConfig, dequantize_base, is_quantized, quantize_base)
+        >>> model = quantize_base(CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0)),
+        ...                       QuantizeConfig(qtype="nf4"))
+        >>> full = dequantize_base(model)
+        >>> is_quantized(full), is_quantized(model)
+        (False, True)
+        >>> ids = jnp.array([[1, 2, 3]])
+        >>> bool(jnp.allclose(full(ids), model(ids), atol=1e-5))
+        True
+    """
+    out = nnx.clone(model)
+    stacked = getattr(out, "layers_stacked", False)
+    if stacked:
+        out.unstack_layers()
+    for _, parent, name in _projections(out, LORA_TARGETS):
+        proj = getattr(parent, name)
+        if not isinstance(proj, QuantizedLinear):
+            continue
+        linear = Linear(
+            proj.in_features,
+            proj.out_features,
+            use_bias=proj.bias is not None,
+            std=0.0,
+            dtype=proj.dtype,
+            rngs=nnx.Rngs(0),
+        )
+        linear.kernel.set_value(proj.dequantized_kernel())
+        if proj.bias is not None:
+            linear.bias.set_value(proj.bias[...])
+        linear.lora = proj.lora
+        setattr(parent, name, linear)
+    if stacked:
+        out.stack_layers()
+    return out
