@@ -438,9 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
         ('demo', 10, 'tools')
     """
     from artifex.cli_checks import _non_empty, positive_float, positive_int
-    from artifex.generative_models.training.rl.configs import GRPOConfig
-    from artifex.generative_models.training.rl.loop import TrainConfig
-    from artifex.generative_models.training.rl.rollout import RolloutConfig
+    from artifex.generative_models.training.rl.core.configs import GRPOConfig
+    from artifex.generative_models.training.rl.rollouts.rollout import RolloutConfig
+    from artifex.generative_models.training.rl.run.loop import TrainConfig
 
     parser = _Parser(
         prog="artifex-grpo",
@@ -1118,7 +1118,7 @@ def _step_rewards(args: argparse.Namespace) -> Any:
             msg = "--step-separator is only used with --step-reward MODULE:FUNCTION"
             raise ValueError(msg)
         return None
-    from artifex.generative_models.training.rl.step_rewards import StepRewards
+    from artifex.generative_models.training.rl.rollouts.step_rewards import StepRewards
 
     try:
         func = import_object(args.step_reward)
@@ -1164,9 +1164,9 @@ def _import_reward(path: str) -> Any:
 def _train(args: argparse.Namespace) -> int:
     from artifex.cli_checks import check_multi_turn_flags, check_run_paths, default_checkpoint_dir
     from artifex.generative_models.training.logging import is_primary_process
-    from artifex.generative_models.training.rl.configs import GRPOConfig
-    from artifex.generative_models.training.rl.loop import TrainConfig, check_writable_dir
-    from artifex.generative_models.training.rl.rollout import RolloutConfig
+    from artifex.generative_models.training.rl.core.configs import GRPOConfig
+    from artifex.generative_models.training.rl.rollouts.rollout import RolloutConfig
+    from artifex.generative_models.training.rl.run.loop import TrainConfig, check_writable_dir
     from artifex.generative_models.training.run_lock import RunLock
 
     if not os.path.isdir(args.model):
@@ -1236,9 +1236,9 @@ def _train_held(
     )
     from artifex.generative_models.training.checkpointing import CheckpointWriteError
     from artifex.generative_models.training.logging import is_primary_process
-    from artifex.generative_models.training.rl.dataset_rows import EVAL_SPLITS
-    from artifex.generative_models.training.rl.grpo import GRPOTrainer
-    from artifex.generative_models.training.rl.loop import check_tokenizer_fits, train
+    from artifex.generative_models.training.rl.rollouts.dataset_rows import EVAL_SPLITS
+    from artifex.generative_models.training.rl.run.loop import check_tokenizer_fits, train
+    from artifex.generative_models.training.rl.update.trainer import GRPOTrainer
 
     column = rollout_config.prompt_column
     rows = load_rows(args.data, args.split, args.data_format)
@@ -1532,7 +1532,7 @@ def _multi_turn_hooks(args: argparse.Namespace, rollout_config: Any) -> dict[str
     """``rollout_fn``/``evaluate_fn`` for ``train`` when ``--tools`` or ``--environment``."""
     if not args.tools and not args.environment:
         return {}
-    from artifex.generative_models.training.rl.multiturn import (
+    from artifex.generative_models.training.rl.rollouts.multiturn import (
         MultiTurnConfig,
         MultiTurnRollout,
         ToolEnvironment,

@@ -118,7 +118,7 @@ def load_dataset_rows(
         ValueError: A file extension ``load_dataset`` has no builder for, a missing split, or
             ``load_dataset`` failing (its error in the message).
     """
-    from artifex.generative_models.training.rl.dataset_rows import as_rows
+    from artifex.generative_models.training.rl.rollouts.dataset_rows import as_rows
 
     datasets = _import_datasets("--data-format load_dataset")
     try:

@@ -24,11 +24,11 @@ import optax
 from flax import nnx
 
 from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig, Tokenizer
-from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.grpo import GRPOTrainer
-from artifex.generative_models.training.rl.loop import TrainConfig, TrainResult, evaluate, train
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.rewards import RewardCombiner, math_answer_reward
-from artifex.generative_models.training.rl.rollout import Policy, RolloutConfig
+from artifex.generative_models.training.rl.rollouts.rollout import Policy, RolloutConfig
+from artifex.generative_models.training.rl.run.loop import TrainConfig, TrainResult, evaluate, train
+from artifex.generative_models.training.rl.update.trainer import GRPOTrainer
 from artifex.generative_models.utils.atomic import atomic_write, atomic_write_json
 
 __all__ = [

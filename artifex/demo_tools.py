@@ -32,19 +32,19 @@ from tokenizers import AddedToken
 
 from artifex.demo import demo_model
 from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
-from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.grpo import GRPOTrainer
-from artifex.generative_models.training.rl.loop import TrainConfig, train
-from artifex.generative_models.training.rl.multiturn import (
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.rewards import math_answer_reward
+from artifex.generative_models.training.rl.rollouts.multiturn import (
     MultiTurnConfig,
     MultiTurnRollout,
     ToolEnvironment,
     _appended_text,
     run_episodes,
 )
-from artifex.generative_models.training.rl.rewards import math_answer_reward
-from artifex.generative_models.training.rl.rollout import Policy, RolloutConfig
-from artifex.generative_models.training.rl.tools import tool_schema
+from artifex.generative_models.training.rl.rollouts.rollout import Policy, RolloutConfig
+from artifex.generative_models.training.rl.rollouts.tools import tool_schema
+from artifex.generative_models.training.rl.run.loop import TrainConfig, train
+from artifex.generative_models.training.rl.update.trainer import GRPOTrainer
 from artifex.generative_models.utils.atomic import atomic_write_json
 
 __all__ = [

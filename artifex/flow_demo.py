@@ -42,9 +42,9 @@ from artifex.generative_models.models.flow import (
     train_classifier,
     train_flow_matching,
 )
-from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn, to_grpo_batch
-from artifex.generative_models.training.rl.grpo import GRPOTrainer
+from artifex.generative_models.training.rl.update.trainer import GRPOTrainer
 from artifex.generative_models.utils.atomic import atomic_write, atomic_write_json
 from artifex.generative_models.utils.validation import check_choice, check_int
 

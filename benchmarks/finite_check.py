@@ -3,7 +3,7 @@
     python benchmarks/finite_check.py [--repeats 9]
 
 The train step applies an update only when the new parameters and AdamW moments are finite
-(``artifex.generative_models.training.rl.state._finite_flags``; the new values are computed
+(``artifex.generative_models.training.rl.update.state._finite_flags``; the new values are computed
 inside the check, fused into its reduction). Arrays of at least ``_ROWS_FIRST`` elements are
 reduced to their rows first, then to a scalar; smaller ones in one reduction. This prints the
 median time (after two warm-up calls) of the check on a parameter with its AdamW update, at

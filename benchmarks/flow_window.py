@@ -24,9 +24,9 @@ from flax import nnx
 
 from artifex.generative_models.inference.flow_sampling import FlowSampler, SDEConfig
 from artifex.generative_models.models.flow import FlowDiT, FlowDiTConfig
-from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn, to_grpo_batch
-from artifex.generative_models.training.rl.grpo import GRPOTrainer
+from artifex.generative_models.training.rl.update.trainer import GRPOTrainer
 
 
 def _setting(model_cfg: FlowDiTConfig, sde: SDEConfig, generations: int):

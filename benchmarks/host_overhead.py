@@ -39,9 +39,9 @@ from flax import nnx
 import artifex
 from artifex.demo import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
-from artifex.generative_models.training.rl.loop import TrainConfig, train
 from artifex.generative_models.training.rl.rewards import math_answer_reward
-from artifex.generative_models.training.rl.rollout import RolloutConfig, rollout
+from artifex.generative_models.training.rl.rollouts.rollout import RolloutConfig, rollout
+from artifex.generative_models.training.rl.run.loop import TrainConfig, train
 
 
 def _slices(trainer: GRPOTrainer, batch) -> int:

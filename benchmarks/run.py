@@ -251,7 +251,7 @@ def bench_logprob_memory(ctx: dict) -> list[Row]:
     from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
     from artifex.generative_models.training import GRPOConfig
     from artifex.generative_models.training.rl import GRPOBatch, causal_lm_log_probs_fn
-    from artifex.generative_models.training.rl.grpo import make_grpo_loss
+    from artifex.generative_models.training.rl.update.trainer import make_grpo_loss
 
     b, p, t, v = 8, 16, 1024, 151_936
     cfg = CausalLMConfig.qwen2_w1(

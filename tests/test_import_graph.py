@@ -1,9 +1,16 @@
 """The library's modules import each other one way only: no cycles, lazy imports included.
 
 The graph has one node per module of ``artifex`` (a package's ``__init__`` is the package's
-node). Every ``import`` counts, at module level or inside a function; only imports under
-``if TYPE_CHECKING:`` (annotations, never executed) are left out. ``from pkg import name``
-is an edge to the submodule ``pkg.name`` when there is one, else to ``pkg`` (its ``__init__``).
+node). Every ``import`` counts, at module level or inside a function; for the cycle check,
+imports under ``if TYPE_CHECKING:`` (annotations, never executed) are left out, and the layer
+rules of ``training.rl`` count them too (a type-only import upward is still a layer knowing of
+the one above it). ``from pkg import name`` is an edge to the submodule ``pkg.name`` when there
+is one, else to ``pkg`` (its ``__init__``).
+
+The layers of ``training.rl``, bottom to top (each sub-package's ``__init__`` says the same):
+``core`` (with ``batch`` and ``packing``) -> ``rewards`` -> ``update`` and ``rollouts`` (side by
+side: neither imports the other) -> ``run``; the package's own ``__init__`` re-exports them all,
+and nothing inside the package imports it.
 """
 
 from __future__ import annotations
@@ -35,12 +42,13 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the library modules it imports (``type_only``: ``TYPE_CHECKING`` ones too)."""
     paths = {module_name(p): p for p in LIBRARY.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in paths.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        skipped = _type_checking_nodes(tree)
+        skipped = set() if type_only else _type_checking_nodes(tree)
         is_package = path.name == "__init__.py"
         deps: set[str] = set()
         for node in ast.walk(tree):
@@ -96,7 +104,15 @@ def test_the_cycle_finder_finds_cycles():
 def test_the_graph_sees_function_level_imports():
     graph = import_graph()
     # cli.py imports the loop inside functions: those edges are in the graph.
-    assert "artifex.generative_models.training.rl.loop" in graph["artifex.cli"]
+    assert "artifex.generative_models.training.rl.run.loop" in graph["artifex.cli"]
+
+
+def test_the_type_only_graph_sees_type_checking_imports():
+    # core/logprobs.py imports GRPOBatch for its annotations only.
+    module = "artifex.generative_models.training.rl.core.logprobs"
+    batch = "artifex.generative_models.training.rl.batch"
+    assert batch not in import_graph()[module]
+    assert batch in import_graph(type_only=True)[module]
 
 
 def test_no_import_cycles_in_the_library():
@@ -121,14 +137,74 @@ def test_layers_import_downward_only():
     for generic in ("sharding", "checkpointing", "logging"):
         deps = imports_of(graph, f"training.{generic}")
         assert not {d for d in deps if d.startswith(f"{training}.rl")}, generic
-    # configs/batch -> maths -> step -> rollout -> loop -> the trainer shell -> CLI.
-    rl = f"{training}.rl"
-    assert f"{rl}.state" not in imports_of(graph, "training.rl.rollout")
-    assert f"{rl}.grpo" not in imports_of(graph, "training.rl.rollout")
-    assert f"{rl}.grpo" not in imports_of(graph, "training.rl.loop")
-    assert f"{rl}.loop" not in imports_of(graph, "training.rl.state")
-    assert f"{rl}.state" not in imports_of(graph, "training.rl.objective")
-    for maths in ("advantages", "losses", "logprobs", "objective"):
-        assert not {f"{rl}.{m}" for m in ("state", "rollout", "loop", "grpo")} & imports_of(
-            graph, f"training.rl.{maths}"
-        ), maths
+
+
+RL = "artifex.generative_models.training.rl"
+# Layer of each part of training.rl; a module may import its own layer and those below it.
+RL_LAYERS = {
+    "core": 0,
+    "batch": 0,
+    "packing": 0,
+    "rewards": 1,
+    "flow_batch": 2,
+    "flow_objective": 2,
+    "update": 2,
+    "rollouts": 2,
+    "run": 3,
+}
+SIDE_BY_SIDE = {("update", "rollouts"), ("rollouts", "update")}
+
+
+def rl_part(module: str) -> str | None:
+    """The layer part (``core``, ``update``, ...) of a module inside training.rl, else None."""
+    if not module.startswith(f"{RL}."):
+        return None
+    return module[len(RL) + 1 :].split(".")[0]
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    bad = []
+    for module, deps in graph.items():
+        part = rl_part(module)
+        if part is None:
+            continue
+        for dep in deps:
+            if dep == RL:  # the facade re-exports everything: nothing inside imports it
+                bad.append((module, dep))
+                continue
+            other = rl_part(dep)
+            if other is None or other == part:
+                continue
+            if RL_LAYERS[other] > RL_LAYERS[part] or (part, other) in SIDE_BY_SIDE:
+                bad.append((module, dep))
+    return sorted(bad)
+
+
+def test_every_part_of_rl_has_a_layer():
+    parts = {rl_part(m) for m in import_graph()} - {None}
+    assert parts <= set(RL_LAYERS), sorted(parts - set(RL_LAYERS))
+
+
+def test_the_layer_rule_finds_an_upward_import():
+    graph = {f"{RL}.core.losses": {f"{RL}.run.loop"}, f"{RL}.update.state": {f"{RL}.rollouts.x"}}
+    assert layer_violations(graph) == [
+        (f"{RL}.core.losses", f"{RL}.run.loop"),
+        (f"{RL}.update.state", f"{RL}.rollouts.x"),
+    ]
+    assert layer_violations({f"{RL}.run.loop": {f"{RL}.core.losses"}}) == []
+
+
+def test_rl_layers_import_downward_only_type_only_imports_included():
+    assert layer_violations(import_graph(type_only=True)) == []
+
+
+def test_no_import_cycles_type_only_imports_included():
+    assert find_cycle(import_graph(type_only=True)) is None
+
+
+def test_each_layer_package_says_what_it_may_import():
+    import importlib
+
+    for part in ("core", "update", "rollouts", "run"):
+        doc = importlib.import_module(f"{RL}.{part}").__doc__ or ""
+        assert "may import" in doc, part

@@ -1,7 +1,7 @@
 """Orbax checkpoints of a training state: any pytree of arrays, with a verified JSON record.
 
 The GRPO loop saves its
-:class:`~artifex.generative_models.training.rl.state.GRPOTrainState` without the reference
+:class:`~artifex.generative_models.training.rl.update.state.GRPOTrainState` without the reference
 (the trainable parameters, the policy's other variables, the optimizer state, the step count
 and the PRNG key), and a JSON record with the data position, the configs and the parameter
 shapes. A frozen reference is not saved: a resumed run rebuilds it the way the original run did

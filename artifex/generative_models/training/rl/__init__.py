@@ -4,7 +4,8 @@ The numeric core (advantages, losses, log-probs) is a set of pure functions; the
 the model, optimizer and step and calls them.
 """
 
-from artifex.generative_models.training.rl.advantages import (
+from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.advantages import (
     GroupStats,
     advantages_from_config,
     group_advantages,
@@ -13,20 +14,8 @@ from artifex.generative_models.training.rl.advantages import (
     segment_advantages,
     segment_stats,
 )
-from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.grpo import (
-    MIN_MICROBATCH_TOKENS,
-    GRPOTrainer,
-    NonFiniteUpdateError,
-    as_grpo_batch,
-    auto_num_microbatches,
-    compute_advantages,
-    grpo_objective,
-    make_grpo_loss,
-    split_microbatches,
-)
-from artifex.generative_models.training.rl.logprobs import (
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.logprobs import (
     auto_chunk_size,
     categorical_log_probs,
     causal_lm_log_probs,
@@ -35,15 +24,7 @@ from artifex.generative_models.training.rl.logprobs import (
     default_log_prob_fn,
     token_log_probs,
 )
-from artifex.generative_models.training.rl.loop import (
-    DataIterator,
-    TrainConfig,
-    TrainResult,
-    concat_batches,
-    evaluate,
-    train,
-)
-from artifex.generative_models.training.rl.losses import (
+from artifex.generative_models.training.rl.core.losses import (
     aggregate_loss,
     approx_kl_old,
     clipped_surrogate,
@@ -52,19 +33,6 @@ from artifex.generative_models.training.rl.losses import (
     log_importance_ratio,
     loss_normalizer,
     masked_mean,
-)
-
-# Multi-turn rollouts: tools and environments
-from artifex.generative_models.training.rl.multiturn import (
-    Environment,
-    Episodes,
-    MultiTurnConfig,
-    MultiTurnRollout,
-    MultiTurnRolloutResult,
-    ToolEnvironment,
-    environment_reward,
-    run_episodes,
-    turn_step_rewards,
 )
 from artifex.generative_models.training.rl.rewards import (
     CombinedRewards,
@@ -82,7 +50,20 @@ from artifex.generative_models.training.rl.rewards import (
     reward_names,
     soft_overlong_penalty,
 )
-from artifex.generative_models.training.rl.rollout import (
+
+# Multi-turn rollouts: tools and environments
+from artifex.generative_models.training.rl.rollouts.multiturn import (
+    Environment,
+    Episodes,
+    MultiTurnConfig,
+    MultiTurnRollout,
+    MultiTurnRolloutResult,
+    ToolEnvironment,
+    environment_reward,
+    run_episodes,
+    turn_step_rewards,
+)
+from artifex.generative_models.training.rl.rollouts.rollout import (
     Completions,
     Policy,
     Rollout,
@@ -92,21 +73,40 @@ from artifex.generative_models.training.rl.rollout import (
     rollout_batch_like,
     sample_completions,
 )
+from artifex.generative_models.training.rl.rollouts.tools import (
+    ToolCall,
+    ToolResult,
+    ToolRunner,
+    parse_tool_calls,
+    tool_schema,
+)
+from artifex.generative_models.training.rl.run.loop import (
+    DataIterator,
+    TrainConfig,
+    TrainResult,
+    concat_batches,
+    evaluate,
+    train,
+)
 
 # The functional step: the train state and the pure update
-from artifex.generative_models.training.rl.state import (
+from artifex.generative_models.training.rl.update.state import (
     GRPOTrainState,
     init_train_state,
     make_grpo_log_probs,
     make_grpo_train_step,
     write_train_state,
 )
-from artifex.generative_models.training.rl.tools import (
-    ToolCall,
-    ToolResult,
-    ToolRunner,
-    parse_tool_calls,
-    tool_schema,
+from artifex.generative_models.training.rl.update.trainer import (
+    MIN_MICROBATCH_TOKENS,
+    GRPOTrainer,
+    NonFiniteUpdateError,
+    as_grpo_batch,
+    auto_num_microbatches,
+    compute_advantages,
+    grpo_objective,
+    make_grpo_loss,
+    split_microbatches,
 )
 
 __all__ = [
@@ -193,18 +193,18 @@ __all__ = [
 ]
 
 # 2025-2026 GRPO variants (see docs/algorithm.md, "Variants as settings").
-from artifex.generative_models.training.rl.advantages import (
+from artifex.generative_models.training.rl.core.advantages import (
     pass_at_k_advantages,
     reinforce_pp_advantages,
 )
 
 # On-policy distillation: a teacher's divergence on the student's own samples.
-from artifex.generative_models.training.rl.distillation import (
+from artifex.generative_models.training.rl.core.distillation import (
     chunked_distillation,
     logits_divergence,
     sampled_reverse_kl,
 )
-from artifex.generative_models.training.rl.losses import (
+from artifex.generative_models.training.rl.core.losses import (
     cispo_surrogate,
     entropy_quantile_threshold,
     high_entropy_mask,
@@ -213,6 +213,7 @@ from artifex.generative_models.training.rl.losses import (
     sapo_surrogate,
     vespo_weights,
 )
+from artifex.generative_models.training.rl.core.teacher import make_distillation_terms
 
 # Packed updates: a batch's sequences in rows without padding.
 from artifex.generative_models.training.rl.packing import (
@@ -226,10 +227,9 @@ from artifex.generative_models.training.rl.packing import (
     row_bucket,
     should_pack,
 )
-from artifex.generative_models.training.rl.teacher import make_distillation_terms
 
 # Training options around the loss (see docs/algorithm.md).
-from artifex.generative_models.training.rl.truncation import mask_truncated_completions
+from artifex.generative_models.training.rl.rollouts.truncation import mask_truncated_completions
 
 __all__ += [
     "cispo_surrogate",
@@ -261,3 +261,45 @@ __all__ += [
     "row_bucket",
     "should_pack",
 ]
+
+
+# Modules that moved into the layer sub-packages keep their old import paths: each old name is
+# the same module object as the new one (private names and monkeypatching included).
+def _alias_moved_modules() -> None:
+    import importlib
+    import sys
+
+    moved = {
+        "advantages": "core.advantages",
+        "compat": "core.compat",
+        "configs": "core.configs",
+        "distillation": "core.distillation",
+        "logprobs": "core.logprobs",
+        "losses": "core.losses",
+        "objective": "core.objective",
+        "teacher": "core.teacher",
+        "grpo": "update.trainer",
+        "layerwise": "update.layerwise",
+        "optimizer_split": "update.optimizer_split",
+        "ref_sync": "update.ref_sync",
+        "state": "update.state",
+        "dataset_rows": "rollouts.dataset_rows",
+        "multiturn": "rollouts.multiturn",
+        "reward_scale": "rollouts.reward_scale",
+        "rollout": "rollouts.rollout",
+        "step_rewards": "rollouts.step_rewards",
+        "tools": "rollouts.tools",
+        "truncation": "rollouts.truncation",
+        "evaluation_metrics": "run.evaluation_metrics",
+        "loop": "run.loop",
+        "preflight": "run.preflight",
+    }
+    package = sys.modules[__name__]
+    for old, new in moved.items():
+        module = importlib.import_module(f"{__name__}.{new}")
+        sys.modules.setdefault(f"{__name__}.{old}", module)
+        if old not in vars(package):  # a function of the same name (rollout) keeps its name
+            setattr(package, old, module)
+
+
+_alias_moved_modules()

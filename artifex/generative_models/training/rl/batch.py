@@ -13,7 +13,7 @@ The completion mask is 1 exactly on the completion tokens that count (EOS includ
 anything after EOS excluded). For a non-sequence policy ``model(observations) -> logits`` (the
 dict batch form), ``prompt_ids`` holds the observations and each action is a completion of
 length 1 (see :meth:`GRPOBatch.from_dict` and
-:mod:`~artifex.generative_models.training.rl.compat`).
+:mod:`~artifex.generative_models.training.rl.core.compat`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.training.rl.compat import dict_batch_fields
+from artifex.generative_models.training.rl.core.compat import dict_batch_fields
 from artifex.generative_models.utils.validation import check_int
 
 __all__ = ["GRPOBatch"]
@@ -67,7 +67,7 @@ class GRPOBatch:
             them instead of normalizing ``rewards`` (which are still reported).
         step_rewards: ``(B, T)`` per-step rewards for process supervision (NaN where no step
             ends); when given (and ``advantages`` is not), token advantages come from
-            :func:`~artifex.generative_models.training.rl.advantages.process_advantages`.
+            :func:`~artifex.generative_models.training.rl.core.advantages.process_advantages`.
         group_ids: ``(B,)`` int group index per row, for groups of different sizes; when given,
             the segment form of the kernel is used and ``B`` need not be a multiple of
             ``group_size``.
@@ -356,7 +356,8 @@ class GRPOBatch:
         ``num_prompts * group_size`` rows, each prompt repeated ``group_size`` times and marked
         so (``shared_prompts=True``: the prompts are encoded once per group), full masks, int32
         ids, float32 rewards: what
-        :meth:`~artifex.generative_models.training.rl.grpo.GRPOTrainer.compile_ahead` needs to
+        :meth:`~artifex.generative_models.training.rl.update.trainer.GRPOTrainer.compile_ahead`
+        needs to
         compile the update for the sampler's batches before the first one exists. Pass the
         prompt width the sampler pads to
         (:func:`~artifex.generative_models.inference.sampling.bucket_length`).
@@ -410,7 +411,7 @@ class GRPOBatch:
         ``actions``, optional ``advantages`` ``(B,)``, optional ``group_size`` overriding the
         given default. A single-step categorical action is a completion of length 1. The
         conversion itself is
-        :func:`~artifex.generative_models.training.rl.compat.dict_batch_fields`.
+        :func:`~artifex.generative_models.training.rl.core.compat.dict_batch_fields`.
 
         Args:
             batch: The dict.

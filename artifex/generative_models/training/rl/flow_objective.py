@@ -23,9 +23,9 @@ import jax
 
 from artifex.generative_models.inference.flow_sampling import SDEConfig
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.objective import grpo_objective
 from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn
-from artifex.generative_models.training.rl.objective import grpo_objective
 
 __all__ = ["flow_grpo_objective"]
 

@@ -18,7 +18,7 @@ attends to the earlier tokens of its unit's prompt and of its own completion onl
 positions from 0, a completion's from the prompt's length), so each token's hidden state is
 the padded batch's, up to rounding. The log-prob of completion token ``t`` comes from the
 hidden state of token ``t - 1`` (of the prompt's last token for ``t = 0``), as in
-:func:`~artifex.generative_models.training.rl.logprobs.causal_lm_log_probs`.
+:func:`~artifex.generative_models.training.rl.core.logprobs.causal_lm_log_probs`.
 
 Shapes. ``L`` is the padded width ``P + T`` unless given, so every sequence fits; ``R``, the
 rows needed, is rounded up to :func:`row_bucket` (a quarter of a power of two), so one
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.logprobs import (
+from artifex.generative_models.training.rl.core.logprobs import (
     LogProbFn,
     causal_lm_log_probs_fn,
     chunked_token_log_probs,
@@ -448,7 +448,7 @@ def packed_causal_lm_log_probs(
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies ``(B, T)`` of a packed batch's completions.
 
-    The values of :func:`~artifex.generative_models.training.rl.logprobs.causal_lm_log_probs`
+    The values of :func:`~artifex.generative_models.training.rl.core.logprobs.causal_lm_log_probs`
     on the padded batch up to rounding (0 after each completion's last counted token), from one
     pass of ``model.packed_hidden_states`` over the ``R x L`` packed rows and the output
     projection of their positions plus one per row (the first completion token's predictor).
@@ -551,7 +551,7 @@ def packed_log_prob_fn(
 
     Args:
         base: The log-prob function of unpacked batches (``None``:
-            :func:`~artifex.generative_models.training.rl.logprobs.causal_lm_log_probs_fn`
+            :func:`~artifex.generative_models.training.rl.core.logprobs.causal_lm_log_probs_fn`
             with these options).
         chunk_size: Rows per logits chunk.
         temperature: The sampling temperature (logits are divided by it).

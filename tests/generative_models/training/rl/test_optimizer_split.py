@@ -256,8 +256,8 @@ def test_the_trainer_runs_the_optimizer_by_layer_with_the_one_program_values(cas
     a, b = _trainer(False, **case), _trainer(True, **case)
     batch = lm_batch(seed=1).replace(ref_log_probs=None)
     _assert_same_training(a, b, batch)
-    assert type(b.compiled_step()).__name__ == "_SplitStep", b.optimizer_split_reason
-    assert type(a.compiled_step()).__name__ == "_CompiledStep"
+    assert type(b.compiled_step()).__name__ == "SplitOptimizerEngine", b.optimizer_split_reason
+    assert type(a.compiled_step()).__name__ == "OneProgramEngine"
     assert a.num_compilations == b.num_compilations == 1
 
 
@@ -270,7 +270,7 @@ def test_moments_in_bfloat16_for_float32_parameters_run_by_layer():
     # bfloat16 rounding boundary, the two round one unit (2**-8 relative) apart, and so do
     # that parameter's later steps (learning rate 1e-2).
     _assert_same_training(a, b, batch, rtol=2**-7, atol=1e-4)
-    assert type(b.compiled_step()).__name__ == "_SplitStep", b.optimizer_split_reason
+    assert type(b.compiled_step()).__name__ == "SplitOptimizerEngine", b.optimizer_split_reason
     assert b.optimizer_split_reason == ""
     mu = [x for x in jax.tree.leaves(b.state.opt_state) if x.ndim and x.dtype == jnp.bfloat16]
     assert len(mu) == len(jax.tree.leaves(b.state.params))
@@ -283,11 +283,11 @@ def test_microbatches_and_an_unseparable_optimizer():
     global_clip = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
     c = _trainer(True, tx=global_clip)
     c.train_step(batch)
-    assert type(c.compiled_step()).__name__ == "_CompiledStep"
+    assert type(c.compiled_step()).__name__ == "OneProgramEngine"
     assert "reads other groups" in c.optimizer_split_reason
     shallow = _trainer(True, layers=LAYERS - 1)
     shallow.train_step(batch)
-    assert type(shallow.compiled_step()).__name__ == "_CompiledStep"
+    assert type(shallow.compiled_step()).__name__ == "OneProgramEngine"
     assert f"fewer than {LAYERS} decoder layers" in shallow.optimizer_split_reason
 
 
@@ -327,7 +327,7 @@ def test_a_state_loaded_with_other_types_is_split_as_its_own_types_allow():
         )
     assert "reads other groups" in b.optimizer_split_reason
     _assert_same_training(a, b, batch, steps=2)
-    assert type(b.compiled_step()).__name__ == "_SplitStep"  # its optimizer in one program
+    assert type(b.compiled_step()).__name__ == "SplitOptimizerEngine"  # optimizer: one program
     back = b.state  # and layer by layer again for float32 moments
     b.load_state(
         back.replace(opt_state=jax.tree.map(lambda x: x.astype(jnp.float32), back.opt_state))
@@ -342,7 +342,7 @@ def test_a_rejected_update_by_layer_leaves_model_and_optimizer_as_they_were():
     before_opt = flat(nnx.state(t.optimizer))
     with pytest.raises(NonFiniteUpdateError):
         t.train_step(lm_batch(seed=6).replace(ref_log_probs=None))
-    assert type(t.compiled_step()).__name__ == "_SplitStep"
+    assert type(t.compiled_step()).__name__ == "SplitOptimizerEngine"
     for now, then in (
         (nnx.state(t.model, nnx.Param), before),
         (nnx.state(t.optimizer), before_opt),
@@ -432,7 +432,7 @@ def test_a_ctrl_c_during_the_per_group_updates_keeps_the_new_state(default_sigin
     batch = lm_batch(seed=1).replace(ref_log_probs=None)
     t.train_step(batch)
     step = t.compiled_step()
-    assert type(step).__name__ == "_SplitStep"
+    assert type(step).__name__ == "SplitOptimizerEngine"
     expected = _trainer(True)  # the same two steps, uninterrupted
     expected.train_step(batch)
     expected.train_step(batch)
@@ -493,7 +493,7 @@ def test_a_ctrl_c_during_the_loops_per_group_updates_keeps_the_new_state(
     _run_loop(expected, tok, num_steps=1)
     t, tok = _loop_trainer()
     step = t.compiled_step()
-    assert type(step).__name__ == "_SplitStep", t.optimizer_split_reason
+    assert type(step).__name__ == "SplitOptimizerEngine", t.optimizer_split_reason
     ckpt = str(tmp_path / "ckpt")
     options = dict(num_steps=3, checkpoint_dir=ckpt, handle_signals=handle_signals)
     with _ctrl_c_at_the_first_group(step) as calls:
@@ -545,7 +545,7 @@ def test_the_clipping_norm_of_bfloat16_gradients_is_the_one_program_norm():
     a, b = make(False), make(True)
     batch = lm_batch(seed=1).replace(ref_log_probs=None)
     ma, mb = a.train_step(batch), b.train_step(batch)
-    assert type(b.compiled_step()).__name__ == "_SplitStep"
+    assert type(b.compiled_step()).__name__ == "SplitOptimizerEngine"
     assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-6)
     fa, fb = flat(nnx.state(a.model, nnx.Param)), flat(nnx.state(b.model, nnx.Param))
     for name, value in fa.items():
@@ -586,12 +586,12 @@ def test_the_update_programs_are_compiled_before_the_groups_run_after_a_placemen
 def test_the_split_is_chosen_only_for_parameters_on_the_cpu(monkeypatch):
     # The split shortens XLA:CPU's compile time; on an accelerator the update stays one program
     # (the configuration measured there). Placement is read from the parameters' devices.
-    from artifex.generative_models.training.rl import grpo
+    from artifex.generative_models.training.rl.update import engines
 
     on_cpu = _trainer(True)
-    assert grpo._on_cpu(on_cpu.params)
-    assert type(on_cpu.compiled_step()).__name__ == "_SplitStep"
-    monkeypatch.setattr(grpo, "_on_cpu", lambda params: False)
+    assert engines.on_cpu(on_cpu.params)
+    assert type(on_cpu.compiled_step()).__name__ == "SplitOptimizerEngine"
+    monkeypatch.setattr(engines, "on_cpu", lambda params: False)
     elsewhere = _trainer(True)
     assert "not on the CPU" in elsewhere.optimizer_split_reason
-    assert type(elsewhere.compiled_step()).__name__ == "_CompiledStep"
+    assert type(elsewhere.compiled_step()).__name__ == "OneProgramEngine"

@@ -316,7 +316,7 @@ def test_a_batch_without_advantage_signal_moves_nothing_unless_asked(split):
         assert metrics["advantage_signal"] == 0.0
         assert changed is moves, options
         assert int(t.optimizer.step[...]) == int(moves)
-        assert (type(t.compiled_step()).__name__ == "_SplitStep") is split
+        assert (type(t.compiled_step()).__name__ == "SplitOptimizerEngine") is split
     # One group whose rewards differ is a signal: the update is applied by default.
     spread = batch.rewards.at[0].set(5.0)
     t = trainer()

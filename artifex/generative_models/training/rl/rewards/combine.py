@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.training.rl.advantages import group_stats
+from artifex.generative_models.training.rl.core.advantages import group_stats
 from artifex.generative_models.training.rl.rewards.base import (
     RewardFunctionError,
     reward_names,
@@ -117,7 +117,7 @@ def _standardize(per_function: np.ndarray, group_size: int, eps: float) -> np.nd
     """Standardizes each column over its non-NaN entries within groups of ``group_size`` rows.
 
     ``z = (r - mean) / (std + eps)`` with the population std, computed in float32 by
-    :func:`~artifex.generative_models.training.rl.advantages.group_stats` (the same statistics
+    :func:`~artifex.generative_models.training.rl.core.advantages.group_stats` (the same statistics
     as the advantages): exactly 0 where all the group's values of that column are equal; NaN
     (no reward) stays NaN and is left out of the group's mean and std.
     """
@@ -156,7 +156,7 @@ def combine_reward_columns(
 
     In both modes ``total_i`` is NaN when every function returned ``None`` for row ``i``.
     The group statistics of ``"normalized"`` mode are those of the advantage stage
-    (:func:`~artifex.generative_models.training.rl.advantages.group_stats`, float32, NaN left
+    (:func:`~artifex.generative_models.training.rl.core.advantages.group_stats`, float32, NaN left
     out); the weighted sum is float64; the result is float32.
 
     Args:

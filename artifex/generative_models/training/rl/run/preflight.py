@@ -1,7 +1,8 @@
 """The training loop's outputs, opened before the first step: locked, checked, restored.
 
 :func:`open_run_outputs` does, in order, what
-:func:`~artifex.generative_models.training.rl.loop.train` needs before its first (expensive) step:
+:func:`~artifex.generative_models.training.rl.run.loop.train` needs before its first (expensive)
+step:
 
 1. every output directory is created and written to once (a read-only or misspelled path fails
    now, not hours later);
@@ -65,7 +66,7 @@ class LogDirectoryInUseError(FileExistsError):
     """The log directory holds the logs of another run (one with another checkpoint directory).
 
     Examples:
-        >>> from artifex.generative_models.training.rl.preflight import LogDirectoryInUseError
+        >>> from artifex.generative_models.training.rl.run.preflight import LogDirectoryInUseError
         >>> issubclass(LogDirectoryInUseError, FileExistsError)
         True
     """
@@ -95,14 +96,14 @@ def check_log_owner(
 
     Examples:
         >>> import os, tempfile
-        >>> from artifex.generative_models.training.rl.preflight import check_log_owner
+        >>> from artifex.generative_models.training.rl.run.preflight import check_log_owner
         >>> logs = tempfile.mkdtemp()
         >>> check_log_owner(logs, "/runs/a/checkpoints", overwrite=False)  # claimed for run a
         >>> open(os.path.join(logs, "metrics.jsonl"), "w").close()  # run a logs a step
         >>> check_log_owner(logs, "/runs/b/checkpoints", overwrite=False)
         Traceback (most recent call last):
             ...
-        artifex.generative_models.training.rl.preflight.LogDirectoryInUseError: ...
+        artifex.generative_models.training.rl.run.preflight.LogDirectoryInUseError: ...
     """
     import json
 
@@ -142,7 +143,7 @@ class RunOutputs:
         locks: The directory locks held.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.preflight import RunOutputs
+        >>> from artifex.generative_models.training.rl.run.preflight import RunOutputs
         >>> outputs = RunOutputs(manager=None, start_step=0, record=None)  # nothing opened
         >>> outputs.close()
         >>> outputs.locks
@@ -184,7 +185,7 @@ def check_writable_dir(path: str | os.PathLike[str], what: str = "directory") ->
 
     Examples:
         >>> import os, tempfile
-        >>> from artifex.generative_models.training.rl.preflight import check_writable_dir
+        >>> from artifex.generative_models.training.rl.run.preflight import check_writable_dir
         >>> path = check_writable_dir(os.path.join(tempfile.mkdtemp(), "runs", "logs"), "--log-dir")
         >>> os.path.isdir(path), os.path.isabs(path)
         (True, True)
@@ -239,7 +240,7 @@ def open_run_outputs(config: Any, trainer: Any, fingerprint: Mapping[str, Any]) 
     Examples:
         >>> import os, tempfile
         >>> from artifex.generative_models.training import TrainConfig
-        >>> from artifex.generative_models.training.rl.preflight import open_run_outputs
+        >>> from artifex.generative_models.training.rl.run.preflight import open_run_outputs
         >>> logs = tempfile.mkdtemp()
         >>> config = TrainConfig(num_steps=10, log_dir=logs, progress=False)
         >>> outputs = open_run_outputs(config, trainer=None, fingerprint={})  # no checkpoints

@@ -46,7 +46,7 @@ def mask_truncated_completions(batch: GRPOBatch, truncated: Any) -> GRPOBatch:
     Examples:
         >>> import jax.numpy as jnp
         >>> from artifex.generative_models.training.rl import GRPOBatch
-        >>> from artifex.generative_models.training.rl.truncation import (
+        >>> from artifex.generative_models.training.rl.rollouts.truncation import (
         ...     mask_truncated_completions)
         >>> batch = GRPOBatch(prompt_ids=jnp.ones((2, 1), jnp.int32),
         ...                   completion_ids=jnp.ones((2, 3), jnp.int32),

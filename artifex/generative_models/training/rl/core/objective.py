@@ -5,7 +5,7 @@ function of arrays). :func:`make_grpo_loss` binds a model's graph and a config i
 ``grpo_loss(params, batch) -> (loss, metrics)`` that ``jax.grad`` differentiates.
 
 Per token ``t`` of completion ``i`` (DeepSeekMath eq. 3, with the options of
-:class:`~artifex.generative_models.training.rl.configs.GRPOConfig`):
+:class:`~artifex.generative_models.training.rl.core.configs.GRPOConfig`):
 
 .. math::
 
@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from artifex.generative_models.training.rl import advantages as adv_lib
-from artifex.generative_models.training.rl import losses
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.distillation import DIVERGENCES
-from artifex.generative_models.training.rl.logprobs import LogProbFn, default_log_prob_fn
-from artifex.generative_models.training.rl.teacher import make_distillation_terms
+from artifex.generative_models.training.rl.core import advantages as adv_lib
+from artifex.generative_models.training.rl.core import losses
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.distillation import DIVERGENCES
+from artifex.generative_models.training.rl.core.logprobs import LogProbFn, default_log_prob_fn
+from artifex.generative_models.training.rl.core.teacher import make_distillation_terms
 
 __all__ = [
     "as_grpo_batch",
@@ -140,7 +140,7 @@ def compute_advantages(batch: GRPOBatch, config: GRPOConfig) -> jax.Array:
 
 # ---------------------------------------------------------------------------------- the loss
 def _reward_metrics(batch: GRPOBatch, advantages: jax.Array) -> dict[str, jax.Array]:
-    """:func:`~artifex.generative_models.training.rl.advantages.reward_statistics` of a batch."""
+    """The reward statistics of a batch (``core.advantages.reward_statistics``)."""
     if advantages.ndim == 2:
         adv_mask = jnp.asarray(batch.completion_mask, jnp.float32)
     elif batch.advantages is None:
@@ -310,7 +310,7 @@ def grpo_objective(
 
     ``loss = p agg(w * m * l) + beta * agg(c * KL) - entropy_coeff * agg(H) + lambda agg(D)``
     where ``agg`` is the configured aggregation (see
-    :func:`~artifex.generative_models.training.rl.losses.aggregate_loss`), ``l`` the per-token
+    :func:`~artifex.generative_models.training.rl.core.losses.aggregate_loss`), ``l`` the per-token
     policy term (``policy_loss``: the clipped surrogate ``-min(rho A, clip(rho) A)`` with the
     token, sequence or GSPO-token ratio ``rho``; CISPO; SAPO; VESPO), ``m`` the off-policy
     sequence mask and the high-entropy token mask (1 when disabled), ``w`` the sampler/trainer
@@ -328,14 +328,14 @@ def grpo_objective(
         batch: The batch (masks, rewards, old, reference, sampler, teacher log-probs).
         config: The options.
         normalizer: Overrides the aggregation denominator (for microbatches of a larger
-            batch, see :func:`~artifex.generative_models.training.rl.losses.loss_normalizer`).
+            batch, see :func:`~artifex.generative_models.training.rl.core.losses.loss_normalizer`).
         advantages: Overrides :func:`compute_advantages` (e.g. the whole batch's, for one of
             its microbatches).
         reward_metrics: Add the reward and advantage statistics to the metrics.
         entropy_threshold: Overrides the entropy quantile of ``top_entropy_quantile`` (the
             whole batch's, when this is one of its microbatches).
         distillation: ``(B, T)`` per-token distillation loss, given exactly when
-            ``distillation_coeff > 0`` (:mod:`~artifex.generative_models.training.rl.teacher`).
+            ``distillation_coeff > 0`` (:mod:`~artifex.generative_models.training.rl.core.teacher`).
         kl: ``(B, T)`` per-token KL to the reference computed by the caller (with
             ``kl_estimator="exact"``: a log-prob function's ``log_probs_and_kl``); used in
             place of the estimator on ``ref_log_probs``.
@@ -573,10 +573,10 @@ def make_grpo_loss(
         config: The GRPO options.
         wrt: Filter selecting the differentiable variables (``nnx.Param`` by default).
         log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)``; defaults to
-            :func:`~artifex.generative_models.training.rl.logprobs.default_log_prob_fn`.
+            :func:`~artifex.generative_models.training.rl.core.logprobs.default_log_prob_fn`.
         teacher_model: The distillation teacher (``distillation_coeff > 0``; its variables
             are read at each call), see
-            :func:`~artifex.generative_models.training.rl.teacher.make_distillation_terms`.
+            :func:`~artifex.generative_models.training.rl.core.teacher.make_distillation_terms`.
 
     Returns:
         ``grpo_loss``.

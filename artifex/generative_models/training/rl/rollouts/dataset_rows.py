@@ -64,7 +64,7 @@ def as_rows(
             ``default_splits`` and more than one split.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.dataset_rows import as_rows
+        >>> from artifex.generative_models.training.rl.rollouts.dataset_rows import as_rows
         >>> rows = [{"prompt": "1+1=", "answer": "2"}]
         >>> as_rows(rows) is rows
         True

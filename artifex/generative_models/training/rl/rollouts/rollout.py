@@ -33,10 +33,11 @@ from artifex.generative_models.inference.sampling import (
     generate,
 )
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.policy import Policy
 from artifex.generative_models.training.rl.rewards import RewardCombiner
-from artifex.generative_models.training.rl.step_rewards import StepRewards
-from artifex.generative_models.training.rl.truncation import mask_truncated_completions
+from artifex.generative_models.training.rl.rollouts.step_rewards import StepRewards
+from artifex.generative_models.training.rl.rollouts.truncation import mask_truncated_completions
 from artifex.generative_models.training.sharding import (
     batch_partition_spec,
     host_array,
@@ -72,40 +73,6 @@ _COMPLETION_LENGTH_CLASH = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """The policy as the rollout stage sees it: what samples, where, and how it scores.
-
-    A rollout reads nothing else of the trainer. ``GRPOTrainer.policy()`` builds one; a custom
-    loop can build its own around any causal LM.
-
-    Attributes:
-        model: The causal LM that samples (its current weights).
-        config: The run's :class:`GRPOConfig`: the group size ``num_generations``, the
-            sampling ``temperature`` (the one the loss scores at), and whether the loss reads
-            the sampler's log-probs (``sampler_correction``, ``off_policy_mask_threshold``).
-        mesh: The training mesh (``None``: one device); batches are built on it.
-        score: ``batch -> batch`` filling ``old_log_probs`` (and ``ref_log_probs`` when a
-            reference exists and ``beta > 0``) with the training graph, or ``None`` when the
-            rollout is never asked for old log-probs.
-
-    Examples:
-        >>> from flax import nnx
-        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
-        >>> from artifex.generative_models.training.rl import GRPOConfig, Policy
-        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
-        ...                      num_layers=1, num_heads=2)
-        >>> policy = Policy(CausalLM(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=4))
-        >>> policy.config.num_generations
-        4
-    """
-
-    model: Any
-    config: GRPOConfig
-    mesh: Any = None
-    score: Any = None
-
-
 @runtime_checkable
 class SupportsPolicy(Protocol):
     """Anything that can present itself as a :class:`Policy` (e.g. ``GRPOTrainer``).
@@ -114,7 +81,10 @@ class SupportsPolicy(Protocol):
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
         >>> from artifex.generative_models.training.rl import GRPOConfig, Policy
-        >>> from artifex.generative_models.training.rl.rollout import SupportsPolicy, as_policy
+        >>> from artifex.generative_models.training.rl.rollouts.rollout import (
+        ...     SupportsPolicy,
+        ...     as_policy,
+        ... )
         >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
         ...                      num_layers=1, num_heads=2)
         >>> class Holder:  # e.g. a trainer: anything with a policy() method
@@ -542,7 +512,7 @@ def spans_processes(mesh: Any) -> bool:
 
     Examples:
         >>> import jax
-        >>> from artifex.generative_models.training.rl.rollout import spans_processes
+        >>> from artifex.generative_models.training.rl.rollouts.rollout import spans_processes
         >>> spans_processes(None), spans_processes(jax.make_mesh((1,), ("data",)))
         (False, False)
     """
@@ -605,7 +575,8 @@ def rollout(
         placement: A :class:`~artifex.generative_models.training.placement.RolloutPlacement`
             to sample on a mesh of its own (weights resharded onto it first, the batch moved
             back to the trainer's mesh); ``None`` samples with the trainer's model where it is.
-        step_rewards: A :class:`~artifex.generative_models.training.rl.step_rewards.StepRewards`
+        step_rewards: A
+        :class:`~artifex.generative_models.training.rl.rollouts.step_rewards.StepRewards`
             whose per-step rewards fill ``step_rewards`` (process supervision); ``None``: none.
         engine: A :class:`~artifex.generative_models.inference.engines.RolloutEngine` that
             samples (given the policy's weights first, when they changed): its per-token
@@ -736,7 +707,7 @@ def rollout_batch_like(
     sampler's length bucket, ``max_new_tokens`` completion columns, the sampler's log-probs when
     the loss reads them, and with ``need_old_log_probs`` what the policy's scorer fills (its
     shapes traced, nothing computed). This is the example
-    :meth:`~artifex.generative_models.training.rl.grpo.GRPOTrainer.compile_ahead` needs to
+    :meth:`~artifex.generative_models.training.rl.update.trainer.GRPOTrainer.compile_ahead` needs to
     compile the update while the first rollout samples. For one process and the trainer's own
     mesh (a rollout placement moves the batch between meshes).
 
@@ -829,7 +800,7 @@ def check_engine_rollout(config: RolloutConfig, mesh: Any) -> None:
 
     Examples:
         >>> from artifex.generative_models.training import RolloutConfig
-        >>> from artifex.generative_models.training.rl.rollout import check_engine_rollout
+        >>> from artifex.generative_models.training.rl.rollouts.rollout import check_engine_rollout
         >>> check_engine_rollout(RolloutConfig(), None)
         >>> check_engine_rollout(RolloutConfig(row_groups=2), None)
         Traceback (most recent call last):

@@ -13,7 +13,8 @@ with ``alpha = ref_model_mixup_alpha`` (``alpha = 1`` copies the policy), as TRL
 policy's array at the same path (trainable and frozen variables alike; computed in at least
 float32 and stored in the reference's dtype); other arrays are kept.
 
-:class:`~artifex.generative_models.training.rl.grpo.GRPOTrainer` syncs after each update of
+:class:`~artifex.generative_models.training.rl.update.trainer.GRPOTrainer` syncs after each update
+of
 ``train_step`` and of the training loop, and a checkpoint then holds the reference (it is no
 longer the frozen start), so a resumed run continues with the same reference. A pure loop of
 one's own calls :func:`sync_reference` when :func:`reference_sync_due` says so.
@@ -36,8 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.state import GRPOTrainState
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.update.state import GRPOTrainState
 from artifex.generative_models.utils.validation import check_float, check_int
 
 __all__ = [
@@ -73,7 +74,7 @@ def check_reference_syncable(reference: Any, params: Any, frozen: Any = None) ->
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl.ref_sync import (
+        >>> from artifex.generative_models.training.rl.update.ref_sync import (
         ...     check_reference_syncable)
         >>> check_reference_syncable({"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
         >>> check_reference_syncable({"w": jnp.ones(2)}, {"v": jnp.zeros(2)})
@@ -133,7 +134,7 @@ def sync_reference(state: GRPOTrainState, alpha: float) -> GRPOTrainState:
         >>> import jax, jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> from artifex.generative_models.training.rl import init_train_state
-        >>> from artifex.generative_models.training.rl.ref_sync import sync_reference
+        >>> from artifex.generative_models.training.rl.update.ref_sync import sync_reference
         >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
         >>> reference = nnx.Linear(2, 1, rngs=nnx.Rngs(1))
         >>> state = init_train_state(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
@@ -181,7 +182,7 @@ def reference_sync_due(step: int | jax.Array, config: GRPOConfig) -> bool:
 
     Examples:
         >>> from artifex.generative_models.training import GRPOConfig
-        >>> from artifex.generative_models.training.rl.ref_sync import reference_sync_due
+        >>> from artifex.generative_models.training.rl.update.ref_sync import reference_sync_due
         >>> config = GRPOConfig(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2)
         >>> [reference_sync_due(n, config) for n in range(5)]
         [False, False, True, False, True]
@@ -212,7 +213,7 @@ def check_sync_setup(
     Examples:
         >>> import jax.numpy as jnp
         >>> from artifex.generative_models.training import GRPOConfig
-        >>> from artifex.generative_models.training.rl.ref_sync import check_sync_setup
+        >>> from artifex.generative_models.training.rl.update.ref_sync import check_sync_setup
         >>> config = GRPOConfig(beta=0.04, sync_ref_model=True)
         >>> check_sync_setup(config, lora_only=False, reference={"w": jnp.ones(2)},
         ...                  params={"w": jnp.zeros(2)}, frozen={})

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.training.rl.configs import (
+from artifex.generative_models.training.rl.core.configs import (
     AdvantageBaseline,
     GRPOConfig,
     RewardScaling,
@@ -648,7 +648,7 @@ def nonconstant_groups(rewards: jax.Array, group_size: int) -> jax.Array:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl.advantages import nonconstant_groups
+        >>> from artifex.generative_models.training.rl.core.advantages import nonconstant_groups
         >>> nonconstant_groups(jnp.array([1.0, 1.0, 0.0, 1.0, jnp.nan, 2.0]), 2).tolist()
         [False, True, False]
     """
@@ -686,7 +686,7 @@ def reward_statistics(
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl.advantages import reward_statistics
+        >>> from artifex.generative_models.training.rl.core.advantages import reward_statistics
         >>> m = reward_statistics(jnp.array([1.0, 0.0, 1.0, 1.0]), 2)
         >>> float(m["reward_mean"]), float(m["frac_reward_zero_std"])
         (0.75, 0.5)

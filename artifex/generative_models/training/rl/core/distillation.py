@@ -2,7 +2,7 @@ r"""On-policy distillation: a teacher's per-token divergence on the student's ow
 
 The student samples completions (the GRPO rollout), a frozen teacher scores them, and the update
 adds ``distillation_coeff`` times the aggregated per-token divergence to the loss
-(:func:`~artifex.generative_models.training.rl.objective.grpo_objective`, ``distillation=``);
+(:func:`~artifex.generative_models.training.rl.core.objective.grpo_objective`, ``distillation=``);
 with ``GRPOConfig.policy_loss_coeff = 0`` it is distillation alone. At completion position
 ``t``, student ``S = \pi_\theta(\cdot | x, o_{<t})`` and teacher ``T = \pi_T(\cdot | x,
 o_{<t})``, both at the sampling temperature:
@@ -43,7 +43,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from artifex.generative_models.training.rl.logprobs import auto_chunk_size, token_log_probs
+from artifex.generative_models.training.rl.core.logprobs import auto_chunk_size, token_log_probs
 from artifex.generative_models.utils.validation import check_choice, check_float
 
 __all__ = [
@@ -87,7 +87,7 @@ def sampled_reverse_kl(
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl.distillation import sampled_reverse_kl
+        >>> from artifex.generative_models.training.rl.core.distillation import sampled_reverse_kl
         >>> student = jnp.array([[-0.5, -1.0]])
         >>> teacher = jnp.array([[-0.7, -0.4]])
         >>> sampled_reverse_kl(student, teacher, jnp.array([[1, 0]])).tolist()
@@ -133,7 +133,7 @@ def logits_divergence(
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl.distillation import logits_divergence
+        >>> from artifex.generative_models.training.rl.core.distillation import logits_divergence
         >>> s, t = jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.9, 0.1]))
         >>> round(float(logits_divergence(s, t, "forward_kl")), 4)  # 0.9 ln 1.8 + 0.1 ln 0.2
         0.3681
@@ -202,7 +202,7 @@ def chunked_distillation(
     ``chunk_size`` rows at a time by a ``lax.scan`` whose body is rematerialized in the backward
     pass: one chunk's ``(chunk, V)`` logits of each model exist at a time. The teacher gets no
     gradient. Values are those of :func:`logits_divergence` and
-    :func:`~artifex.generative_models.training.rl.logprobs.token_log_probs` on the full logits.
+    :func:`~artifex.generative_models.training.rl.core.logprobs.token_log_probs` on the full logits.
 
     Args:
         hidden: ``(..., D)`` student hidden states.
@@ -214,7 +214,7 @@ def chunked_distillation(
         divergence: ``"forward_kl"``, ``"reverse_kl"`` (exact) or ``"jsd"``.
         beta: The JSD's teacher weight.
         chunk_size: Rows per chunk; ``None``:
-            :func:`~artifex.generative_models.training.rl.logprobs.auto_chunk_size`.
+            :func:`~artifex.generative_models.training.rl.core.logprobs.auto_chunk_size`.
         transposed: ``weight`` is ``(V, D)`` (a tied embedding as stored).
         teacher_transposed: ``teacher_weight`` is ``(V, D_T)``.
         softcap: The student's final logit soft-cap (Gemma), or ``None``.
@@ -229,7 +229,7 @@ def chunked_distillation(
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl.distillation import (
+        >>> from artifex.generative_models.training.rl.core.distillation import (
         ...     chunked_distillation, logits_divergence)
         >>> k = jax.random.split(jax.random.key(0), 4)
         >>> h, w = jax.random.normal(k[0], (2, 3, 4)), jax.random.normal(k[1], (4, 7))

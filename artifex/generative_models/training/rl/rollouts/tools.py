@@ -250,7 +250,7 @@ def live_tool_threads() -> int:
         The count, over every :class:`ToolRunner`.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.tools import live_tool_threads
+        >>> from artifex.generative_models.training.rl.rollouts.tools import live_tool_threads
         >>> live_tool_threads() >= 0
         True
     """

@@ -4,7 +4,7 @@ Each step (Algorithm 1 of DeepSeekMath, outer loop):
 
 1. take ``prompts_per_step`` rows of the dataset (shuffled per epoch, deterministically);
 2. roll out ``num_generations`` completions per prompt and score them
-   (:func:`~artifex.generative_models.training.rl.rollout.rollout`); with dynamic sampling
+   (:func:`~artifex.generative_models.training.rl.rollouts.rollout.rollout`); with dynamic sampling
    (DAPO) drop the groups whose rewards are all equal and refill from further rows;
 3. normalize rewards within groups over the whole generation batch;
 4. run ``num_iterations`` (GRPO's ``mu``) passes over the batch, each split into
@@ -43,19 +43,13 @@ import numpy as np
 
 from artifex.generative_models.training.checkpointing import training_fingerprint
 from artifex.generative_models.training.logging import CompletionLog, is_primary_process
-from artifex.generative_models.training.rl.advantages import nonconstant_groups
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.dataset_rows import EVAL_SPLITS, as_rows
-from artifex.generative_models.training.rl.evaluation_metrics import (
-    check_sampled_eval,
-    evaluate_sampled,
-)
-from artifex.generative_models.training.rl.objective import _reward_metrics, compute_advantages
-from artifex.generative_models.training.rl.optimizer_split import interrupt_scope
-from artifex.generative_models.training.rl.preflight import check_writable_dir, open_run_outputs
-from artifex.generative_models.training.rl.reward_scale import check_reward_scale
+from artifex.generative_models.training.rl.core.advantages import nonconstant_groups
+from artifex.generative_models.training.rl.core.objective import _reward_metrics, compute_advantages
 from artifex.generative_models.training.rl.rewards import RewardCombiner
-from artifex.generative_models.training.rl.rollout import (
+from artifex.generative_models.training.rl.rollouts.dataset_rows import EVAL_SPLITS, as_rows
+from artifex.generative_models.training.rl.rollouts.reward_scale import check_reward_scale
+from artifex.generative_models.training.rl.rollouts.rollout import (
     Policy,
     Rollout,
     RolloutConfig,
@@ -67,14 +61,20 @@ from artifex.generative_models.training.rl.rollout import (
     sample_completions,
     spans_processes,
 )
-from artifex.generative_models.training.rl.state import NonFiniteUpdateError
-from artifex.generative_models.training.rl.step_rewards import StepRewards
+from artifex.generative_models.training.rl.rollouts.step_rewards import StepRewards
+from artifex.generative_models.training.rl.run.evaluation_metrics import (
+    check_sampled_eval,
+    evaluate_sampled,
+)
+from artifex.generative_models.training.rl.run.preflight import check_writable_dir, open_run_outputs
+from artifex.generative_models.training.rl.update.optimizer_split import interrupt_scope
+from artifex.generative_models.training.rl.update.state import NonFiniteUpdateError
 from artifex.generative_models.training.sharding import host_array, process_row_range
 from artifex.generative_models.training.trackers import check_report_to
 from artifex.generative_models.utils.validation import check_int
 
 if TYPE_CHECKING:  # annotations only: the trainer's module sits above the loop
-    from artifex.generative_models.training.rl.grpo import GRPOTrainer
+    from artifex.generative_models.training.rl.update.trainer import GRPOTrainer
 
 _log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class TrainConfig:
         pass_threshold: A greedy completion passes (pass@1) when its evaluation reward is at
             least this.
         eval_num_samples: Samples per evaluation prompt for pass@k, mean@n and maj@n
-            (:mod:`~artifex.generative_models.training.rl.evaluation_metrics`); 1: greedy only.
+            (:mod:`~artifex.generative_models.training.rl.run.evaluation_metrics`); 1: greedy only.
         log_dir: Directory for ``metrics.jsonl`` and the trackers' files (``None``: no files).
         report_to: Trackers (:mod:`~artifex.generative_models.training.trackers`).
         checkpoint_dir: Orbax checkpoint directory (``None``: no checkpoints).
@@ -434,7 +434,7 @@ def evaluate(
     scores at least ``pass_threshold`` (rows without a reward count as failures).
 
     Args:
-        policy: The rollout :class:`~artifex.generative_models.training.rl.rollout.Policy`
+        policy: The rollout :class:`~artifex.generative_models.training.rl.rollouts.rollout.Policy`
             (its model generates, on its mesh), or a ``GRPOTrainer``.
         tokenizer: The tokenizer.
         rows: Evaluation rows.
@@ -505,7 +505,7 @@ def check_eval_row_groups(rollout_config: RolloutConfig, num_rows: int, batch_si
 
     Examples:
         >>> from artifex.generative_models.training import RolloutConfig
-        >>> from artifex.generative_models.training.rl.loop import check_eval_row_groups
+        >>> from artifex.generative_models.training.rl.run.loop import check_eval_row_groups
         >>> check_eval_row_groups(RolloutConfig(row_groups=2), 130, 64)  # 64, 64 and 2
         >>> check_eval_row_groups(RolloutConfig(row_groups=2), 67, 64)  # 64 and 3
         Traceback (most recent call last):
@@ -551,7 +551,7 @@ def check_tokenizer_fits(tokenizer: Any, model: Any) -> None:
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import (
         ...     CausalLM, CausalLMConfig, Tokenizer)
-        >>> from artifex.generative_models.training.rl.loop import check_tokenizer_fits
+        >>> from artifex.generative_models.training.rl.run.loop import check_tokenizer_fits
         >>> tok = Tokenizer.for_characters("0123456789+=")  # 16 ids
         >>> cfg = CausalLMConfig(vocab_size=12, hidden_size=8, intermediate_size=16, num_layers=1,
         ...                      num_heads=2)
@@ -585,7 +585,7 @@ def dataset_fingerprint(dataset: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         ``{"size": len(dataset), "sha256": hex digest}``.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.loop import dataset_fingerprint
+        >>> from artifex.generative_models.training.rl.run.loop import dataset_fingerprint
         >>> rows = [{"prompt": "1+1=", "answer": "2"}]
         >>> fp = dataset_fingerprint(rows)
         >>> fp["size"], len(fp["sha256"]), fp == dataset_fingerprint([dict(r) for r in rows])
@@ -689,7 +689,7 @@ def reward_signal_diagnosis(rewards: Sequence[float] | Any, group_size: int) -> 
     """One line saying why a generation batch cannot teach the policy anything, or ``None``.
 
     GRPO learns from differences between the rewards of one prompt's completions (groups are
-    tested by :func:`~artifex.generative_models.training.rl.advantages.nonconstant_groups`): a
+    tested by :func:`~artifex.generative_models.training.rl.core.advantages.nonconstant_groups`): a
     batch whose rewards are all 0, or whose every group of ``group_size`` completions got one
     same reward, has advantages that are all 0 and gives no gradient. The training loop prints
     this line after its first step.
@@ -707,7 +707,7 @@ def reward_signal_diagnosis(rewards: Sequence[float] | Any, group_size: int) -> 
         ValueError: ``group_size`` is not a positive int that divides the number of rewards.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.loop import reward_signal_diagnosis
+        >>> from artifex.generative_models.training.rl.run.loop import reward_signal_diagnosis
         >>> print(reward_signal_diagnosis([0.0, 0.0, 0.0, 0.0], group_size=2))
         no reward signal: every reward is 0 (4 completions of 2 prompts)...
         >>> print(reward_signal_diagnosis([1.0, 1.0, 0.0, 0.0], group_size=2))
@@ -883,11 +883,13 @@ def train(
     """Trains ``trainer``'s policy with GRPO on prompts from ``dataset``.
 
     Args:
-        trainer: A :class:`~artifex.generative_models.training.rl.grpo.GRPOTrainer` on a causal
+        trainer: A :class:`~artifex.generative_models.training.rl.update.trainer.GRPOTrainer` on a
+        causal
             LM.
         tokenizer: Its tokenizer.
         dataset: Rows (mappings, or a Hugging Face dataset:
-            :func:`~artifex.generative_models.training.rl.dataset_rows.as_rows`) with a prompt
+            :func:`~artifex.generative_models.training.rl.rollouts.dataset_rows.as_rows`) with a
+            prompt
             column and whatever the rewards read.
         rewards: A :class:`RewardCombiner`, one reward function or a list of them (summed).
         config: Loop settings.
@@ -897,9 +899,9 @@ def train(
         rollout_placement: A
             :class:`~artifex.generative_models.training.placement.RolloutPlacement`: sample
             (rollouts and evaluation) on a mesh of its own; ``None``: on the trainer's mesh.
-        rollout_fn: Replaces :func:`~artifex.generative_models.training.rl.rollout.rollout`
+        rollout_fn: Replaces :func:`~artifex.generative_models.training.rl.rollouts.rollout.rollout`
             (same signature), e.g. a
-            :class:`~artifex.generative_models.training.rl.multiturn.MultiTurnRollout`.
+            :class:`~artifex.generative_models.training.rl.rollouts.multiturn.MultiTurnRollout`.
         evaluate_fn: Replaces :func:`evaluate` (same signature), e.g.
             ``MultiTurnRollout.evaluate``.
         fingerprint_extra: JSON-able settings outside the trainer that change the results
@@ -907,7 +909,7 @@ def train(
             recorded in every checkpoint under ``"run"``; a resumed run must match them, as it
             must match the configs, the reward functions and the dataset.
         step_rewards: Per-step rewards
-            (:mod:`~artifex.generative_models.training.rl.step_rewards`), single-turn only.
+            (:mod:`~artifex.generative_models.training.rl.rollouts.step_rewards`), single-turn only.
         rollout_engine: A :class:`~artifex.generative_models.inference.engines.RolloutEngine`
             that samples rollouts, given the policy's weights after each update.
 

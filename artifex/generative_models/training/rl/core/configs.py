@@ -35,13 +35,13 @@ since DeepSeekMath. Each variant is a setting, not a new trainer:
   per-token divergence on the student's samples, ``distillation_coeff`` with
   ``distillation_divergence`` and ``jsd_beta``, added to the GRPO loss or alone
   (``policy_loss_coeff=0``); see
-  :mod:`~artifex.generative_models.training.rl.distillation`.
+  :mod:`~artifex.generative_models.training.rl.core.distillation`.
 
 The KL estimators ``k1``, ``k2`` and ``k3`` are Schulman's (2020, "Approximating KL
 Divergence"); ``"exact"`` is the closed-form KL a log-prob function provides (a flow model's
 Gaussian transitions, Flow-GRPO); formulas of every option are in the docstrings of
-:mod:`~artifex.generative_models.training.rl.losses` and
-:mod:`~artifex.generative_models.training.rl.advantages`.
+:mod:`~artifex.generative_models.training.rl.core.losses` and
+:mod:`~artifex.generative_models.training.rl.core.advantages`.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 class GRPOConfig:
     """Hyper-parameters of the GRPO objective and update.
 
-    Variants and their papers: :mod:`~artifex.generative_models.training.rl.configs`; the
-    objective: :mod:`~artifex.generative_models.training.rl.objective`.
+    Variants and their papers: :mod:`~artifex.generative_models.training.rl.core.configs`; the
+    objective: :mod:`~artifex.generative_models.training.rl.core.objective`.
 
     Attributes:
         num_generations: Group size ``G >= 2``: completions per prompt.

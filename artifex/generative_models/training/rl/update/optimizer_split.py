@@ -40,8 +40,8 @@ import optax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.state import (
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.update.state import (
     GRPOTrainState,
     _clip_scale,
     _finite_flags,
@@ -99,7 +99,7 @@ class LayerSplit:
     Examples:
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl.optimizer_split import split_by_layer
+        >>> from artifex.generative_models.training.rl.update.optimizer_split import split_by_layer
         >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
         ...                     "head": {"w": jnp.ones(3)}})
         >>> tx = optax.adam(1e-2)
@@ -271,7 +271,7 @@ def split_by_layer(
     Examples:
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl.optimizer_split import split_by_layer
+        >>> from artifex.generative_models.training.rl.update.optimizer_split import split_by_layer
         >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
         ...                     "head": {"w": jnp.ones(3)}})
         >>> adamw = optax.adamw(1e-2)
@@ -372,7 +372,7 @@ class SplitDecisions:
     Examples:
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl.optimizer_split import SplitDecisions
+        >>> from artifex.generative_models.training.rl.update.optimizer_split import SplitDecisions
         >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
         ...                     "head": {"w": jnp.ones(3)}})
         >>> tx = optax.adam(1e-2)
@@ -567,7 +567,8 @@ _GROUP_ROWS_FIRST = 1 << 14
 class LayerOptimizer:
     """Clipping, ``tx`` and the guard of ``apply_gradients``, one group of parameters at a time.
 
-    The same values as :func:`~artifex.generative_models.training.rl.state.apply_gradients` for a
+    The same values as :func:`~artifex.generative_models.training.rl.update.state.apply_gradients`
+    for a
     transformation that :func:`split_by_layer` accepted (the gradient norm summed in another order).
     Its programs: each group's squared gradient norm, the clipping scale, each group's check of the
     new parameters and optimizer state (computed, not written), the decision, and each group's
@@ -584,7 +585,7 @@ class LayerOptimizer:
         >>> from flax import nnx
         >>> from artifex.generative_models.training import GRPOBatch, GRPOConfig
         >>> from artifex.generative_models.training.rl import GRPOTrainState
-        >>> from artifex.generative_models.training.rl.optimizer_split import (
+        >>> from artifex.generative_models.training.rl.update.optimizer_split import (
         ...     LayerOptimizer, group_tree, split_by_layer)
         >>> params = nnx.State({"layers": {0: {"w": jnp.ones(2)}, 1: {"w": jnp.ones(2)}},
         ...                     "head": {"w": jnp.ones(3)}})
@@ -793,7 +794,7 @@ def interrupt_scope() -> Iterator[None]:
 
     Examples:
         >>> import signal
-        >>> from artifex.generative_models.training.rl.optimizer_split import (
+        >>> from artifex.generative_models.training.rl.update.optimizer_split import (
         ...     deferred_interrupt, interrupt_scope)
         >>> order = []
         >>> try:

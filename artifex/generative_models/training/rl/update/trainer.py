@@ -1,76 +1,70 @@
 r"""GRPO, the stateful trainer: ``GRPOTrainer(model, optimizer, config).train_step(batch)``.
 
-The loss is a pure function (:mod:`~artifex.generative_models.training.rl.objective`:
+The loss is a pure function (:mod:`~artifex.generative_models.training.rl.core.objective`:
 :func:`grpo_objective`, :func:`make_grpo_loss`), the update a pure function of a train state
-(:mod:`~artifex.generative_models.training.rl.state`: ``grpo_train_step``). This module holds
+(:mod:`~artifex.generative_models.training.rl.update.state`: ``grpo_train_step``). This module holds
 :class:`GRPOTrainer`, the stateful shell: it validates user batches once at the boundary,
 runs the compiled update on the state of its ``nnx`` model and optimizer, and raises
-:class:`NonFiniteUpdateError` when a step was rejected. :meth:`GRPOTrainer.train` runs the
-whole loop (:func:`~artifex.generative_models.training.rl.loop.train`).
+:class:`NonFiniteUpdateError` when a step was rejected. The whole loop drives a trainer
+from above (:func:`~artifex.generative_models.training.rl.run.loop.train`); nothing here
+imports it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.layerwise import LayerwiseStep, check_layerwise_model
-from artifex.generative_models.training.rl.logprobs import LogProbFn, default_log_prob_fn
-from artifex.generative_models.training.rl.loop import TrainConfig
-from artifex.generative_models.training.rl.loop import train as run_loop
-from artifex.generative_models.training.rl.objective import (
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.logprobs import LogProbFn, default_log_prob_fn
+from artifex.generative_models.training.rl.core.objective import (
     as_grpo_batch,
     compute_advantages,
     grpo_objective,
     make_grpo_loss,
     split_microbatches,
 )
-from artifex.generative_models.training.rl.optimizer_split import (
-    LayerOptimizer,
-    LayerSplit,
-    SplitDecisions,
-    group_tree,
-    interrupt_scope,
-    lower_programs,
-)
+from artifex.generative_models.training.rl.core.policy import Policy
+from artifex.generative_models.training.rl.core.teacher import check_teacher_setup
 from artifex.generative_models.training.rl.packing import (
     pack_batch,
     packed_log_prob_fn,
     should_pack,
 )
-from artifex.generative_models.training.rl.ref_sync import (
+from artifex.generative_models.training.rl.update.engines import (
+    choose_optimizer_split,
+    make_step_engine,
+)
+from artifex.generative_models.training.rl.update.layerwise import check_layerwise_model
+from artifex.generative_models.training.rl.update.optimizer_split import (
+    LayerSplit,
+    SplitDecisions,
+    interrupt_scope,
+)
+from artifex.generative_models.training.rl.update.ref_sync import (
     check_sync_setup,
     reference_sync_due,
     sync_reference,
 )
-from artifex.generative_models.training.rl.rollout import Policy
-from artifex.generative_models.training.rl.state import (
+from artifex.generative_models.training.rl.update.state import (
     GRPOTrainState,
     NonFiniteUpdateError,
     _is_lora_only,
-    apply_gradients,
     init_train_state,
-    make_grpo_gradients,
     make_grpo_log_probs,
-    make_grpo_train_step,
     write_train_state,
 )
-from artifex.generative_models.training.rl.teacher import check_teacher_setup
 from artifex.generative_models.training.sharding import (
     PartitionRules,
     _path_parts,
@@ -80,7 +74,7 @@ from artifex.generative_models.training.sharding import (
     shard_model,
     shard_optimizer,
 )
-from artifex.generative_models.utils.compile_options import compiler_options, jit
+from artifex.generative_models.utils.compile_options import jit
 from artifex.generative_models.utils.host_memory import release_memory_after_compilation
 from artifex.generative_models.utils.validation import check_float
 
@@ -242,257 +236,6 @@ def _uncommitted_key(key: jax.Array) -> jax.Array:
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(local))
 
 
-class _CompiledStep:
-    """A trainer's compiled step as ``(state, batch) -> (state, metrics)``.
-
-    It splits the state into what the update changes (parameters, optimizer state, step: their
-    input buffers are donated to XLA, reused for the outputs) and what it only reads (frozen
-    variables, PRNG key, reference).
-    """
-
-    def __init__(self, jitted: Any):
-        self._jitted = jitted
-        self._pending: concurrent.futures.Future | None = None  # a compile_ahead in flight
-
-    @staticmethod
-    def _parts(state: GRPOTrainState) -> tuple[tuple, tuple]:
-        return (state.params, state.opt_state, state.step), (
-            state.frozen,
-            state.rng,
-            state.reference,
-            state.teacher,
-        )
-
-    def __call__(
-        self, state: GRPOTrainState, batch: GRPOBatch
-    ) -> tuple[GRPOTrainState, dict[str, jax.Array]]:
-        self.wait()
-        (params, opt_state, step), metrics = self._jitted(*self._parts(state), batch)
-        return state.replace(params=params, opt_state=opt_state, step=step), metrics
-
-    def wait(self) -> None:
-        """Waits for a background compilation (:meth:`compile_ahead`) to finish, if any.
-
-        Its error, if it failed, is not raised here: the step compiles again at the call and
-        raises there, with the caller's traceback (the future keeps the first error).
-        """
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            concurrent.futures.wait([pending])
-
-    def compile_ahead(self, state: GRPOTrainState, batch: GRPOBatch) -> concurrent.futures.Future:
-        """Traces the step for ``state`` and ``batch`` here and compiles it in a background thread.
-
-        Only shapes, dtypes and shardings are read (nothing runs); JAX caches the result, so
-        the first call with arguments of the same structure and placement runs without
-        compiling. The tracing happens in the calling thread, under its JAX context (a mesh
-        set with ``jax.set_mesh``, a default device, a matmul precision: per-thread settings
-        a background thread would not see); XLA's compilation, the long part, in the
-        background. The call waits for a compilation still in flight instead of starting a
-        second one.
-
-        Args:
-            state: A train state (only its arrays' types are read).
-            batch: A batch with the structure, shapes and dtypes of the batches to come.
-
-        Returns:
-            A future whose result is ``None`` once the step is compiled (or its error).
-        """
-        self.wait()
-        lowered = self._jitted.lower(*self._parts(state), batch)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def work() -> None:
-            try:
-                lowered.compile()
-            except BaseException as exc:  # handed to whoever waits on the future
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
-
-        self._pending = future
-        threading.Thread(target=work, name="artifex-compile-ahead").start()
-        return future
-
-    def lower(self, state: GRPOTrainState, batch: GRPOBatch) -> Any:
-        """XLA's lowering of the step for ``state`` and ``batch`` (``.compile()`` it).
-
-        Args:
-            state: A train state.
-            batch: A batch.
-
-        Returns:
-            The ``jax.stages.Lowered`` step.
-        """
-        return self._jitted.lower(*self._parts(state), batch)
-
-    def _cache_size(self) -> int:
-        return self._jitted._cache_size()
-
-
-# With fewer decoder layers the one-program step keeps the optimizer: its per-array work then
-# compiles in well under a second, and the per-layer programs' own tracing and loading cost as
-# much (W1's 4 layers: a first step through the compilation cache 0.5 s longer; SmolLM2-135M's
-# 30 layers: a first step 8.5 s shorter; docs/benchmarks.md).
-MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER = 8
-
-
-def _on_cpu(params: Any) -> bool:
-    """Whether every device holding ``params`` is a CPU (True for no arrays)."""
-    platforms = {
-        d.platform for x in jax.tree.leaves(params) if isinstance(x, jax.Array) for d in x.devices()
-    }
-    return platforms <= {"cpu"}
-
-
-def _num_layers(model: nnx.Module) -> int:
-    """The number of decoder layers a model holds as a sequence (0 for any other model)."""
-    try:
-        return len(model.layers)  # type: ignore[attr-defined]
-    except (AttributeError, TypeError):
-        return 0
-
-
-class _SplitStep:
-    """A trainer's step as a gradient program, then the optimizer one layer at a time.
-
-    ``(state, batch) -> (state, metrics)`` as :class:`_CompiledStep`, with the same values (the
-    gradient norm summed in another order): the objective and its gradient in one program
-    (``make_grpo_gradients``; no input buffer donated to XLA), then clipping, ``tx`` and the
-    guard per parameter group (:class:`~artifex.generative_models.training.rl.optimizer_split.
-    LayerOptimizer`: each decoder layer, then the rest), whose programs compile once per group
-    structure, where the one-program step compiles the optimizer's work for every parameter
-    array.
-    """
-
-    def __init__(
-        self,
-        gradients: Any,
-        optimizer: LayerOptimizer,
-        decisions: SplitDecisions,
-        tx: optax.GradientTransformation,
-        config: GRPOConfig,
-    ):
-        self._gradients = gradients
-        self._optimizer = optimizer
-        self._decisions = decisions
-
-        def finish(params, opt_state, step, grads, loss, metrics, batch):
-            state = GRPOTrainState(params, None, opt_state, step, None, None)
-            new, metrics = apply_gradients(tx, config, state, batch, loss, metrics, grads)
-            return (new.params, new.opt_state, new.step), metrics
-
-        # For a state whose types the optimizer cannot be split for (``split_by_layer`` answers
-        # per structure, shapes and dtypes; a state loaded later may have others): clipping,
-        # ``tx`` and the guard over every parameter in one program, as the one-program step.
-        self._finish = jax.jit(
-            finish, donate_argnums=(0, 1, 2), compiler_options=compiler_options()
-        )
-        self._pending: list[concurrent.futures.Future] = []  # compile_ahead's, in flight
-
-    @staticmethod
-    def _parts(state: GRPOTrainState) -> tuple[tuple, tuple]:
-        return _CompiledStep._parts(state)
-
-    def _run(self, state: GRPOTrainState, batch: GRPOBatch, fn: Mapping[str, Any]) -> Any:
-        (params, opt_state, step), fixed = self._parts(state)
-        loss, metrics, grads = fn["gradients"]((params, opt_state, step), fixed, batch)
-        split, _ = self._decisions(params, opt_state)
-        if split is None:
-            return fn["finish"](params, opt_state, step, grads, loss, metrics, batch)
-        by_group = {g: group_tree(grads, g) for g in split.groups}
-        return self._optimizer.run(fn, split, state, by_group, loss, metrics, batch)
-
-    def __call__(
-        self, state: GRPOTrainState, batch: GRPOBatch
-    ) -> tuple[GRPOTrainState, dict[str, jax.Array]]:
-        self.wait()
-        fn = dict(
-            self._optimizer.programs,
-            gradients=self._gradients,
-            finish=self._finish,
-            prepare_apply=self._optimizer.prepare_apply,
-        )
-        (params, opt_state, step), metrics = self._run(state, batch, fn)
-        return state.replace(params=params, opt_state=opt_state, step=step), metrics
-
-    def wait(self) -> None:
-        """Waits for a background compilation (:meth:`compile_ahead`) to finish, if any."""
-        pending, self._pending = self._pending, []
-        concurrent.futures.wait(pending)
-
-    def compile_ahead(self, state: GRPOTrainState, batch: GRPOBatch) -> concurrent.futures.Future:
-        """Traces every program here, compiles them in the background (two threads).
-
-        As ``_CompiledStep.compile_ahead``; the gradient program compiles in one thread, the
-        optimizer's small programs in another.
-
-        Args:
-            state: A train state (only its types are read).
-            batch: A batch with the structure, shapes and dtypes of the batches to come.
-
-        Returns:
-            A future whose result is ``None`` once every program is compiled (or an error).
-        """
-        self.wait()
-        programs = dict(self._optimizer.programs, gradients=self._gradients, finish=self._finish)
-        order = lower_programs(self._run, programs, state, batch)
-        first = [low for name, low in order if name == "gradients"]
-        rest = [low for name, low in order if name != "gradients"]
-        futures = []
-        for lows in (first, rest):
-            future: concurrent.futures.Future = concurrent.futures.Future()
-
-            def work(lows: list = lows, future: concurrent.futures.Future = future) -> None:
-                try:
-                    for low in lows:
-                        low.compile()
-                except BaseException as exc:  # handed to whoever waits on the future
-                    future.set_exception(exc)
-                else:
-                    future.set_result(None)
-
-            threading.Thread(target=work, name="artifex-compile-ahead").start()
-            futures.append(future)
-        self._pending = list(futures)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-
-        def join() -> None:
-            errors = [f.exception() for f in futures]
-            error = next((e for e in errors if e is not None), None)
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)
-
-        threading.Thread(target=join, name="artifex-compile-ahead-join").start()
-        return done
-
-    def lower(self, state: GRPOTrainState, batch: GRPOBatch) -> Any:
-        """Not available: the step is a gradient program and the optimizer's programs.
-
-        Args:
-            state: A train state.
-            batch: A batch.
-
-        Returns:
-            Nothing: it always raises.
-
-        Raises:
-            NotImplementedError: Always; use ``GRPOConfig(optimizer_by_layer=False)`` for XLA's
-                cost and memory analysis of one program.
-        """
-        msg = (
-            "this step runs the optimizer one layer at a time (GRPOConfig.optimizer_by_layer), "
-            "so it is several programs, not one lowering; set optimizer_by_layer=False for "
-            "XLA's analysis of the whole update"
-        )
-        raise NotImplementedError(msg)
-
-    def _cache_size(self) -> int:
-        return self._gradients._cache_size()
-
-
 def _holds_per_layer_state(optimizer: nnx.Optimizer) -> bool:
     """Whether the optimizer state has per-layer entries (paths `... layers <int> ...`)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.state(optimizer.opt_state))
@@ -532,9 +275,9 @@ class GRPOTrainer:
     """Applies GRPO updates to an NNX policy through an ``nnx.Optimizer``.
 
     A thin shell over the pure
-    :func:`~artifex.generative_models.training.rl.state.make_grpo_train_step`: it holds the
+    :func:`~artifex.generative_models.training.rl.update.state.make_grpo_train_step`: it holds the
     model, optimizer and reference, builds their
-    :class:`~artifex.generative_models.training.rl.state.GRPOTrainState`, runs the compiled
+    :class:`~artifex.generative_models.training.rl.update.state.GRPOTrainState`, runs the compiled
     step on it and writes the result back. ``train_step(batch)`` validates the batch on the
     host, then runs one step, compiled once per batch shape: per-token log-probs ->
     advantages -> clipped surrogate + KL + entropy -> gradient -> global-norm clipping ->
@@ -569,7 +312,7 @@ class GRPOTrainer:
         packing_threshold: Pack a causal-LM batch (:meth:`maybe_pack`) when more than this
             fraction of it is padding; None: never.
         teacher_model: Optional frozen distillation teacher
-            (:mod:`~artifex.generative_models.training.rl.teacher`), run inside the step.
+            (:mod:`~artifex.generative_models.training.rl.core.teacher`), run inside the step.
         teacher_partition_rules: The teacher's rules on ``mesh`` (default ``partition_rules``).
 
     Examples:
@@ -753,7 +496,7 @@ class GRPOTrainer:
     def state(self) -> GRPOTrainState:
         """The train state of the model, optimizer, reference and ``rng`` (their own arrays).
 
-        A :class:`~artifex.generative_models.training.rl.state.GRPOTrainState`, not a copy:
+        A :class:`~artifex.generative_models.training.rl.update.state.GRPOTrainState`, not a copy:
         the compiled step reuses its buffers for its outputs (they are donated to XLA).
 
         Examples:
@@ -835,7 +578,7 @@ class GRPOTrainer:
         When the update was applied (``metrics["update_applied"]``) and brought the step count
         to a multiple of ``ref_model_sync_steps``, the reference becomes
         ``alpha * policy + (1 - alpha) * reference``
-        (:func:`~artifex.generative_models.training.rl.ref_sync.sync_reference`), in the
+        (:func:`~artifex.generative_models.training.rl.update.ref_sync.sync_reference`), in the
         returned state, in this trainer and in ``reference_model``. ``train_step`` and the
         training loop call it after every update.
 
@@ -859,8 +602,9 @@ class GRPOTrainer:
         """The rollout stage's view of this trainer: model, config, mesh and scorer.
 
         Returns:
-            A :class:`~artifex.generative_models.training.rl.rollout.Policy` whose ``score``
-            fills old and reference log-probs of library-built batches (no host validation).
+            A :class:`~artifex.generative_models.training.rl.core.policy.Policy` whose
+            ``score`` fills old and reference log-probs of library-built batches (no host
+            validation).
 
         Examples:
             >>> import optax
@@ -946,82 +690,31 @@ class GRPOTrainer:
             >>> int(optimizer.step[...]), trainer.num_compilations, bool(after > before)
             (3, 1, True)
         """
-        if num_microbatches not in self._steps and self.config.layerwise_update:
-            if num_microbatches != 1:
-                msg = (
-                    "GRPOConfig.layerwise_update runs the whole batch at once (its activations "
-                    f"are one layer's); num_microbatches must be 1, got {num_microbatches}"
-                )
-                raise ValueError(msg)
-
-            def count() -> None:
-                self._num_traces += 1
-
-            self._steps[num_microbatches] = LayerwiseStep(
-                self.model,
-                self.optimizer.tx,
-                self.config,
-                wrt=self.wrt,
-                reference_model=self.reference_model,
-                lora_reference=self._lora_reference,
-                on_trace=count,
-            )
-        if num_microbatches not in self._steps and self._optimizer_split() is not None:
-            gradients = make_grpo_gradients(
-                self.model,
-                self.config,
-                num_microbatches=num_microbatches,
-                teacher_model=self.teacher_model,
-                **self._bound,
-            )
-
-            # Named like the one-program step (`split_step`): both are "the update" by name.
-            def split_step_gradients(dynamic: tuple, fixed: tuple, batch: GRPOBatch):
-                self._num_traces += 1
-                (params, opt_state, step), (frozen, rng, reference, teacher) = dynamic, fixed
-                state = GRPOTrainState(params, frozen, opt_state, step, rng, reference, teacher)
-                return gradients(state, batch)
-
-            self._steps[num_microbatches] = _SplitStep(
-                jax.jit(split_step_gradients, compiler_options=compiler_options()),
-                LayerOptimizer(self.optimizer.tx, self.config),
-                self._split_decisions,
-                self.optimizer.tx,
-                self.config,
-            )
         if num_microbatches not in self._steps:
-            pure = make_grpo_train_step(
-                self.model,
-                self.optimizer.tx,
-                self.config,
-                num_microbatches=num_microbatches,
-                teacher_model=self.teacher_model,
-                **self._bound,
-            )
-
-            def split_step(dynamic: tuple, fixed: tuple, batch: GRPOBatch):
-                self._num_traces += 1
-                (params, opt_state, step), (frozen, rng, reference, teacher) = dynamic, fixed
-                state = GRPOTrainState(params, frozen, opt_state, step, rng, reference, teacher)
-                new, metrics = pure(state, batch)
-                return (new.params, new.opt_state, new.step), metrics
-
-            shardings = {}
+            out_layout = None
             if self.mesh is not None:
-                # The new state keeps its input's layout: the donated buffers are reused.
                 state = self.state
-                layout = jax.tree.map(
+                out_layout = jax.tree.map(
                     lambda x: x.sharding, (state.params, state.opt_state, state.step)
                 )
-                shardings["out_shardings"] = (layout, NamedSharding(self.mesh, PartitionSpec()))
-            jitted = jax.jit(
-                split_step,
-                donate_argnums=0,
-                compiler_options=compiler_options(),
-                **shardings,
+            self._steps[num_microbatches] = make_step_engine(
+                self.model,
+                self.optimizer.tx,
+                self.config,
+                num_microbatches=num_microbatches,
+                bound=self._bound,
+                teacher_model=self.teacher_model,
+                split=None if self.config.layerwise_update else self._optimizer_split(),
+                decisions=self._split_decisions,
+                lora_reference=self._lora_reference,
+                out_layout=out_layout,
+                mesh=self.mesh,
+                on_trace=self._count_trace,
             )
-            self._steps[num_microbatches] = _CompiledStep(jitted)
         return self._steps[num_microbatches]
+
+    def _count_trace(self) -> None:
+        self._num_traces += 1
 
     def _optimizer_split(self) -> LayerSplit | None:
         """The per-layer split of the optimizer step, or None (then one program runs it).
@@ -1029,33 +722,16 @@ class GRPOTrainer:
         Only with ``GRPOConfig.optimizer_by_layer``, for parameters on the CPU (the split
         shortens XLA:CPU's compile time), without a mesh, for models of at least
         ``MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER`` decoder layers, and where
-        :func:`~artifex.generative_models.training.rl.optimizer_split.split_by_layer` accepts
+        :func:`~artifex.generative_models.training.rl.update.optimizer_split.split_by_layer` accepts
         the optimizer's transformation for the trainer's state when the step is first built.
         That chooses the kind of step; the split step then asks again for each state's types
         (a state loaded later with other dtypes, a loop of one's own) and runs the optimizer in
         one program for the states it cannot split.
         """
         if not hasattr(self, "_split"):
-            split: LayerSplit | None = None
-            reason = ""
-            if not self.config.optimizer_by_layer:
-                reason = "GRPOConfig.optimizer_by_layer is False"
-            elif self.mesh is not None:
-                reason = "a mesh (the one-program step keeps its layout)"
-            elif not _on_cpu(self.params):
-                reason = (
-                    "the parameters are not on the CPU (the split shortens XLA:CPU's compile "
-                    "time; an accelerator compiles and runs the one program)"
-                )
-            elif _num_layers(self.model) < MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER:
-                reason = (
-                    f"fewer than {MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER} decoder layers (one "
-                    "program compiles as fast)"
-                )
-            else:
-                state = self.state
-                split, reason = self._split_decisions(state.params, state.opt_state)
-            self._split, self._split_reason = split, reason
+            self._split, self._split_reason = choose_optimizer_split(
+                self.config, self.model, self.mesh, lambda: self.state, self._split_decisions
+            )
         return self._split
 
     @property
@@ -1416,9 +1092,7 @@ class GRPOTrainer:
                 else "the update was skipped (parameters unchanged)",
             )
         elif (
-            host.get("advantage_signal", 1.0) == 0
-            and ok
-            and self.config.distillation_coeff == 0.0
+            host.get("advantage_signal", 1.0) == 0 and ok and self.config.distillation_coeff == 0.0
         ):
             logger.warning(
                 "every advantage of this batch is zero (each group's rewards are equal): %s",
@@ -1446,53 +1120,3 @@ class GRPOTrainer:
             )
             raise NonFiniteUpdateError(msg, host)
         return host
-
-    # ----------------------------------------------------------------- the whole loop
-    def train(
-        self,
-        dataset: Any,
-        *,
-        tokenizer: Any,
-        rewards: Any,
-        num_steps: int | None = None,
-        config: Any = None,
-        rollout_config: Any = None,
-        eval_dataset: Any = None,
-        eval_reward: Any = None,
-        **loop_options: Any,
-    ) -> Any:
-        """Runs the full GRPO loop on ``dataset``: rollouts, updates, logging, checkpoints.
-
-        A shortcut for :func:`artifex.generative_models.training.rl.loop.train`.
-
-        Args:
-            dataset: Rows (mappings) with a prompt column and the columns the rewards read.
-            tokenizer: The policy's tokenizer.
-            rewards: A ``RewardCombiner``, a reward function or a list of them.
-            num_steps: Generation batches to train on (shortcut for ``TrainConfig.num_steps``).
-            config: A ``TrainConfig``; ``num_steps`` and ``loop_options`` override its fields.
-            rollout_config: A ``RolloutConfig`` (generation settings).
-            eval_dataset: Held-out rows for pass@1.
-            eval_reward: Scores evaluation completions (default: the first reward function).
-            **loop_options: Other ``TrainConfig`` fields (``prompts_per_step=16``, ...).
-
-        Returns:
-            The loop's ``TrainResult``.
-        """
-        if num_steps is not None:
-            loop_options["num_steps"] = num_steps
-        config = (
-            TrainConfig(**loop_options)
-            if config is None
-            else dataclasses.replace(config, **loop_options)
-        )
-        return run_loop(
-            self,
-            tokenizer,
-            dataset,
-            rewards,
-            config,
-            rollout_config,
-            eval_dataset=eval_dataset,
-            eval_reward=eval_reward,
-        )

@@ -5,8 +5,8 @@ r"""The teacher's pass of on-policy distillation, and the term the update binds.
 variables (``GRPOTrainState.teacher``, held frozen beside the train state like the reference)
 and a batch, it returns the student's per-token log-probs and entropies and the per-token
 distillation loss that
-:func:`~artifex.generative_models.training.rl.objective.grpo_objective` aggregates. The
-divergences themselves are in :mod:`~artifex.generative_models.training.rl.distillation`.
+:func:`~artifex.generative_models.training.rl.core.objective.grpo_objective` aggregates. The
+divergences themselves are in :mod:`~artifex.generative_models.training.rl.core.distillation`.
 
 Where the teacher's numbers come from:
 
@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from artifex.generative_models.training.rl.distillation import (
+from artifex.generative_models.training.rl.core.distillation import (
     chunked_distillation,
     logits_divergence,
     sampled_reverse_kl,
 )
-from artifex.generative_models.training.rl.logprobs import (
+from artifex.generative_models.training.rl.core.logprobs import (
     LogProbFn,
     default_log_prob_fn,
     token_log_probs,
@@ -46,7 +46,7 @@ from artifex.generative_models.utils.validation import check_remat
 
 if TYPE_CHECKING:
     from artifex.generative_models.training.rl.batch import GRPOBatch
-    from artifex.generative_models.training.rl.configs import GRPOConfig
+    from artifex.generative_models.training.rl.core.configs import GRPOConfig
 
 __all__ = [
     "DistillationTerms",
@@ -72,7 +72,7 @@ def completion_hidden_states(
 
     Position ``t`` is the hidden state one token earlier (the prompt's last token for
     ``t = 0``), as in
-    :func:`~artifex.generative_models.training.rl.logprobs.causal_lm_log_probs`: over
+    :func:`~artifex.generative_models.training.rl.core.logprobs.causal_lm_log_probs`: over
     ``[prompt ; completion]``, or with ``shared_prompt_group=G`` through
     ``shared_prefix_hidden_states`` (each prompt encoded once for its ``G`` completions).
 
@@ -95,7 +95,7 @@ def completion_hidden_states(
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
-        >>> from artifex.generative_models.training.rl.teacher import completion_hidden_states
+        >>> from artifex.generative_models.training.rl.core.teacher import completion_hidden_states
         >>> model = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
         >>> completion_hidden_states(model, jnp.ones((2, 3), jnp.int32),
         ...                          jnp.ones((2, 4), jnp.int32)).shape
@@ -185,7 +185,7 @@ def causal_lm_distillation(
         >>> from flax import nnx
         >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
         >>> from artifex.generative_models.training.rl import GRPOBatch
-        >>> from artifex.generative_models.training.rl.teacher import causal_lm_distillation
+        >>> from artifex.generative_models.training.rl.core.teacher import causal_lm_distillation
         >>> student = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
         >>> teacher = CausalLM(CausalLMConfig.tiny(num_layers=3), rngs=nnx.Rngs(1))
         >>> batch = GRPOBatch(prompt_ids=jnp.ones((2, 3), jnp.int32),
@@ -273,7 +273,7 @@ class DistillationTerms:
     Built by :func:`make_distillation_terms`. Calling it returns the student's
     ``(log_probs, entropy, distillation)``, each ``(B, T)``: the per-token loss
     (:func:`sampled_reverse_kl` for ``"reverse_kl"``, the full-vocabulary divergence
-    otherwise) that :func:`~artifex.generative_models.training.rl.objective.grpo_objective`
+    otherwise) that :func:`~artifex.generative_models.training.rl.core.objective.grpo_objective`
     aggregates.
 
     Attributes:
@@ -290,7 +290,7 @@ class DistillationTerms:
     Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.training.rl import GRPOConfig
-        >>> from artifex.generative_models.training.rl.teacher import make_distillation_terms
+        >>> from artifex.generative_models.training.rl.core.teacher import make_distillation_terms
         >>> student = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> teacher = nnx.Linear(4, 3, rngs=nnx.Rngs(1))
         >>> config = GRPOConfig(distillation_coeff=1.0, distillation_divergence="jsd")
@@ -382,7 +382,7 @@ def make_distillation_terms(
     """The distillation term of ``config`` for ``model`` and ``teacher_model``; None when off.
 
     ``"reverse_kl"`` scores the student with ``log_prob_fn`` (default: the model's
-    :func:`~artifex.generative_models.training.rl.logprobs.default_log_prob_fn`) and the
+    :func:`~artifex.generative_models.training.rl.core.logprobs.default_log_prob_fn`) and the
     teacher with its own default log-prob function, or reads the batch's
     ``teacher_log_probs`` (then ``teacher_model`` may be ``None``). ``"forward_kl"`` and
     ``"jsd"`` compute the student's log-probs themselves, from the logits they compare:
@@ -409,7 +409,7 @@ def make_distillation_terms(
     Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.training.rl import GRPOConfig
-        >>> from artifex.generative_models.training.rl.teacher import make_distillation_terms
+        >>> from artifex.generative_models.training.rl.core.teacher import make_distillation_terms
         >>> student = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> make_distillation_terms(student, None, GRPOConfig()) is None  # coefficient 0
         True
@@ -526,7 +526,7 @@ def check_teacher_setup(
     Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.training.rl import GRPOConfig
-        >>> from artifex.generative_models.training.rl.teacher import check_teacher_setup
+        >>> from artifex.generative_models.training.rl.core.teacher import check_teacher_setup
         >>> student = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> teacher = nnx.Linear(4, 3, rngs=nnx.Rngs(1))
         >>> check_teacher_setup(student, teacher, GRPOConfig(distillation_coeff=1.0))

@@ -69,7 +69,7 @@ def dict_batch_fields(batch: Mapping[str, Any], *, group_size: int) -> dict[str,
 
     Examples:
         >>> import numpy as np
-        >>> from artifex.generative_models.training.rl.compat import dict_batch_fields
+        >>> from artifex.generative_models.training.rl.core.compat import dict_batch_fields
         >>> fields = dict_batch_fields(
         ...     {"observations": np.zeros((4, 3)), "actions": np.array([0, 1, 1, 2]),
         ...      "rewards": np.array([1.0, 0.0, 0.5, 0.5])},

@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from artifex.generative_models.training.rl.configs import (
+from artifex.generative_models.training.rl.core.configs import (
     ImportanceSamplingLevel,
     KLEstimator,
     LossAggregation,

@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from artifex.generative_models.training.rl.rewards.math import _normalize_text, normalize_number
-from artifex.generative_models.training.rl.rollout import (
+from artifex.generative_models.training.rl.rollouts.rollout import (
     Policy,
     RolloutConfig,
     SupportsPolicy,
@@ -86,7 +86,7 @@ def pass_at_k(num_samples: Any, num_correct: Any, k: int) -> np.ndarray:
         TypeError: ``k`` is not an int, or ``n``/``c`` not integers.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.evaluation_metrics import pass_at_k
+        >>> from artifex.generative_models.training.rl.run.evaluation_metrics import pass_at_k
         >>> pass_at_k(4, [0, 1, 2, 4], 2).round(4).tolist()  # 1 - C(4-c, 2) / C(4, 2)
         [0.0, 0.5, 0.8333, 1.0]
 
@@ -128,7 +128,7 @@ def pass_at_k_values(num_samples: int) -> list[int]:
         The sorted ``k`` values.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.evaluation_metrics import (
+        >>> from artifex.generative_models.training.rl.run.evaluation_metrics import (
         ...     pass_at_k_values)
         >>> pass_at_k_values(2), pass_at_k_values(8), pass_at_k_values(12)
         ([2], [2, 4, 8], [2, 4, 8, 12])
@@ -155,7 +155,7 @@ def answer_key(answer: str | None) -> tuple[str, Any] | None:
         TypeError: ``answer`` is neither a string nor ``None``.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.evaluation_metrics import answer_key
+        >>> from artifex.generative_models.training.rl.run.evaluation_metrics import answer_key
         >>> answer_key("1/2") == answer_key("0.5"), answer_key(r"\text{Monday}")
         (True, ('text', 'Monday'))
     """
@@ -181,7 +181,7 @@ def majority_vote(answers: Sequence[str | None]) -> int | None:
         The index, or ``None`` when no sample has an answer.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.evaluation_metrics import majority_vote
+        >>> from artifex.generative_models.training.rl.run.evaluation_metrics import majority_vote
         >>> majority_vote(["3", None, "4", "3.0", "4"])  # "3" and "3.0" vote together
         0
         >>> majority_vote(["4", "3", "3", "4"]), majority_vote([None, None])  # tie: first seen
@@ -225,7 +225,7 @@ def sampled_metrics(
 
     Examples:
         >>> import numpy as np
-        >>> from artifex.generative_models.training.rl.evaluation_metrics import sampled_metrics
+        >>> from artifex.generative_models.training.rl.run.evaluation_metrics import sampled_metrics
         >>> scores = np.array([[1.0, 0.0], [0.0, 0.0]])
         >>> metrics = sampled_metrics(scores, 1.0, answers=[["2", "3"], ["5", "5"]])
         >>> metrics["eval/pass@2"], metrics["eval/mean@2"], metrics["eval/maj@2"]
@@ -269,7 +269,7 @@ def check_sampled_eval(
 
     Examples:
         >>> from artifex.generative_models.training import RolloutConfig
-        >>> from artifex.generative_models.training.rl.evaluation_metrics import (
+        >>> from artifex.generative_models.training.rl.run.evaluation_metrics import (
         ...     check_sampled_eval)
         >>> check_sampled_eval(8, custom_evaluate=False, mesh=None, rollout_config=RolloutConfig())
         >>> check_sampled_eval(8, custom_evaluate=True, mesh=None, rollout_config=RolloutConfig())
@@ -319,7 +319,7 @@ def evaluate_sampled(
     ``top_k``/``top_p``, :data:`SAMPLED_EVAL_ROWS` completions per generation call.
 
     Args:
-        policy: The rollout :class:`~artifex.generative_models.training.rl.rollout.Policy`,
+        policy: The rollout :class:`~artifex.generative_models.training.rl.rollouts.rollout.Policy`,
             or a ``GRPOTrainer``.
         tokenizer: The tokenizer.
         rows: Evaluation rows.
@@ -345,7 +345,7 @@ def evaluate_sampled(
         ...     CausalLM, CausalLMConfig, Tokenizer)
         >>> from artifex.generative_models.training import GRPOConfig, RolloutConfig
         >>> from artifex.generative_models.training.rl import Policy
-        >>> from artifex.generative_models.training.rl.evaluation_metrics import (
+        >>> from artifex.generative_models.training.rl.run.evaluation_metrics import (
         ...     evaluate_sampled)
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> cfg = CausalLMConfig(vocab_size=tok.vocab_size, hidden_size=8, intermediate_size=16,

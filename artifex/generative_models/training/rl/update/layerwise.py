@@ -10,8 +10,8 @@ run its update as a sequence of small programs called from Python instead of one
 5. each layer's backward pass, last to first, recomputing the layer from its input;
 6. the embedding's gradient (added to the output projection's for a tied embedding);
 7. clipping, ``tx`` and the guard, one decoder layer at a time where ``tx`` allows it
-   (:class:`~artifex.generative_models.training.rl.optimizer_split.LayerOptimizer`), else in
-   one program (:func:`~artifex.generative_models.training.rl.state.apply_gradients`); these
+   (:class:`~artifex.generative_models.training.rl.update.optimizer_split.LayerOptimizer`), else in
+   one program (:func:`~artifex.generative_models.training.rl.update.state.apply_gradients`); these
    programs donate the state's input buffers to XLA (reuse them for their outputs).
 
 Every decoder layer of one structure runs the same compiled program, so the compile time of the
@@ -29,7 +29,6 @@ rejects a non-finite update as the one-program step does.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -39,23 +38,24 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from artifex.generative_models.training.rl import losses
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.logprobs import chunked_token_log_probs
-from artifex.generative_models.training.rl.objective import (
+from artifex.generative_models.training.rl.core import losses
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.logprobs import chunked_token_log_probs
+from artifex.generative_models.training.rl.core.objective import (
     _reward_metrics,
     compute_advantages,
     grpo_objective,
 )
-from artifex.generative_models.training.rl.optimizer_split import (
+from artifex.generative_models.training.rl.update.compile_ahead import MultiProgramEngine
+from artifex.generative_models.training.rl.update.optimizer_split import (
     LayerOptimizer,
     LayerSplit,
     SplitDecisions,
     group_tree,
     lower_programs,
 )
-from artifex.generative_models.training.rl.state import (
+from artifex.generative_models.training.rl.update.state import (
     GRPOTrainState,
     advantage_signal,
     apply_gradients,
@@ -84,7 +84,7 @@ def check_layerwise_model(model: Any, reference_model: Any, wrt: Any = nnx.Param
 
     Examples:
         >>> from flax import nnx
-        >>> from artifex.generative_models.training.rl.layerwise import check_layerwise_model
+        >>> from artifex.generative_models.training.rl.update.layerwise import check_layerwise_model
         >>> try:
         ...     check_layerwise_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), None)
         ... except TypeError as err:
@@ -178,8 +178,8 @@ def _merge(graph: Any, params: Any, frozen: Any, zero_params: bool) -> Any:
     return nnx.merge(graph, params, frozen)
 
 
-class LayerwiseStep:
-    """A trainer's update run as per-layer programs, with ``_CompiledStep``'s interface.
+class LayerwiseStep(MultiProgramEngine):
+    """A trainer's update run as per-layer programs: a step engine (``StepEngine``).
 
     ``step(state, batch) -> (state, metrics)`` computes what ``jax.jit(grpo_train_step)``
     computes for a causal LM with ``remat=True``; the buffers of the parameters, optimizer
@@ -213,6 +213,8 @@ class LayerwiseStep:
         (1, 1)
     """
 
+    _ONE_PROGRAM = "GRPOConfig(layerwise_update=False)"
+
     def __init__(
         self,
         model: nnx.Module,
@@ -230,7 +232,7 @@ class LayerwiseStep:
         self._tx = tx
         self._lora_reference = lora_reference
         self._on_trace = on_trace
-        self._ready: dict[str, concurrent.futures.Future] = {}  # compile_ahead's programs
+        super().__init__()  # compile_ahead's per-program futures
         self._decisions = SplitDecisions(tx)  # split_by_layer, by the state's types
         #: Why the optimizer runs as one program (empty while it runs layer by layer).
         self.optimizer_split_reason = ""
@@ -495,7 +497,7 @@ class LayerwiseStep:
 
     def _jitted(self) -> dict[str, Any]:
         programs = self._programs_by_name()
-        ready, self._ready = dict(self._ready), {}  # popped below: the thread keeps its own
+        ready = self.take_ready()  # popped below: the thread keeps its own
 
         def prepare_apply(*args: Any) -> None:
             self._optimizer.prepare_apply(*args, wait=ready.pop("apply", None))
@@ -533,15 +535,10 @@ class LayerwiseStep:
         (params, opt_state, step), metrics = self._run(state, batch, self._jitted())
         return state.replace(params=params, opt_state=opt_state, step=step), metrics
 
-    def wait(self) -> None:
-        """Waits for a background compilation (:meth:`compile_ahead`) to finish, if any."""
-        ready, self._ready = self._ready, {}
-        concurrent.futures.wait(list(ready.values()))
-
     def compile_ahead(self, state: GRPOTrainState, batch: GRPOBatch) -> concurrent.futures.Future:
         """Traces every program for ``state`` and ``batch`` here, compiles them in the background.
 
-        As ``_CompiledStep.compile_ahead``: only shapes, dtypes and shardings are read. The
+        As ``OneProgramEngine.compile_ahead``: only shapes, dtypes and shardings are read. The
         programs compile one after the other, in the order the update runs them; the next
         update runs each program once its own compilation is done (the optimizer's, the
         longest, is the last one it needs).
@@ -558,53 +555,12 @@ class LayerwiseStep:
         # The state and batch themselves (only their types are read, nothing runs): lowered
         # from them, the programs match the calls of the update to come.
         order = lower_programs(self._run, self._programs_by_name(), state, batch)
-        last = {name: i for i, (name, _) in enumerate(order)}  # a name's last lowering
-        ready = {name: concurrent.futures.Future() for name in last}
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        return self.compile_in_background([order])
 
-        def work() -> None:
-            error: BaseException | None = None
-            try:
-                for i, (name, low) in enumerate(order):
-                    if error is None:
-                        try:
-                            low.compile()
-                        except BaseException as exc:  # handed to whoever waits on the future
-                            error = exc
-                    if last[name] == i:
-                        ready[name].set_result(None)
-            finally:  # no waiter is left hanging, whatever happened
-                for pending in ready.values():
-                    if not pending.done():
-                        pending.set_result(None)
-                if error is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(error)
-
-        self._ready = dict(ready)
-        threading.Thread(target=work, name="artifex-compile-ahead").start()
-        return future
-
-    def lower(self, state: GRPOTrainState, batch: GRPOBatch) -> Any:
-        """Not available: the layer-by-layer update is several programs.
-
-        Args:
-            state: A train state.
-            batch: A batch.
+    def cache_size(self) -> int:
+        """How many compiled variants the input program holds.
 
         Returns:
-            Nothing: it always raises.
-
-        Raises:
-            NotImplementedError: Always; use ``GRPOConfig(layerwise_update=False)`` for XLA's
-                cost and memory analysis of one program.
+            One per batch structure compiled so far.
         """
-        msg = (
-            "the layer-by-layer update (GRPOConfig.layerwise_update) is several programs, not "
-            "one lowering; set layerwise_update=False for XLA's analysis of the whole update"
-        )
-        raise NotImplementedError(msg)
-
-    def _cache_size(self) -> int:
         return self._inputs._cache_size()

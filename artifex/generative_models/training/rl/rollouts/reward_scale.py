@@ -40,7 +40,9 @@ def check_reward_scale(
         ValueError: Naming the step, the rewards' range and what to do.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.reward_scale import check_reward_scale
+        >>> from artifex.generative_models.training.rl.rollouts.reward_scale import (
+        ...     check_reward_scale,
+        ... )
         >>> check_reward_scale([1.0, 0.0, 1e6, -1e6], group_size=2)  # large but representable
         >>> check_reward_scale([1e30, -1e30, 0.0, 1.0], group_size=2, step=3)
         Traceback (most recent call last):

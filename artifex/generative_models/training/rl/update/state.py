@@ -35,18 +35,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from artifex.generative_models.training.rl import losses
 from artifex.generative_models.training.rl.batch import GRPOBatch
-from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.logprobs import LogProbFn, default_log_prob_fn
-from artifex.generative_models.training.rl.objective import (
+from artifex.generative_models.training.rl.core import losses
+from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.logprobs import LogProbFn, default_log_prob_fn
+from artifex.generative_models.training.rl.core.objective import (
     _combine_micro_metrics,
     _reward_metrics,
     compute_advantages,
     grpo_objective,
     split_microbatches,
 )
-from artifex.generative_models.training.rl.teacher import (
+from artifex.generative_models.training.rl.core.teacher import (
     DistillationTerms,
     make_distillation_terms,
 )
@@ -314,9 +314,7 @@ def _program(
     )
     if not distillation:  # log-probs only (make_grpo_log_probs)
         return program
-    distill = make_distillation_terms(
-        model, teacher_model, config, log_prob_fn=program.log_prob_fn
-    )
+    distill = make_distillation_terms(model, teacher_model, config, log_prob_fn=program.log_prob_fn)
     return dataclasses.replace(program, distill=distill)
 
 
@@ -353,11 +351,11 @@ def make_grpo_train_step(
         num_microbatches: Accumulate gradients over this many equal row slices.
         teacher_model: The distillation teacher's module (its values come from
             ``state.teacher``), for ``GRPOConfig.distillation_coeff > 0``
-            (:mod:`~artifex.generative_models.training.rl.teacher`).
+            (:mod:`~artifex.generative_models.training.rl.core.teacher`).
 
     Returns:
         ``grpo_train_step``. Its metrics are float32 scalars: those of
-        :func:`~artifex.generative_models.training.rl.objective.grpo_objective`, ``grad_norm``
+        :func:`~artifex.generative_models.training.rl.core.objective.grpo_objective`, ``grad_norm``
         (before clipping), ``update_applied`` (1 when the state moved), ``finite_update``,
         ``finite_params``, ``finite_optimizer_state`` and ``reward_signal``.
 
@@ -445,7 +443,7 @@ def make_grpo_gradients(
         ...     GRPOConfig,
         ...     init_train_state,
         ... )
-        >>> from artifex.generative_models.training.rl.state import make_grpo_gradients
+        >>> from artifex.generative_models.training.rl.update.state import make_grpo_gradients
         >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
         >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         >>> gradients = jax.jit(make_grpo_gradients(model, GRPOConfig()))
@@ -566,7 +564,7 @@ def apply_gradients(
     """Steps 3 and 4 of the update: clipping, ``tx``, and the guard (pure, traceable).
 
     Shared by ``grpo_train_step`` and the layer-by-layer update
-    (:mod:`~artifex.generative_models.training.rl.layerwise`), which computes ``loss``,
+    (:mod:`~artifex.generative_models.training.rl.update.layerwise`), which computes ``loss``,
     ``metrics`` and ``grads`` its own way.
 
     Args:
@@ -752,7 +750,7 @@ def advantage_signal(advantages: jax.Array, completion_mask: jax.Array) -> jax.A
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from artifex.generative_models.training.rl.state import advantage_signal
+        >>> from artifex.generative_models.training.rl.update.state import advantage_signal
         >>> mask = jnp.array([[1, 1], [1, 0]])
         >>> float(advantage_signal(jnp.zeros(2), mask))
         0.0

@@ -12,7 +12,7 @@ step (``None`` or NaN: no reward for that step) or ``None`` for the whole row. T
 step ``k``'s reward at the completion token where the text of step ``k`` ends (the first token
 whose decoded prefix covers the step's last character; the last step's at the last completion
 token, EOS included) into ``GRPOBatch.step_rewards``, NaN elsewhere, and the advantages come
-from :func:`~artifex.generative_models.training.rl.advantages.process_advantages`
+from :func:`~artifex.generative_models.training.rl.core.advantages.process_advantages`
 (DeepSeekMath, sec. 4.1.3): all step rewards of a group normalized together,
 
 .. math::
@@ -59,7 +59,7 @@ def split_steps(completion: str, separator: str) -> list[str]:
         ValueError: ``separator`` is empty.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.step_rewards import split_steps
+        >>> from artifex.generative_models.training.rl.rollouts.step_rewards import split_steps
         >>> split_steps("a=1\nb=2\nso 3", "\n")
         ['a=1\n', 'b=2\n', 'so 3']
         >>> split_steps("a=1\n", "\n"), split_steps("", "\n")
@@ -96,7 +96,7 @@ def step_end_tokens(
 
     Examples:
         >>> from artifex.generative_models.models.causal_lm import Tokenizer
-        >>> from artifex.generative_models.training.rl.step_rewards import step_end_tokens
+        >>> from artifex.generative_models.training.rl.rollouts.step_rewards import step_end_tokens
         >>> tok = Tokenizer.for_characters("0123456789+=")
         >>> ids = tok.encode("12+3=15", add_special_tokens=False) + [tok.eos_ids[0]]
         >>> step_end_tokens(tok, ids, [3, 5, 7])  # "12+" | "3=" | "15" + EOS
@@ -161,7 +161,7 @@ class StepRewards:
         ValueError: ``separator`` is empty.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.step_rewards import StepRewards
+        >>> from artifex.generative_models.training.rl.rollouts.step_rewards import StepRewards
         >>> def digits_per_step(prompts, completions, steps, **columns):
         ...     return [[float(any(c.isdigit() for c in s)) for s in row] for row in steps]
         >>> rewards = StepRewards(digits_per_step, separator="\n")

@@ -51,7 +51,7 @@ from artifex.generative_models.inference.sampling import (
 from artifex.generative_models.inference.stop_strings import stop_string_table
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
-from artifex.generative_models.training.rl.rollout import (
+from artifex.generative_models.training.rl.rollouts.rollout import (
     Policy,
     Rollout,
     RolloutConfig,
@@ -60,13 +60,13 @@ from artifex.generative_models.training.rl.rollout import (
     _sampler_matches_loss,
     as_policy,
 )
-from artifex.generative_models.training.rl.tools import (
+from artifex.generative_models.training.rl.rollouts.tools import (
     DEFAULT_MAX_TOOL_THREADS,
     ToolRunner,
     live_tool_threads,
     parse_tool_calls,
 )
-from artifex.generative_models.training.rl.truncation import mask_truncated_completions
+from artifex.generative_models.training.rl.rollouts.truncation import mask_truncated_completions
 from artifex.generative_models.utils.validation import (
     check_bool,
     check_callable,
@@ -438,7 +438,8 @@ class Episodes:
         """Episode statistics: turns, tool calls and errors, limits, per-turn rewards.
 
         ``multiturn/tool_threads_alive`` is read when this is called: the tool threads alive in
-        the process (:func:`~artifex.generative_models.training.rl.tools.live_tool_threads`),
+        the process
+        (:func:`~artifex.generative_models.training.rl.rollouts.tools.live_tool_threads`),
         which grows while hung tools are abandoned.
 
         Returns:
@@ -968,7 +969,7 @@ def _columns(rows: Sequence[Mapping[str, Any]], g: int, exclude: str, ep: Episod
 
 @dataclasses.dataclass
 class MultiTurnRolloutResult(Rollout):
-    """A :class:`~artifex.generative_models.training.rl.rollout.Rollout` with its episodes.
+    """A :class:`~artifex.generative_models.training.rl.rollouts.rollout.Rollout` with its episodes.
 
     Attributes:
         batch: The ``GRPOBatch`` (row ``i`` of prompt ``i // G``).
@@ -1002,11 +1003,12 @@ class MultiTurnRolloutResult(Rollout):
 
 
 class MultiTurnRollout:
-    """A rollout function for :func:`~artifex.generative_models.training.rl.loop.train`.
+    """A rollout function for :func:`~artifex.generative_models.training.rl.run.loop.train`.
 
     ``MultiTurnRollout(factory, config)`` is called like
-    :func:`~artifex.generative_models.training.rl.rollout.rollout` (pass it as ``rollout_fn``)
-    and its :meth:`evaluate` like :func:`~artifex.generative_models.training.rl.loop.evaluate`
+    :func:`~artifex.generative_models.training.rl.rollouts.rollout.rollout` (pass it as
+    ``rollout_fn``)
+    and its :meth:`evaluate` like :func:`~artifex.generative_models.training.rl.run.loop.evaluate`
     (``evaluate_fn``). Reward functions receive the model's final turn as ``completions`` and
     the columns ``completion_length`` (model tokens), ``env_reward``, ``turns``, ``tool_calls``
     and ``transcript`` besides the dataset's.
