@@ -1,4 +1,4 @@
-"""Decoder-only causal language models (Llama 3, Qwen2/2.5, Qwen3) in Flax NNX.
+"""Decoder-only causal language models (Llama 3, Qwen2/2.5, Qwen3, Qwen3-MoE) in Flax NNX.
 
 Config, modules, KV cache, LoRA adapters (in and out of PEFT's format), Hugging Face safetensors
 load/save, GGUF import, sequence classification (reward models) and the tokenizer.
@@ -61,6 +61,19 @@ from artifex.generative_models.models.causal_lm.modules import (
     SharedPrefixMask,
 )
 
+# Mixture of experts
+from artifex.generative_models.models.causal_lm.moe import (
+    EXPERT_AXIS,
+    Experts,
+    MoEDecoderLayer,
+    RouterTrace,
+    SparseMoeBlock,
+    expert_mlp,
+    load_balancing_loss,
+    route_tokens,
+    routing_agreement,
+)
+
 # PEFT adapters
 from artifex.generative_models.models.causal_lm.peft_io import (
     load_peft_adapter,
@@ -103,6 +116,16 @@ __all__ = [  # noqa: RUF022 - grouped by topic, sorted within each group
     "resolve_dtype",
     "rope_cos_sin",
     "rope_inv_frequencies",
+    # Mixture of experts
+    "EXPERT_AXIS",
+    "Experts",
+    "MoEDecoderLayer",
+    "RouterTrace",
+    "SparseMoeBlock",
+    "expert_mlp",
+    "load_balancing_loss",
+    "route_tokens",
+    "routing_agreement",
     # Hugging Face checkpoints
     "from_pretrained",
     "hf_tensor_map",

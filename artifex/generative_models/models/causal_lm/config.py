@@ -1,4 +1,4 @@
-"""Configuration of the decoder-only causal LMs (Llama 3, Qwen2/2.5, Qwen3, Mistral, Gemma 3).
+"""Configuration of the decoder-only causal LMs (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma 3).
 
 `CausalLMConfig` is the one description of an architecture. It converts to and from the
 `config.json` dictionaries that Hugging Face transformers reads and writes, so a checkpoint saved by
@@ -29,6 +29,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 #: MLP activations (transformers' names): SiLU, and GELU with its tanh approximation.
@@ -214,17 +215,19 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CausalLMConfig:
-    """Architecture of a decoder-only transformer (Llama 3, Qwen2/2.5, Qwen3, Mistral, Gemma 3).
+    """Architecture of a decoder-only transformer (Llama, Qwen2, Qwen3(-MoE), Mistral, Gemma 3).
 
     Each layer is `h += Attn(RMSNorm(h)); h += SwiGLU(RMSNorm(h))` with grouped-query attention
     and rotate-half RoPE. The families differ in switches (docs/models.md has the table); Gemma 3
     (`"gemma3_text"`) also scales the embeddings, multiplies its RMSNorms by `1 + w`,
     normalizes the block outputs and mixes sliding-window and global layers. A sliding-window
     layer lets the query in slot `q` (column or KV-cache slot) see key slots `s` with
-    `q - s < sliding_window`, as transformers' masks do.
+    `q - s < sliding_window`, as transformers' masks do. Qwen3-MoE (`"qwen3_moe"`) is Qwen3 with
+    every MLP replaced by a sparse mixture of `num_experts` SwiGLU experts, of which a router
+    picks `num_experts_per_tok` per token (see `moe.py`).
 
     Attributes:
-        model_type: "llama", "qwen2", "qwen3", "mistral" or "gemma3_text".
+        model_type: "llama", "qwen2", "qwen3", "mistral", "gemma3_text" or "qwen3_moe".
         vocab_size: Number of token embeddings.
         hidden_size: Model width D.
         intermediate_size: Hidden width F of the MLP.
@@ -246,6 +249,13 @@ class CausalLMConfig:
         query_pre_attn_scalar: Gemma 3: scores are `q k^T / sqrt(query_pre_attn_scalar)`; None
             means `head_dim`, the scale of the other families.
         final_logit_softcapping: Gemma 3: logits become `c tanh(z / c)`; None: not capped.
+        num_experts: Qwen3-MoE: experts E per layer; None for the dense families.
+        num_experts_per_tok: Qwen3-MoE: experts k each token is routed to (1 <= k <= E).
+        moe_intermediate_size: Qwen3-MoE: hidden width of each expert's SwiGLU MLP.
+        norm_topk_prob: Qwen3-MoE: renormalize the k routing weights to sum to 1 (else they
+            are the softmax probabilities of the chosen experts).
+        router_aux_loss_coef: Qwen3-MoE: weight of the load-balancing loss where it is applied
+            (see `moe.load_balancing_loss`); transformers' `router_aux_loss_coef`.
         max_position_embeddings: Longest context the model is meant for.
         initializer_range: Standard deviation of the initial weights.
         bos_token_id: Beginning-of-sequence id or None.
@@ -291,6 +301,11 @@ class CausalLMConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.001
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     bos_token_id: int | None = None
@@ -353,7 +368,7 @@ class CausalLMConfig:
                 "expected True, got False"
             )
             raise ValueError(msg)
-        wants_qk_norm = self.model_type in ("qwen3", "gemma3_text")
+        wants_qk_norm = self.model_type in ("qwen3", "gemma3_text", "qwen3_moe")
         if self.qk_norm != wants_qk_norm:
             msg = (
                 f"qk_norm: model_type {self.model_type!r} requires qk_norm="
@@ -361,6 +376,7 @@ class CausalLMConfig:
             )
             raise ValueError(msg)
         self._check_family_fields()
+        self._check_moe_fields()
         for name in ("bos_token_id", "pad_token_id"):
             if getattr(self, name) is not None:
                 _require_token_id(name, getattr(self, name))
@@ -447,7 +463,42 @@ class CausalLMConfig:
             )
             raise ValueError(msg)
 
+    def _check_moe_fields(self) -> None:
+        """Validates the Qwen3-MoE fields (and that dense families leave them unset)."""
+        names = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        if self.model_type != "qwen3_moe":
+            given = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+            if given or self.norm_topk_prob:
+                msg = (
+                    f"num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob: "
+                    f"only model_type 'qwen3_moe' takes them; expected None / False for "
+                    f"{self.model_type!r}, got {given or {'norm_topk_prob': True}}"
+                )
+                raise ValueError(msg)
+        else:
+            for name in names:
+                _require_positive_int(name, getattr(self, name))
+            if self.num_experts_per_tok > self.num_experts:
+                msg = (
+                    "num_experts_per_tok must be at most num_experts, got "
+                    f"num_experts_per_tok={self.num_experts_per_tok}, "
+                    f"num_experts={self.num_experts}"
+                )
+                raise ValueError(msg)
+            if not isinstance(self.norm_topk_prob, bool):
+                msg = f"norm_topk_prob must be a bool, got {self.norm_topk_prob!r}"
+                raise ValueError(msg)
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, int | float) or coef < 0:
+            msg = f"router_aux_loss_coef must be a number >= 0, got {coef!r}"
+            raise ValueError(msg)
+
     # ------------------------------------------------------------------ derived values
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are sparse mixtures of experts (Qwen3-MoE)."""
+        return self.model_type == "qwen3_moe"
 
     @property
     def sliding_layers(self) -> tuple[bool, ...]:
@@ -511,7 +562,11 @@ class CausalLMConfig:
             attn += d
         if self.qk_norm:
             attn += 2 * h
-        layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
+        if self.is_moe:  # router (D, E) and E experts of width moe_intermediate_size
+            mlp = d * self.num_experts + self.num_experts * 3 * d * self.moe_intermediate_size
+        else:
+            mlp = 3 * d * f
+        layer = attn + mlp + (4 if self.post_norms else 2) * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * layer + d + head
 
@@ -610,7 +665,8 @@ class CausalLMConfig:
             ValueError: Naming the key, for an unsupported `model_type`, activation, sliding-window
                 attention (Qwen's `use_sliding_window`), MLP bias, RoPE type, Gemma 3's
                 bidirectional attention or `attn_logit_softcapping` (which transformers' Gemma 3
-                does not apply), or a missing required key.
+                does not apply), Qwen3-MoE's dense layers among the sparse ones
+                (`mlp_only_layers`, `decoder_sparse_step` other than 1), or a missing required key.
         """
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -701,6 +757,8 @@ class CausalLMConfig:
             rope_theta, rope_scaling = _rope_entry(legacy, 10_000.0, "rope_scaling")
             if model_type == "mistral":
                 family = {"sliding_window": d.get("sliding_window")}
+            elif model_type == "qwen3_moe":
+                family = _moe_fields(d)
 
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
@@ -726,7 +784,7 @@ class CausalLMConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             hidden_act=act,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             initializer_range=float(d.get("initializer_range", 0.02)),
@@ -786,6 +844,19 @@ class CausalLMConfig:
             out["max_window_layers"] = self.num_layers
         elif self.model_type == "mistral":
             out["sliding_window"] = self.sliding_window
+        elif self.model_type == "qwen3_moe":
+            out["attention_bias"] = self.attention_bias
+            out["use_sliding_window"] = False
+            out["sliding_window"] = None
+            out["max_window_layers"] = self.num_layers
+            out["num_experts"] = self.num_experts
+            out["num_experts_per_tok"] = self.num_experts_per_tok
+            out["moe_intermediate_size"] = self.moe_intermediate_size
+            out["norm_topk_prob"] = self.norm_topk_prob
+            out["router_aux_loss_coef"] = self.router_aux_loss_coef
+            out["decoder_sparse_step"] = 1
+            out["mlp_only_layers"] = []
+            out["output_router_logits"] = False
         else:  # gemma3_text
             out["hidden_activation"] = out.pop("hidden_act")
             out["attention_bias"] = self.attention_bias
@@ -798,6 +869,38 @@ class CausalLMConfig:
             out["attn_logit_softcapping"] = None
             out["use_bidirectional_attention"] = False
         return out
+
+
+def _moe_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The Qwen3-MoE fields of a `config.json`; refuses dense layers among the sparse ones.
+
+    The expert count is `num_experts` (Hub checkpoints) or `num_local_experts` (transformers 5).
+    """
+    mlp_only = d.get("mlp_only_layers") or []
+    step = d.get("decoder_sparse_step", 1)
+    if mlp_only or step not in (1, None):
+        msg = (
+            "mlp_only_layers / decoder_sparse_step: only models whose every layer is sparse are "
+            f"supported (mlp_only_layers=[], decoder_sparse_step=1), got mlp_only_layers="
+            f"{list(mlp_only)}, decoder_sparse_step={step!r}"
+        )
+        raise ValueError(msg)
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    for key, value in (
+        ("num_experts", experts),
+        ("num_experts_per_tok", d.get("num_experts_per_tok")),
+        ("moe_intermediate_size", d.get("moe_intermediate_size")),
+    ):
+        if value is None:
+            msg = f"config.json (qwen3_moe): missing required key {key!r}"
+            raise ValueError(msg)
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(d["num_experts_per_tok"]),
+        "moe_intermediate_size": int(d["moe_intermediate_size"]),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+        "router_aux_loss_coef": float(d.get("router_aux_loss_coef", 0.001)),
+    }
 
 
 def _rope_entry(

@@ -93,7 +93,10 @@ def hf_tensor_map(config: CausalLMConfig) -> dict[str, tuple[PathParts, bool]]:
         (HF stores (out, in); our kernels are (in, out)). `lm_head.weight` is absent when the
         embeddings are tied. For Gemma 3, `post_attention_layernorm` is the norm after the
         attention block (`post_attn_norm`), `pre_feedforward_layernorm` the one before the MLP
-        (`mlp_norm`) and `post_feedforward_layernorm` the one after it (`post_mlp_norm`).
+        (`mlp_norm`) and `post_feedforward_layernorm` the one after it (`post_mlp_norm`). For
+        Qwen3-MoE the router `mlp.gate.weight` is `mlp.gate.kernel` and each expert's
+        `mlp.experts.j.{gate,up,down}_proj.weight` is row `j` of the stacked
+        `mlp.experts.{gate,up,down}_proj`: its path ends with the expert index `j`.
 
     Examples:
         >>> from artifex.generative_models.models.causal_lm import CausalLMConfig, hf_tensor_map
@@ -132,6 +135,13 @@ def hf_tensor_map(config: CausalLMConfig) -> dict[str, tuple[PathParts, bool]]:
         if config.qk_norm:
             out[f"{hf}.self_attn.q_norm.weight"] = ((*ours, "attn", "q_norm", "scale"), False)
             out[f"{hf}.self_attn.k_norm.weight"] = ((*ours, "attn", "k_norm", "scale"), False)
+        if config.is_moe:
+            out[f"{hf}.mlp.gate.weight"] = ((*ours, "mlp", "gate", "kernel"), True)
+            for j in range(config.num_experts):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    path = (*ours, "mlp", "experts", proj, j)
+                    out[f"{hf}.mlp.experts.{j}.{proj}.weight"] = (path, True)
+            continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
             out[f"{hf}.mlp.{proj}.weight"] = ((*ours, "mlp", proj, "kernel"), True)
     if not config.tie_word_embeddings:
@@ -276,6 +286,18 @@ def place_tensors(
     variables = _variables(model)
     seen: set[str] = set()
     tied_head: np.ndarray | None = None
+    # Stacked expert weights, filled one expert at a time on the host: {path: (array, filled)}.
+    stacks: dict[PathParts, tuple[np.ndarray, int]] = {}
+
+    def put(target_path: PathParts, var: nnx.Variable, x: np.ndarray) -> None:
+        shape = tuple(var.get_value().shape)
+        if mesh is None:
+            arr = jax.device_put(x)
+        else:
+            spec = PartitionSpec() if rules is None else rules(param_path_str(target_path), shape)
+            arr = jax.device_put(x, NamedSharding(mesh, spec))
+        var.set_value(arr)
+
     for name, x in tensors:
         if name in seen:
             msg = f"tensor {name!r} appears twice in {source}"
@@ -290,8 +312,11 @@ def place_tensors(
             msg = f"unexpected tensor {name!r} in {source}"
             raise ValueError(msg)
         target_path, transpose = mapping[name]
-        var = variables[target_path]
+        expert = target_path[-1] if isinstance(target_path[-1], int) else None
+        var = variables[target_path if expert is None else target_path[:-1]]
         shape = tuple(var.get_value().shape)
+        if expert is not None:  # one expert of a stacked (E, ...) weight
+            shape = shape[1:]
         hf_shape = shape[::-1] if transpose else shape
         if tuple(x.shape) != hf_shape:
             msg = f"tensor {name!r}: expected shape {hf_shape}, got {tuple(x.shape)}"
@@ -299,12 +324,19 @@ def place_tensors(
         x = _as_dtype(x, dt)
         if transpose:
             x = np.ascontiguousarray(x.T)
-        if mesh is None:
-            arr = jax.device_put(x)
+        if expert is None:
+            put(target_path, var, x)
+            continue
+        stacked_path = target_path[:-1]
+        full_shape = tuple(var.get_value().shape)
+        buffer, filled = stacks.get(stacked_path, (np.empty(full_shape, x.dtype), 0))
+        buffer[expert] = x
+        filled += 1
+        if filled == full_shape[0]:  # every expert is in: placed, the host copy dropped
+            put(stacked_path, var, buffer)
+            stacks.pop(stacked_path, None)
         else:
-            spec = PartitionSpec() if rules is None else rules(param_path_str(target_path), shape)
-            arr = jax.device_put(x, NamedSharding(mesh, spec))
-        var.set_value(arr)
+            stacks[stacked_path] = (buffer, filled)
     missing = sorted(set(mapping) - seen)
     if missing:
         msg = f"missing tensor {missing[0]!r} in {source} ({len(missing)} missing: {missing[:8]})"
@@ -448,13 +480,22 @@ def to_hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     gathered: dict[PathParts, np.ndarray] = {}  # stacked layer weights, read once each
     out: dict[str, np.ndarray] = {}
     for name, (target_path, transpose) in hf_tensor_map(model.config).items():
+        expert = target_path[-1] if isinstance(target_path[-1], int) else None
+        if expert is not None:  # row `expert` of a stacked expert weight
+            target_path = target_path[:-1]
         if stacked and target_path[0] == "layers":  # ("layers", i, ...) is ("layers", ...)[i]
             key = (target_path[0], *target_path[2:])
             if key not in gathered:
                 gathered[key] = _gathered(variables[key].get_value())
             x = gathered[key][target_path[1]]
+        elif expert is not None:
+            if target_path not in gathered:
+                gathered[target_path] = _gathered(variables[target_path].get_value())
+            x = gathered[target_path]
         else:
             x = _gathered(variables[target_path].get_value())
+        if expert is not None:
+            x = x[expert]
         out[name] = np.ascontiguousarray(x.T) if transpose else x
     return out
 

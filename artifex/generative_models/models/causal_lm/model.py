@@ -1,4 +1,4 @@
-"""The decoder-only causal LM (Llama 3, Qwen2/2.5, Qwen3, Mistral, Gemma 3) in Flax NNX.
+"""The decoder-only causal LM (Llama 3, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Gemma 3) in Flax NNX.
 
 Parameter paths (as in `nnx.state(model)`, dotted; `i` is the layer index) and the Hugging Face
 tensors they load from (linear kernels are the transposed HF weights):
@@ -19,6 +19,10 @@ tensors they load from (linear kernels are the transposed HF weights):
   `w` (the norms multiply by `1 + w`)
 - `layers.i.mlp.{gate,up}_proj.kernel` (D, F), `layers.i.mlp.down_proj.kernel` (F, D)
   <- `model.layers.i.mlp.{gate,up,down}_proj.weight`.T
+- Qwen3-MoE instead: `layers.i.mlp.gate.kernel` (D, E) <- `model.layers.i.mlp.gate.weight`.T
+  (the router) and `layers.i.mlp.experts.{gate,up}_proj` (E, D, I),
+  `layers.i.mlp.experts.down_proj` (E, I, D) <- `model.layers.i.mlp.experts.j.{...}.weight`.T
+  stacked over the experts `j`
 - `final_norm.scale` (D,) <- `model.norm.weight`
 - `lm_head.kernel` (D, V) <- `lm_head.weight`.T (untied models only)
 
@@ -65,6 +69,7 @@ from artifex.generative_models.models.causal_lm.modules import (
     SharedPrefixMask,
     f32_products,
 )
+from artifex.generative_models.models.causal_lm.moe import MoEDecoderLayer, RouterTrace
 from artifex.generative_models.models.causal_lm.rope import rope_cos_sin, rope_inv_frequencies
 from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
 from artifex.generative_models.utils.validation import check_remat
@@ -235,8 +240,9 @@ class CausalLM(nnx.Module):
             padding_idx=config.pad_token_id,
             scale=config.embed_scale,
         )
+        layer_cls = MoEDecoderLayer if config.is_moe else DecoderLayer
         self.layers = nnx.List(
-            [DecoderLayer(config, dtype=dt, rngs=rngs) for _ in range(config.num_layers)]
+            [layer_cls(config, dtype=dt, rngs=rngs) for _ in range(config.num_layers)]
         )
         self.final_norm = RMSNorm(
             config.hidden_size,
@@ -281,7 +287,8 @@ class CausalLM(nnx.Module):
         *,
         remat: bool | int = False,
         layer_stack: LayerStack | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
+        routing: jax.Array | bool | None = None,
+    ) -> tuple[jax.Array, KVCache | None] | tuple[jax.Array, KVCache | None, RouterTrace]:
         """Runs the decoder and returns the final-norm hidden states.
 
         Without a cache, token `t` attends to tokens `s <= t` with `mask[s] = 1`. With a cache,
@@ -313,14 +320,21 @@ class CausalLM(nnx.Module):
                 layer). Scanned layers take only True or 1.
             layer_stack: Optional result of `layer_stack()` for this model's current weights; the
                 layers are then scanned with it whatever `scan_layers` says.
+            routing: Mixture-of-experts models only. None: the routers pick the experts and
+                nothing more is returned. True: also return the layers' `RouterTrace` (stacked,
+                `(L, B, T, ...)`). An int array `(L, B, T, k)` of experts per layer and token:
+                route to those instead (replay; -1 where not known: the router's own choice)
+                and return the trace.
 
         Returns:
             `(hidden, cache)`: hidden states (B, T, D) in the compute dtype and the updated cache
-            (`index` advanced by T), or None when no cache was passed.
+            (`index` advanced by T), or None when no cache was passed; with `routing`,
+            `(hidden, cache, trace)`.
 
         Raises:
-            ValueError: If `input_ids` is not 2-D, a mask / positions / cache shape disagrees, or
-                `remat` is an int < 1 (or > 1 with scanned layers).
+            ValueError: If `input_ids` is not 2-D, a mask / positions / cache shape disagrees,
+                `remat` is an int < 1 (or > 1 with scanned layers), or `routing` is given to a
+                dense model or has the wrong shape.
             TypeError: If `remat` is neither a bool nor an int.
         """
         if input_ids.ndim != 2:
@@ -366,22 +380,53 @@ class CausalLM(nnx.Module):
             mask = valid[:, None, :] & (slots[None, None, :] <= query_slots[None, :, None])
             kv = (cache.keys, cache.values)
 
+        moe = self._routing_input(routing, token_valid)
         q_slots = jnp.arange(t, dtype=jnp.int32) if cache is None else query_slots
         (cos, sin, mask), sliding = self._attention_inputs(
             positions, bound, mask, q_slots, jnp.arange(mask.shape[-1], dtype=jnp.int32)
         )
         h = self.embed(input_ids).astype(self.dtype)
-        h, kv = self._run_layers(h, cos, sin, mask, kv, index, remat, layer_stack, sliding)
+        h, kv, trace = self._run_layers(
+            h, cos, sin, mask, kv, index, remat, layer_stack, sliding, moe
+        )
         hidden = self.final_norm(h)
+        traced = () if routing is None or routing is False else (trace,)
         if cache is None:
-            return hidden, None
+            return hidden, None, *traced
         keys, values = kv
         if cache.stacked and isinstance(keys, tuple):
             keys, values = jnp.stack(keys), jnp.stack(values)
         elif not cache.stacked and not isinstance(keys, tuple):
             keys, values = tuple(keys), tuple(values)
         new_cache = cache.replace(keys=keys, values=values, valid=valid, index=index + t)
-        return hidden, new_cache
+        return hidden, new_cache, *traced
+
+    def _routing_input(
+        self, routing: jax.Array | bool | None, valid: jax.Array
+    ) -> tuple[jax.Array | None, jax.Array] | None:
+        """The layers' `(replay, valid)` for a mixture-of-experts model (None for dense ones)."""
+        cfg = self.config
+        if not cfg.is_moe:
+            if routing is not None and routing is not False:
+                msg = (
+                    f"routing: only mixture-of-experts models route tokens (model_type "
+                    f"'qwen3_moe'); this model is {cfg.model_type!r}"
+                )
+                raise ValueError(msg)
+            return None
+        if routing is None or isinstance(routing, bool):
+            return None, valid
+        expected = (cfg.num_layers, *valid.shape, cfg.num_experts_per_tok)
+        if jnp.shape(routing) != expected:
+            msg = (
+                f"routing: replayed experts must have shape (L, B, T, k) = {expected}, got "
+                f"{jnp.shape(routing)}"
+            )
+            raise ValueError(msg)
+        if not jnp.issubdtype(jnp.result_type(routing), jnp.integer):
+            msg = f"routing: replayed experts must be integers, got {jnp.result_type(routing)}"
+            raise ValueError(msg)
+        return jnp.asarray(routing, jnp.int32), valid
 
     def _attention_inputs(
         self,
@@ -436,11 +481,14 @@ class CausalLM(nnx.Module):
         remat: bool | int,
         layer_stack: LayerStack | None,
         sliding: tuple[jax.Array, jax.Array, Any] | None = None,
-    ) -> tuple[jax.Array, KVPairs | None]:
+        routing: tuple[jax.Array | None, jax.Array] | None = None,
+    ) -> tuple[jax.Array, KVPairs | None, RouterTrace | None]:
         """Runs the decoder layers: scanned, rematerialized or unrolled (see `hidden_states`).
 
         With `sliding` (see `_attention_inputs`), the layers `config.sliding_layers` marks take
-        those `(cos, sin, mask)` instead.
+        those `(cos, sin, mask)` instead. Mixture-of-experts layers take `routing` (`(replay
+        (L, B, T, k) or None, valid (B, T))`) and their traces are returned stacked (None for
+        dense layers).
         """
         flags = None if sliding is None else self.config.sliding_layers
         if layer_stack is None and getattr(self, "scan_layers", False):
@@ -454,19 +502,25 @@ class CausalLM(nnx.Module):
                 raise ValueError(msg)
             return _scan_layers(
                 layer_stack, h, cos, sin, mask, kv, index, remat=bool(remat),
-                sliding=sliding, flags=flags,
+                sliding=sliding, flags=flags, routing=routing,
             )  # fmt: skip
         layers = self._layer_states()
         if remat:
             every = 1 if remat is True else int(remat)
-            return _remat_layers(layers, h, cos, sin, mask, kv, index, every, sliding, flags)
-        new_kv = []
+            return _remat_layers(
+                layers, h, cos, sin, mask, kv, index, every, sliding, flags, routing
+            )
+        new_kv, traces = [], []
         for i, (graphdef, state) in enumerate(layers):
             layer_kv = None if kv is None else (kv[0][i], kv[1][i])
             c, s, m = sliding if flags is not None and flags[i] else (cos, sin, mask)
-            h, layer_kv = _traced_once_layer_step(graphdef, state, h, c, s, m, layer_kv, index)
+            out = _traced_once_layer_step(
+                graphdef, state, h, c, s, m, layer_kv, index, _layer_routing(routing, i)
+            )
+            h, layer_kv = out[0], out[1]
             new_kv.append(layer_kv)
-        return h, None if kv is None else _unzip(new_kv)
+            traces.append(out[2] if len(out) > 2 else None)
+        return h, None if kv is None else _unzip(new_kv), _stack_traces(traces)
 
     def _layer_states(self) -> list[tuple[nnx.GraphDef, nnx.State]]:
         """Each decoder layer's `(graphdef, state)`; stacked layers are split along axis 0.
@@ -493,7 +547,8 @@ class CausalLM(nnx.Module):
         prompt_mask: jax.Array | None = None,
         remat: bool | int = False,
         layer_stack: LayerStack | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
+        routing: jax.Array | bool | None = None,
+    ) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, RouterTrace]:
         """Hidden states of prompts and of several completions of each, in one pass.
 
         Row `i` of `completion_ids` continues prompt `i // G` (`G = len(completion_ids) //
@@ -517,10 +572,13 @@ class CausalLM(nnx.Module):
                 backward pass (see `hidden_states`).
             layer_stack: Optional `layer_stack()` to scan the layers with (see
                 `hidden_states`).
+            routing: Mixture-of-experts models: as for `hidden_states`, over the rows
+                `[prompt ; completion 1 ; ... ; completion G]`: replayed experts
+                `(L, B, P + G * T, k)`, and the trace in that layout.
 
         Returns:
             `(prompt_hidden (B, P, D), completion_hidden (B * G, T, D))`, final-norm hidden
-            states in the compute dtype.
+            states in the compute dtype; with `routing`, the `RouterTrace` third.
 
         Raises:
             ValueError: If the shapes disagree (ranks, `P < 1`, `T < 1`, a completion count that
@@ -568,10 +626,17 @@ class CausalLM(nnx.Module):
         ids, (cos, sin, mask), sliding = self._layer_inputs(
             prompt_ids, completion_ids, prompt_mask, group=g
         )
+        valid = jnp.concatenate(
+            [prompt_mask.astype(jnp.bool_), jnp.ones((b, g * t), jnp.bool_)], axis=1
+        )
+        moe = self._routing_input(routing, valid)
         h = self.embed(ids).astype(self.dtype)
-        h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack, sliding)
+        h, _, trace = self._run_layers(
+            h, cos, sin, mask, None, None, remat, layer_stack, sliding, moe
+        )
         hidden = self.final_norm(h)
-        return hidden[:, :p], hidden[:, p:].reshape(rows, t, hidden.shape[-1])
+        out = hidden[:, :p], hidden[:, p:].reshape(rows, t, hidden.shape[-1])
+        return out if routing is None or routing is False else (*out, trace)
 
     def packed_hidden_states(
         self,
@@ -636,7 +701,8 @@ class CausalLM(nnx.Module):
         (cos, sin, mask), sliding = self._attention_inputs(pos, t, mask, pos, pos)
         h = self.embed(jnp.asarray(input_ids, jnp.int32)).astype(self.dtype)
         remat = check_remat("remat", remat)
-        h, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack, sliding)
+        moe = self._routing_input(None, seg > 0)
+        h, _, _ = self._run_layers(h, cos, sin, mask, None, None, remat, layer_stack, sliding, moe)
         return self.final_norm(h)
 
     def layer_inputs(
@@ -669,8 +735,15 @@ class CausalLM(nnx.Module):
 
         Raises:
             ValueError: For a model whose layers mix sliding-window and global attention (Gemma
-                3), whose layers take different inputs.
+                3), whose layers take different inputs, or a mixture-of-experts model (its
+                layers also take and return routing).
         """
+        if self.config.is_moe:
+            msg = (
+                "layer_inputs: mixture-of-experts layers (qwen3_moe) take routing inputs and "
+                "return router traces; the layer-by-layer update does not run them"
+            )
+            raise ValueError(msg)
         ids, inputs, sliding = self._layer_inputs(
             prompt_ids, completion_ids, prompt_mask, group=group
         )
@@ -961,7 +1034,8 @@ class CausalLM(nnx.Module):
     ) -> CausalLM:
         """Loads a Hugging Face checkpoint directory or a GGUF file.
 
-        A directory holds `config.json` (model_type llama, qwen2, qwen3, mistral or gemma3_text) and
+        A directory holds `config.json` (model_type llama, qwen2, qwen3, mistral, gemma3_text or
+        qwen3_moe) and
         `model.safetensors` or the shards listed in `model.safetensors.index.json`; a `.gguf`
         file is read with `read_gguf` (dequantized). The model is built abstractly
         (`nnx.eval_shape`, no random weights are drawn) and each tensor, checked against the
@@ -1145,6 +1219,23 @@ def _unzip(pairs: list[tuple[jax.Array, jax.Array]]) -> KVPairs:
     return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
 
+def _layer_routing(
+    routing: tuple[jax.Array | None, jax.Array] | None, i: int
+) -> tuple[jax.Array | None, jax.Array] | None:
+    """Layer `i`'s `(replay, valid)` of the model's `(replay (L, ...) or None, valid)`."""
+    if routing is None:
+        return None
+    replay, valid = routing
+    return (None if replay is None else replay[i]), valid
+
+
+def _stack_traces(traces: list[RouterTrace | None]) -> RouterTrace | None:
+    """The layers' router traces stacked on a new axis 0 (None for dense layers)."""
+    if not traces or traces[0] is None:
+        return None
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *traces)
+
+
 def _scan_layers(
     stack: LayerStack,
     h: jax.Array,
@@ -1157,41 +1248,48 @@ def _scan_layers(
     remat: bool,
     sliding: tuple[jax.Array, jax.Array, Any] | None = None,
     flags: tuple[bool, ...] | None = None,
-) -> tuple[jax.Array, KVPairs | None]:
+    routing: tuple[jax.Array | None, jax.Array] | None = None,
+) -> tuple[jax.Array, KVPairs | None, RouterTrace | None]:
     """Runs the decoder layers as one `lax.scan` over the stacked layer states (and caches).
 
     With `sliding`, layer `i` takes `sliding` for its `(cos, sin, mask)` where `flags[i]`,
-    selected inside the scan (one layer body for both kinds).
+    selected inside the scan (one layer body for both kinds). Mixture-of-experts layers take
+    their slice of `routing`'s replay and return traces, stacked by the scan.
     """
     graphdef, stacked = stack
     step = functools.partial(_remat_layer_step if remat else _layer_step, graphdef)
     inputs = (cos, sin, mask)
     kinds = None if sliding is None else jnp.asarray(flags, jnp.bool_)
+    replay = None if routing is None else routing[0]
 
     def pick(flag):
         if sliding is None:
             return inputs
         return jax.tree.map(lambda a, b: jnp.where(flag, a, b), sliding, inputs)
 
+    def layer_routing(r):
+        return None if routing is None else (r, routing[1])
+
     if kv is None:
 
         def body(h, xs):
-            state, flag = xs
-            h, _ = step(state, h, *pick(flag), None, index)
-            return h, None
+            state, flag, r = xs
+            out = step(state, h, *pick(flag), None, index, layer_routing(r))
+            return out[0], (out[2] if len(out) > 2 else None)
 
-        h, _ = jax.lax.scan(body, h, (stacked, kinds))
-        return h, None
+        h, traces = jax.lax.scan(body, h, (stacked, kinds, replay))
+        return h, None, traces
 
     def body_kv(h, xs):
-        state, layer_keys, layer_values, flag = xs
-        return step(state, h, *pick(flag), (layer_keys, layer_values), index)
+        state, layer_keys, layer_values, flag, r = xs
+        out = step(state, h, *pick(flag), (layer_keys, layer_values), index, layer_routing(r))
+        return out[0], (out[1], out[2] if len(out) > 2 else None)
 
     keys, values = kv
     if isinstance(keys, tuple):  # per-layer arrays: stacked here, a copy per call
         keys, values = jnp.stack(keys), jnp.stack(values)
-    h, (keys, values) = jax.lax.scan(body_kv, h, (stacked, keys, values, kinds))
-    return h, (keys, values)
+    h, ((keys, values), traces) = jax.lax.scan(body_kv, h, (stacked, keys, values, kinds, replay))
+    return h, (keys, values), traces
 
 
 def _layer_step(
@@ -1203,8 +1301,12 @@ def _layer_step(
     mask: jax.Array,
     kv: tuple[jax.Array, jax.Array] | None,
     index: jax.Array | None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-    return nnx.merge(graphdef, state)(h, cos, sin, mask, kv, index)
+    routing: tuple[jax.Array | None, jax.Array] | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None] | tuple[Any, ...]:
+    layer = nnx.merge(graphdef, state)
+    if routing is None:  # dense layers (MoE layers get at least their valid tokens)
+        return layer(h, cos, sin, mask, kv, index)
+    return layer(h, cos, sin, mask, kv, index, routing)
 
 
 # The unrolled layers call one jitted layer function: JAX traces (and differentiates) a layer
@@ -1216,18 +1318,18 @@ _traced_once_layer_step = jax.jit(_layer_step, static_argnums=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _remat_layer_step(graphdef, state, h, cos, sin, mask, kv, index):
+def _remat_layer_step(graphdef, state, h, cos, sin, mask, kv, index, routing=None):
     """`_layer_step` that keeps only its inputs and recomputes the layer in the backward pass."""
-    return _layer_step(graphdef, state, h, cos, sin, mask, kv, index)
+    return _layer_step(graphdef, state, h, cos, sin, mask, kv, index, routing)
 
 
-def _remat_layer_fwd(graphdef, state, h, cos, sin, mask, kv, index):
-    out = _layer_step(graphdef, state, h, cos, sin, mask, kv, index)
-    return out, (state, h, cos, sin, mask, kv, index)
+def _remat_layer_fwd(graphdef, state, h, cos, sin, mask, kv, index, routing=None):
+    out = _layer_step(graphdef, state, h, cos, sin, mask, kv, index, routing)
+    return out, (state, h, cos, sin, mask, kv, index, routing)
 
 
 def _remat_layer_bwd(graphdef, residuals, cotangent):
-    state, h, cos, sin, mask, kv, index = residuals
+    state, h, cos, sin, mask, kv, index, routing = residuals
     # The recomputation must not start before this layer's cotangent exists. Under
     # `jax.checkpoint` (or `nnx.remat`) XLA:CPU schedules each layer's recomputation right after
     # its forward pass (the optimization barrier meant to order it is gone from the optimized
@@ -1237,7 +1339,9 @@ def _remat_layer_bwd(graphdef, residuals, cotangent):
     # which is NaN for infinite x). It is exactly `h` where `dh` is finite; where it is not,
     # the gradient is not finite either way.
     h = h - jnp.zeros((), h.dtype) * jnp.abs(cotangent[0])
-    _, vjp = jax.vjp(functools.partial(_layer_step, graphdef), state, h, cos, sin, mask, kv, index)
+    _, vjp = jax.vjp(
+        functools.partial(_layer_step, graphdef), state, h, cos, sin, mask, kv, index, routing
+    )
     return vjp(cotangent)
 
 
@@ -1258,21 +1362,24 @@ def _remat_layers(
     every: int = 1,
     sliding: tuple[jax.Array, jax.Array, Any] | None = None,
     flags: tuple[bool, ...] | None = None,
-) -> tuple[jax.Array, KVPairs | None]:
+    routing: tuple[jax.Array | None, jax.Array] | None = None,
+) -> tuple[jax.Array, KVPairs | None, RouterTrace | None]:
     """Runs the decoder layers, every `every`-th one (0, every, ...) rematerialized.
 
     A rematerialized layer keeps its inputs for the backward pass: its hidden states and, with
     a cache, its own keys and values. The other layers keep their activations. Layer `i` takes
-    `sliding` for its `(cos, sin, mask)` where `flags[i]`.
+    `sliding` for its `(cos, sin, mask)` where `flags[i]`, and its part of `routing`.
     """
-    new_kv = []
+    new_kv, traces = [], []
     for i, (graphdef, state) in enumerate(layers):
         layer_kv = None if kv is None else (kv[0][i], kv[1][i])
         step = _traced_once_remat_layer_step if i % every == 0 else _traced_once_layer_step
         c, s, m = sliding if flags is not None and flags[i] else (cos, sin, mask)
-        h, layer_kv = step(graphdef, state, h, c, s, m, layer_kv, index)
+        out = step(graphdef, state, h, c, s, m, layer_kv, index, _layer_routing(routing, i))
+        h, layer_kv = out[0], out[1]
         new_kv.append(layer_kv)
-    return h, None if kv is None else _unzip(new_kv)
+        traces.append(out[2] if len(out) > 2 else None)
+    return h, None if kv is None else _unzip(new_kv), _stack_traces(traces)
 
 
 def from_pretrained(
