@@ -5,7 +5,8 @@ The same compiled functions run on one device or on a mesh; only where the array
 decides where they live:
 
 - :func:`make_mesh` builds a ``Mesh`` with the named axes ``("data", "fsdp", "tensor")`` (any of
-  size 1) in GSPMD (``AxisType.Auto``) mode.
+  size 1) in GSPMD (``AxisType.Auto``) mode, and ``"expert"`` before ``"tensor"`` for expert
+  parallelism of mixture-of-experts models (``make_mesh(expert=n)``, with :data:`MOE_RULES`).
 - :class:`PartitionRules` maps a parameter path (``"layers.0.attn.q_proj.kernel"``, as
   :func:`~artifex.generative_models.models.causal_lm.hf_io.param_path_str` writes it) and shape
   to a ``PartitionSpec``: Megatron-style tensor parallelism over ``"tensor"``
@@ -64,6 +65,7 @@ __all__ = [
     "CAUSAL_LM_RULES",
     "DATA_AXES",
     "MESH_AXES",
+    "MOE_RULES",
     "PartitionRules",
     "batch_partition_spec",
     "current_mesh",
@@ -86,8 +88,9 @@ T = TypeVar("T")
 
 #: Names of the mesh axes, outermost first.
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
-#: The axes a batch is split over (its rows), together.
-DATA_AXES: tuple[str, ...] = ("data", "fsdp")
+#: The axes a batch is split over (its rows), together (those the mesh has; ``"expert"`` only
+#: on a mesh made with ``make_mesh(expert=n)``, where it is data parallel outside the experts).
+DATA_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
 _COLUMN = r"(q_proj|k_proj|v_proj|gate_proj|up_proj)"
 _ROW = r"(o_proj|down_proj)"
@@ -107,6 +110,16 @@ CAUSAL_LM_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"(^|\.)lm_head\.kernel$", PartitionSpec(None, "tensor")),
 )
 
+#: Expert parallelism for mixture-of-experts layers (Qwen3-MoE): the stacked expert weights
+#: ``(E, D, I)`` / ``(E, I, D)`` split over ``"expert"`` by expert, and each expert
+#: Megatron-style over ``"tensor"`` (gate/up by columns, down by rows). For a mesh made with
+#: ``make_mesh(expert=n)``: ``PartitionRules(rules=MOE_RULES + CAUSAL_LM_RULES)``. The router
+#: (``mlp.gate.kernel``) stays replicated (FSDP may split it).
+MOE_RULES: tuple[tuple[str, PartitionSpec], ...] = (
+    (r"(^|\.)experts\.(gate_proj|up_proj)$", PartitionSpec("expert", None, "tensor")),
+    (r"(^|\.)experts\.down_proj$", PartitionSpec("expert", "tensor", None)),
+)
+
 
 # ------------------------------------------------------------------------------ processes
 # ------------------------------------------------------------------------------ the mesh
@@ -115,12 +128,18 @@ def make_mesh(
     fsdp: int = 1,
     tensor: int = 1,
     *,
+    expert: int | None = None,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
     """Builds a ``Mesh`` with axes ``("data", "fsdp", "tensor")`` over the given devices.
 
-    ``data * fsdp * tensor`` must equal the number of devices. The axes are of type
-    ``AxisType.Auto`` (GSPMD propagation; ``jax.make_mesh`` otherwise defaults to explicit
+    With ``expert`` the axes are ``("data", "fsdp", "expert", "tensor")``: the experts of
+    mixture-of-experts layers are split over ``"expert"`` (see :data:`MOE_RULES`) and the
+    batch's rows over ``"data"``, ``"fsdp"`` and ``"expert"`` (outside the experts,
+    ``"expert"`` is one more data-parallel axis).
+
+    ``data * fsdp * tensor`` (times ``expert``) must equal the number of devices. The axes are
+    of type ``AxisType.Auto`` (GSPMD propagation; ``jax.make_mesh`` otherwise defaults to explicit
     sharding, which the model code is not written for). Device order follows
     ``jax.make_mesh`` (topology-aware on TPU/GPU; by process, so each process's devices form
     contiguous data shards).
@@ -131,6 +150,7 @@ def make_mesh(
         fsdp: Size of the FSDP axis (parameters and optimizer state split ``1/fsdp``; the batch
             is split over it as well).
         tensor: Size of the tensor-parallel axis (Megatron-style).
+        expert: Size of the expert-parallel axis, or ``None`` for a mesh without one.
         devices: Devices to use (default: ``jax.devices()``, all processes' devices).
 
     Returns:
@@ -148,27 +168,44 @@ def make_mesh(
         {'data': 1, 'fsdp': 1, 'tensor': 1}
         >>> dict(make_mesh(data=2, fsdp=2, devices=jax.devices()[:4]).shape)  # needs 4 devices
         {'data': 2, 'fsdp': 2, 'tensor': 1}
+        >>> dict(make_mesh(data=1, expert=2, devices=jax.devices()[:2]).shape)  # 2 devices
+        {'data': 1, 'fsdp': 1, 'expert': 2, 'tensor': 1}
     """
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    for name, size in (("fsdp", fsdp), ("tensor", tensor), ("data", data)):
+    for name, size in (("fsdp", fsdp), ("tensor", tensor), ("data", data), ("expert", expert)):
         if size is None:
             continue
         check_int(f"make_mesh: {name}", size, minimum=1)
+    ep = 1 if expert is None else int(expert)
     if data is None:
-        if n % (fsdp * tensor):
+        if n % (fsdp * tensor * ep):
             msg = (
                 f"make_mesh: fsdp * tensor = {fsdp} * {tensor} = {fsdp * tensor} does not divide "
                 f"the {n} devices"
             )
+            if expert is not None:
+                msg = (
+                    f"make_mesh: fsdp * expert * tensor = {fsdp} * {ep} * {tensor} = "
+                    f"{fsdp * ep * tensor} does not divide the {n} devices"
+                )
             raise ValueError(msg)
-        data = n // (fsdp * tensor)
-    if data * fsdp * tensor != n:
+        data = n // (fsdp * tensor * ep)
+    if data * fsdp * tensor * ep != n:
         msg = (
             f"make_mesh: data * fsdp * tensor = {data} * {fsdp} * {tensor} = "
             f"{data * fsdp * tensor} must equal the number of devices, {n}"
         )
+        if expert is not None:
+            msg = (
+                f"make_mesh: data * fsdp * expert * tensor = {data} * {fsdp} * {ep} * {tensor} = "
+                f"{data * fsdp * ep * tensor} must equal the number of devices, {n}"
+            )
         raise ValueError(msg)
+    if expert is not None:
+        shape = (int(data), int(fsdp), ep, int(tensor))
+        axes = ("data", "fsdp", "expert", "tensor")
+        return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * 4, devices=devices)
     shape = (int(data), int(fsdp), int(tensor))
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 

@@ -144,11 +144,11 @@ def route_tokens(
         >>> from artifex.generative_models.models.causal_lm.moe import route_tokens
         >>> logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
         >>> experts, weights, _, _ = route_tokens(logits, 2, norm_topk_prob=True)
-        >>> experts.tolist(), weights.round(3).tolist()
-        ([[1, 2]], [[0.667, 0.333]])
+        >>> experts.tolist(), [round(w, 3) for w in weights[0].tolist()]
+        ([[1, 2]], [0.667, 0.333])
         >>> experts, weights, _, agree = route_tokens(logits, 2, replay=jnp.array([[0, 1]]))
-        >>> experts.tolist(), weights.round(3).tolist(), agree.tolist()
-        ([[0, 1]], [[0.1, 0.6]], [0.0])
+        >>> experts.tolist(), [round(w, 3) for w in weights[0].tolist()], agree.tolist()
+        ([[0, 1]], [0.1, 0.6], [0.0])
     """
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     _, own = jax.lax.top_k(probs, top_k)
