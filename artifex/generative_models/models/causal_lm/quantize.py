@@ -1,30 +1,23 @@
 """Quantized frozen bases (QLoRA): int8, int4 or NF4 storage of the projections of `CausalLM`.
 
-`quantize_base` replaces the seven projections of every layer (`LORA_TARGETS`, or a subset) by
-`QuantizedLinear`: its kernel `W` (in, out) is stored as integer codes `q` and one float32 scale
-`s` per block of `block_size` consecutive input rows of each output column (absmax blockwise
-quantization, QLoRA's layout), and each call computes `y = x deq(q, s) + b + lora(x)` with
+`quantize_base` replaces the targeted projections of every layer by `QuantizedLinear`: its
+kernel `W` (in, out) is stored as integer codes `q` and a float32 scale `s` per block of
+`block_size` input rows of each output column (`a` = the block's absmax), and each call
+computes `y = x deq(q, s) + b + lora(x)` with
 
-- int8: `s = absmax / 127.5`, `q = clip(round(W / s), -128, 127)`, `deq = s q`;
-- int4: `s = absmax / 7.5`, `q = clip(round(W / s), -8, 7)`, `deq = s q`;
-- NF4: `s = absmax`, `q` the nearest of the 16 NormalFloat levels `c_k` to `W / s`,
-  `deq = s c_q` (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023).
+- int8: `s = a / 127.5`, `q = clip(round(W / s), -128, 127)`, `deq = s q`;
+- int4: `s = a / 7.5`, `q = clip(round(W / s), -8, 7)`, `deq = s q`;
+- NF4: `s = a`, `q` the nearest of the 16 NormalFloat levels `c_k` to `W / s`, `deq = s c_q`.
 
-Every weight then lies within `error_bound(qtype) * absmax` of its block's absmax: 1/255 for
-int8, 1/15 for int4 and 0.1519 for NF4 (half the widest gap between NF4 levels, next to -1);
-a projection's output within `error_bound * sum_i |x_i| absmax(block(i), j)` of `x W`.
+Every weight lies within `error_bound(qtype) * a` of its original (1/255, 1/15, 0.1519). The
+quantization and dequantization are qwix's (`qwix.quantize`, `qwix.dequantize`; the `quantize`
+extra); two 4-bit codes are packed per byte here (XLA:CPU stores `int4` one byte per element),
+and the product's backward pass dequantizes again instead of keeping the kernel. Codes and
+scales are `QuantizedWeight` variables, not `nnx.Param`: never trained. `dequantize_base` gives
+a full-precision copy for `merge_lora` and `save_pretrained`. docs/models.md says more.
 
-The quantization itself (calibration, rounding, the NF4 code book, dequantization) is qwix's
-(`qwix.quantize`, `qwix.dequantize`; the `quantize` extra). Two 4-bit codes are packed into one
-byte here, so the storage is 4 bits per weight on every backend (XLA:CPU keeps `int4` arrays one
-byte per element), plus 32 / `block_size` bits of scale. The codes and scales are
-`QuantizedWeight` variables, not `nnx.Param`: no optimizer selects them, and a trainer keeps
-them with the frozen state. The matrix product's backward pass dequantizes again instead of
-keeping the dequantized kernel, so a gradient through the base costs no full-precision copy.
-
-Embeddings, `lm_head`, norms and biases keep the model's dtype. LoRA adapters (`apply_lora`,
-before or after `quantize_base`) stay in their own dtype and are the only trained parameters.
-`dequantize_base` gives a full-precision copy (for `merge_lora` and `save_pretrained`).
+References:
+    Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", 2023.
 """
 
 from __future__ import annotations
@@ -321,7 +314,22 @@ quantized_matmul.defvjp(_qmm_fwd, _qmm_bwd)
 
 
 class QuantizedWeight(nnx.Variable):
-    """Frozen quantized storage (codes or scales): not an `nnx.Param`, so never trained."""
+    """Frozen quantized storage (codes or scales): not an `nnx.Param`, so never trained.
+
+    Args:
+        value: The array.
+        hijax: As for `nnx.Variable`.
+        ref: As for `nnx.Variable`.
+        eager_sharding: As for `nnx.Variable`.
+        metadata: As for `nnx.Variable` (e.g. a sharding annotation).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm.quantize import QuantizedWeight
+        >>> isinstance(QuantizedWeight(jnp.zeros((2, 2), jnp.uint8)), nnx.Param)
+        False
+    """
 
 
 class QuantizedLinear(Linear):
@@ -432,7 +440,11 @@ class QuantizedLinear(Linear):
         raise AttributeError(msg)
 
     def dequantized_kernel(self) -> jax.Array:
-        """The kernel (in, out) the codes stand for, in the projection's dtype."""
+        """The kernel the codes stand for.
+
+        Returns:
+            The (in, out) kernel in the projection's dtype.
+        """
         return dequantize_weight(
             self.kernel_codes[...], self.kernel_scale[...], self.qtype, self.dtype
         )

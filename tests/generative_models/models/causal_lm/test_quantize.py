@@ -178,10 +178,10 @@ def test_model_equals_its_dequantized_copy_and_is_close_to_the_original(qtype):
     full = dequantize_base(model)
     assert not is_quantized(full) and is_quantized(model)
     np.testing.assert_allclose(np.asarray(full(ids)), quantized, atol=1e-5)
-    # The logits' error, relative to their spread: measured 0.005 (int8), 0.07 (int4), 0.09
-    # (nf4) on this random model (docs/models.md).
+    # The largest logit error over the largest logit: 0.012 (int8), 0.167 (int4) and 0.172
+    # (nf4) on this random model (docs/models.md has a real model's).
     rel = np.abs(quantized - original).max() / np.abs(original).max()
-    assert rel < {"int8": 0.02, "int4": 0.2, "nf4": 0.2}[qtype]
+    assert rel < {"int8": 0.015, "int4": 0.2, "nf4": 0.2}[qtype]
 
 
 def test_bfloat16_model_dequantizes_to_bfloat16():

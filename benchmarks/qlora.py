@@ -1,0 +1,277 @@
+"""Quantized frozen bases (QLoRA) against plain LoRA: memory and step time, one process each.
+
+Usage:
+    python benchmarks/qlora.py                     # W2's shape, fp32: lora, int8, int4, nf4
+    python benchmarks/qlora.py --shape q05 --dtype bfloat16 --prompts 2 --generations 4 \\
+        --prompt-length 64 --new-tokens 64         # Q05's shape, a CPU-sized batch
+    python benchmarks/qlora.py --json out.json     # the rows as JSON too
+
+Each configuration runs in a fresh process (``--worker``): a random-weight model of the
+workload's shape (``benchmarks/hfdir.WORKLOADS``), its base quantized with
+``quantize_base(QuantizeConfig(qtype, block_size=64))`` for int8 / int4 / nf4 (none for
+``lora``), LoRA adapters of rank 16 on all seven projections, AdamW on the adapters only
+(``wrt=nnx.LoRAParam``), ``GRPOConfig(beta=0.04, remat=True)`` (the reference is the base with
+the adapters zeroed, so no second copy of the weights). The worker samples one batch with
+``generate`` (temperature 1) and runs ``--steps`` updates on it; it prints:
+
+- ``proj_mb``: the bytes of the seven projections' stored weights (kernels, or codes and
+  scales), exactly, from the arrays; ``model_mb``: the whole model's arrays (embeddings,
+  norms and adapters included), what a device holds for the weights;
+- ``rss_model_gb``: the process's resident memory once the model is built, quantized and the
+  unquantized kernels freed (``VmRSS``); ``peak_step_gb``: the peak resident memory
+  (``VmHWM``, reset after the model is built) over the sampling and the updates;
+- ``generate_s``: the second sampling call (the first compiles); ``first_update_s``: the first
+  update (compilation included); ``update_s``: the median of the later updates.
+
+Times on a shared CPU are noisy: compare rows of one run, not across runs.
+
+``python benchmarks/qlora.py --accuracy DIR`` measures instead how far each format moves a real
+checkpoint's next-token distributions (float32, ``block_size=64``) on a few chat prompts and
+their teacher-forced answers: the largest logit error over the largest logit, the mean
+KL(full || quantized) per token, and how often the most likely token is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+CONFIGS = ("lora", "int8", "int4", "nf4")
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    try:  # Linux: writing 5 to clear_refs resets VmHWM to the current VmRSS
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def _nbytes(tree) -> int:
+    import jax
+
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from artifex.generative_models.inference import generate
+    from artifex.generative_models.models.causal_lm import (
+        CausalLM,
+        CausalLMConfig,
+        LoRAConfig,
+        apply_lora,
+    )
+    from artifex.generative_models.models.causal_lm.quantize import (
+        QuantizeConfig,
+        QuantizedWeight,
+        quantize_base,
+    )
+    from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig, GRPOTrainer
+    from benchmarks.hfdir import WORKLOADS
+
+    shape = dict(WORKLOADS[args.shape]["model"])
+    config = CausalLMConfig(**shape, param_dtype=args.dtype)
+    model = CausalLM(config, rngs=nnx.Rngs(0))
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    proj_full = sum(
+        getattr(getattr(layer, part), name).kernel[...].nbytes
+        for layer in model.layers
+        for part, names in (("attn", lora_targets[:4]), ("mlp", lora_targets[4:]))
+        for name in names
+    )
+    if args.config != "lora":
+        quantize_base(model, QuantizeConfig(qtype=args.config, block_size=64))
+    gc.collect()
+    apply_lora(model, LoRAConfig(rank=16, alpha=32.0), nnx.Rngs(1))
+    proj = proj_full if args.config == "lora" else _nbytes(nnx.state(model, QuantizedWeight))
+    model_bytes = _nbytes(nnx.state(model))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-6), wrt=nnx.LoRAParam)
+    trainer = GRPOTrainer(
+        model,
+        optimizer,
+        GRPOConfig(num_generations=args.generations, beta=0.04, remat=True),
+    )
+    gc.collect()
+    rss_model = _status_kb("VmRSS") / 1e6
+    _reset_peak()
+
+    rng = np.random.default_rng(0)
+    prompts = jnp.asarray(
+        rng.integers(2, config.vocab_size, (args.prompts, args.prompt_length)), jnp.int32
+    )
+
+    def sample(seed: int):
+        out = generate(
+            model,
+            prompts,
+            key=jax.random.key(seed),
+            num_generations=args.generations,
+            max_new_tokens=args.new_tokens,
+            temperature=1.0,
+            eos_ids=[],
+        )
+        jax.block_until_ready(out.completion_ids)
+        return out
+
+    sample(0)
+    start = time.perf_counter()
+    out = sample(1)
+    generate_s = time.perf_counter() - start
+    rows = args.prompts * args.generations
+    batch = GRPOBatch(
+        prompt_ids=out.prompt_ids,
+        prompt_mask=out.prompt_mask,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        rewards=jnp.asarray(rng.normal(size=rows), jnp.float32),
+        group_size=args.generations,
+    )
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        metrics = trainer.train_step(batch)
+        times.append(time.perf_counter() - start)
+    assert np.isfinite(metrics["policy_loss"])
+    return {
+        "config": args.config,
+        "shape": args.shape,
+        "dtype": args.dtype,
+        "proj_mb": round(proj / 2**20, 1),
+        "model_mb": round(model_bytes / 2**20, 1),
+        "rss_model_gb": round(rss_model, 2),
+        "peak_step_gb": round(_status_kb("VmHWM") / 1e6, 2),
+        "generate_s": round(generate_s, 2),
+        "first_update_s": round(times[0], 2),
+        "update_s": round(statistics.median(times[1:]), 2) if len(times) > 1 else None,
+    }
+
+
+TEXTS = (
+    "What is the capital of France? The capital of France is Paris, a city on the Seine.",
+    "Write a haiku about autumn. Leaves drift on cold wind, the maple burns red and gold.",
+    "Compute 17 + 25. Adding the units gives 12, carry one: 17 + 25 = 42.",
+    "Explain photosynthesis briefly. Plants turn light, water and carbon dioxide into sugar.",
+)
+
+
+def accuracy(directory: str) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
+    from artifex.generative_models.models.causal_lm.quantize import (
+        QTYPES,
+        QuantizeConfig,
+        quantize_base,
+    )
+
+    tok = Tokenizer.from_pretrained(directory)
+    ids, mask = tok.pad_batch([tok.encode(t) for t in TEXTS])
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    valid = np.asarray(mask, bool)
+    full = CausalLM.from_pretrained(directory, dtype="float32")
+    ref = np.asarray(full(ids, attention_mask=mask), np.float64)[valid]
+    del full
+    log_p = np.asarray(jax.nn.log_softmax(ref, -1))
+    rows = []
+    for qtype in QTYPES:
+        model = quantize_base(
+            CausalLM.from_pretrained(directory, dtype="float32"), QuantizeConfig(qtype=qtype)
+        )
+        got = np.asarray(model(ids, attention_mask=mask), np.float64)[valid]
+        log_q = np.asarray(jax.nn.log_softmax(got, -1))
+        kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+        rows.append(
+            {
+                "qtype": qtype,
+                "tokens": int(valid.sum()),
+                "max_logit_err_rel": round(float(np.abs(got - ref).max() / np.abs(ref).max()), 4),
+                "mean_kl": round(float(kl.mean()), 4),
+                "top1_agree": round(float((got.argmax(-1) == ref.argmax(-1)).mean()), 3),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _table(rows: list[dict]) -> None:
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row[k]) for k in keys) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=("w1", "w2", "q05"), default="w2")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--prompt-length", type=int, default=48)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--accuracy", default=None, metavar="DIR", help="see the docstring")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", choices=CONFIGS, default="lora", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)), flush=True)
+        return 0
+    if args.accuracy:
+        _table(accuracy(args.accuracy))
+        return 0
+    rows = []
+    common = [
+        "--shape", args.shape, "--dtype", args.dtype, "--prompts", str(args.prompts),
+        "--generations", str(args.generations), "--prompt-length", str(args.prompt_length),
+        "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
+    ]  # fmt: skip
+    for config in args.configs:
+        done = subprocess.run(
+            [sys.executable, __file__, "--worker", "--config", config, *common],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return done.returncode
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    _table(rows)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"argv": sys.argv[1:], "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
