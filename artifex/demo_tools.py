@@ -34,11 +34,11 @@ from artifex.demo import demo_model
 from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.rewards import math_answer_reward
+from artifex.generative_models.training.rl.rollouts._chat_segments import _appended_text
 from artifex.generative_models.training.rl.rollouts.multiturn import (
     MultiTurnConfig,
     MultiTurnRollout,
     ToolEnvironment,
-    _appended_text,
     run_episodes,
 )
 from artifex.generative_models.training.rl.rollouts.rollout import Policy, RolloutConfig

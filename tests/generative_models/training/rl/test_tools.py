@@ -10,7 +10,7 @@ import time
 import pytest
 
 from artifex.generative_models.models.causal_lm import Tokenizer
-from artifex.generative_models.training.rl.multiturn import _appended_text
+from artifex.generative_models.training.rl.rollouts._chat_segments import _appended_text
 from artifex.generative_models.training.rl.tools import (
     ToolCall,
     ToolRunner,
