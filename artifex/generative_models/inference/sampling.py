@@ -79,6 +79,11 @@ class SamplerOutput:
             distribution (0 where the mask is 0).
         truncated: ``(B*K,)`` bool, True for rows that reached ``max_new_tokens`` without EOS.
         lengths: ``(B*K,)`` int32 number of completion tokens (the mask's row sums).
+        routed_experts: With ``generate(..., record_routing=True)`` (mixture-of-experts models):
+            ``(B*K, P + N, L, k)`` int32, the ``k`` experts each of the ``L`` layers computed
+            every prompt and completion token by, as the tokens went through the model (-1
+            where a token was not computed as a real token: prompt padding, the last
+            completion token, tokens after EOS); else ``None``.
 
     Examples:
         >>> import dataclasses
@@ -94,6 +99,7 @@ class SamplerOutput:
     log_probs: jax.Array
     truncated: jax.Array
     lengths: jax.Array
+    routed_experts: jax.Array | None = None
 
 
 def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS) -> int:
@@ -301,6 +307,7 @@ def _inverse_cdf(probs: jax.Array, uniform: jax.Array, block: int = 64) -> jax.A
         "pad_id",
         "share_prefill",
         "batch_rows",
+        "record_routing",
     ),
 )
 def _generate(
@@ -322,6 +329,7 @@ def _generate(
     pad_id: int,
     share_prefill: bool,
     batch_rows: int,
+    record_routing: bool = False,
 ) -> SamplerOutput:
     # ``prompt_ids`` may be one group of a batch of ``batch_rows`` rows (see ``generate``'s
     # ``row_groups``), whose first row is row ``row_offset`` of the batch.
@@ -339,18 +347,24 @@ def _generate(
     rep_ids = jnp.repeat(prompt_ids, k, axis=0)
     rep_mask = jnp.repeat(prompt_mask, k, axis=0)
 
+    if record_routing:  # mixture-of-experts models: each layer's routed experts per token
+        layers = {**layers, "routing": True}
     # Prefill once per prompt, then share the cache with the prompt's K generations.
     if share_prefill:
         cache = model.init_cache(b, p + n)
-        hidden, cache = model.hidden_states(
+        hidden, cache, *trace = model.hidden_states(
             prompt_ids, attention_mask=prompt_mask, cache=cache, **layers
         )
         cache = cache.repeat(k)
         last = jnp.repeat(hidden[:, -1], k, axis=0)
+        prompt_routing = _routed(trace, prompt_mask, k)
     else:
         cache = model.init_cache(rows, p + n)
-        hidden, cache = model.hidden_states(rep_ids, attention_mask=rep_mask, cache=cache, **layers)
+        hidden, cache, *trace = model.hidden_states(
+            rep_ids, attention_mask=rep_mask, cache=cache, **layers
+        )
         last = hidden[:, -1]
+        prompt_routing = _routed(trace, rep_mask, 1)
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
     def draw(logits: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -382,6 +396,8 @@ def _generate(
         "cache": cache,
         "step": jnp.zeros((), jnp.int32),
     }
+    if prompt_routing is not None:
+        carry["routing"] = jnp.full((rows, n, *prompt_routing.shape[2:]), -1, jnp.int32)
     token, logp = draw(model.logits_from_hidden(last), carry["step"])
     carry = record(carry, token, logp, carry["step"])
     carry["last"] = carry["tokens"][:, 0]
@@ -392,10 +408,14 @@ def _generate(
     def body(c: dict[str, Any]) -> dict[str, Any]:
         step = c["step"] + 1
         alive = (~c["done"]).astype(jnp.int32)
-        hidden, cache = model.hidden_states(
+        hidden, cache, *trace = model.hidden_states(
             c["last"][:, None], attention_mask=alive[:, None], cache=c["cache"], **layers
         )
         token, logp = draw(model.logits_from_hidden(hidden[:, 0]), step)
+        if trace:  # the fed token is completion token step - 1
+            c = dict(
+                c, routing=c["routing"].at[:, step - 1].set(_routed(trace, alive[:, None])[:, 0])
+            )
         c = dict(c, cache=cache, step=step)
         c = record(c, token, logp, step)
         c["last"] = c["tokens"][:, step]
@@ -411,7 +431,19 @@ def _generate(
         log_probs=carry["logps"],
         truncated=~carry["done"],
         lengths=jnp.sum(mask, axis=-1, dtype=jnp.int32),
+        routed_experts=None
+        if prompt_routing is None
+        else jnp.concatenate([prompt_routing, carry["routing"]], axis=1),
     )
+
+
+def _routed(trace: list[Any], valid: jax.Array, repeat: int = 1) -> jax.Array | None:
+    """A router trace's experts as ``(rows, T, L, k)``, -1 on invalid tokens (None: no trace)."""
+    if not trace:
+        return None
+    experts = jnp.moveaxis(trace[0].experts, 0, 2)  # (L, B, T, k) -> (B, T, L, k)
+    experts = jnp.where(valid.astype(jnp.bool_)[:, :, None, None], experts, -1)
+    return jnp.repeat(experts, repeat, axis=0) if repeat > 1 else experts
 
 
 def auto_row_groups(model: nnx.Module, num_prompts: int) -> int:
@@ -668,6 +700,7 @@ def generate(
     prompt_buckets: Sequence[int] | None = DEFAULT_PROMPT_BUCKETS,
     share_prefill: bool = True,
     row_groups: int | None = None,
+    record_routing: bool = False,
 ) -> SamplerOutput:
     """Generates ``num_generations`` completions for each left-padded prompt.
 
@@ -686,8 +719,7 @@ def generate(
         top_p: Nucleus mass in (0, 1]; 1 disables nucleus sampling.
         eos_ids: Token id(s) that end a completion (default: the model config's).
         pad_id: Filler after EOS (default: the config's pad id, else the first EOS id, else 0).
-        prompt_buckets: Prompt widths to left-pad to, so that one program serves many widths
-            (``None``: no bucketing).
+        prompt_buckets: Prompt widths to left-pad to (``None``: no bucketing).
         share_prefill: Prefill each prompt once for all its generations; ``False`` prefills
             every row (for benchmarks).
         row_groups: Run the prompts as this many equal groups at the same time, each with the
@@ -696,6 +728,7 @@ def generate(
             rows may round differently). ``None`` (the default):
             :func:`auto_row_groups`. Must divide ``B``; more than one group needs the prompts
             and the model on one device of one process.
+        record_routing: Fill ``SamplerOutput.routed_experts`` (mixture-of-experts models).
 
     Returns:
         A :class:`SamplerOutput` with ``B * K`` rows; row ``i`` belongs to prompt ``i // K``,
@@ -704,8 +737,8 @@ def generate(
     Raises:
         ValueError: An empty prompt row, a prompt too long for the model's positions plus
             ``max_new_tokens``, an argument out of its range, mismatched shapes, token ids
-            outside the vocabulary, or ``row_groups`` that does not divide ``B`` (or is over 1
-            for prompts held on several devices).
+            outside the vocabulary, ``row_groups`` that does not divide ``B`` (or is over 1
+            for prompts held on several devices), or ``record_routing`` without experts.
         TypeError: Non-integer ``prompt_ids``, or an argument of the wrong type
             (``num_generations=2.0``).
 
@@ -752,6 +785,15 @@ def generate(
         msg = f"row_groups must divide the number of prompts {ids.shape[0]}, got {row_groups}"
         raise ValueError(msg)
     config = getattr(model, "config", None)
+    if not isinstance(record_routing, bool):
+        msg = f"record_routing must be a bool, got {record_routing!r}"
+        raise TypeError(msg)
+    if record_routing and not getattr(config, "is_moe", False):
+        msg = (
+            "record_routing: only mixture-of-experts models route tokens (model_type "
+            f"'qwen3_moe'), got {getattr(config, 'model_type', type(model).__name__)!r}"
+        )
+        raise ValueError(msg)
     check_fits_positions(model, int(lengths.max()), max_new_tokens)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int) and not isinstance(vocab, bool):
@@ -823,6 +865,7 @@ def generate(
         pad_id=int(pad_id),
         share_prefill=share_prefill,
         batch_rows=int(dev_ids.shape[0]) * int(num_generations),  # global rows
+        record_routing=record_routing,
     )
     if groups == 1:
         return run(prompt_ids=dev_ids, prompt_mask=dev_mask, row_offset=np.int32(0))
@@ -858,6 +901,8 @@ class Sampler:
         prompt_buckets: Prompt widths to pad to.
         row_groups: Groups of prompts decoded at the same time (``None``:
             :func:`auto_row_groups`; see :func:`generate`).
+        record_routing: Record the routed experts of mixture-of-experts models (see
+            :func:`generate`).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -889,6 +934,7 @@ class Sampler:
         pad_id: int | None = None,
         prompt_buckets: Sequence[int] | None = DEFAULT_PROMPT_BUCKETS,
         row_groups: int | None = None,
+        record_routing: bool = False,
     ):
         self.model = model
         self.settings = dict(
@@ -901,6 +947,7 @@ class Sampler:
             pad_id=pad_id,
             prompt_buckets=prompt_buckets,
             row_groups=row_groups,
+            record_routing=record_routing,
         )
 
     def __call__(

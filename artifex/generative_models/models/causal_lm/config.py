@@ -218,13 +218,11 @@ class CausalLMConfig:
     """Architecture of a decoder-only transformer (Llama, Qwen2, Qwen3(-MoE), Mistral, Gemma 3).
 
     Each layer is `h += Attn(RMSNorm(h)); h += SwiGLU(RMSNorm(h))` with grouped-query attention
-    and rotate-half RoPE. The families differ in switches (docs/models.md has the table); Gemma 3
+    and rotate-half RoPE. The families differ in switches (docs/models.md); Gemma 3
     (`"gemma3_text"`) also scales the embeddings, multiplies its RMSNorms by `1 + w`,
     normalizes the block outputs and mixes sliding-window and global layers. A sliding-window
     layer lets the query in slot `q` (column or KV-cache slot) see key slots `s` with
-    `q - s < sliding_window`, as transformers' masks do. Qwen3-MoE (`"qwen3_moe"`) is Qwen3 with
-    every MLP replaced by a sparse mixture of `num_experts` SwiGLU experts, of which a router
-    picks `num_experts_per_tok` per token (see `moe.py`).
+    `q - s < sliding_window`, as transformers' masks do.
 
     Attributes:
         model_type: "llama", "qwen2", "qwen3", "mistral", "gemma3_text" or "qwen3_moe".
@@ -238,25 +236,23 @@ class CausalLMConfig:
         rope_theta: RoPE base (Gemma 3: of the global layers).
         rope_scaling: None or a `RopeScaling` (a mapping is converted).
         rms_norm_eps: Epsilon of every RMSNorm.
-        tie_word_embeddings: Whether the output projection is the transposed input embedding.
+        tie_word_embeddings: The output projection is the transposed input embedding.
         attention_bias: q/k/v biases (and o_proj's, but for Qwen2); always for Qwen2.
-        qk_norm: Whether q and k get a per-head RMSNorm (exactly for Qwen3 and Gemma 3).
+        qk_norm: Per-head RMSNorm of q and k (Qwen3, Qwen3-MoE, Gemma 3).
         hidden_act: "silu" or "gelu_pytorch_tanh" (Gemma 3's).
         sliding_window: Window of the sliding-window layers (Mistral, Gemma 3), or None.
         layer_types: Gemma 3: "full_attention" / "sliding_attention" per layer; None means
             every sixth layer global. Mistral: every layer slides when there is a window.
         rope_local_theta: Gemma 3: RoPE base of the sliding layers; None means 10000.
         query_pre_attn_scalar: Gemma 3: scores are `q k^T / sqrt(query_pre_attn_scalar)`; None
-            means `head_dim`, the scale of the other families.
+            means `head_dim`.
         final_logit_softcapping: Gemma 3: logits become `c tanh(z / c)`; None: not capped.
-        num_experts: Qwen3-MoE: experts E per layer; None for the dense families.
-        num_experts_per_tok: Qwen3-MoE: experts k each token is routed to (1 <= k <= E).
-        moe_intermediate_size: Qwen3-MoE: hidden width of each expert's SwiGLU MLP.
-        norm_topk_prob: Qwen3-MoE: renormalize the k routing weights to sum to 1 (else they
-            are the softmax probabilities of the chosen experts).
-        router_aux_loss_coef: Qwen3-MoE: weight of the load-balancing loss where it is applied
-            (see `moe.load_balancing_loss`); transformers' `router_aux_loss_coef`.
-        max_position_embeddings: Longest context the model is meant for.
+        num_experts: Qwen3-MoE: experts per layer E.
+        num_experts_per_tok: Qwen3-MoE: experts per token k.
+        moe_intermediate_size: Qwen3-MoE: expert MLP width.
+        norm_topk_prob: Qwen3-MoE: renormalize the k routing weights.
+        router_aux_loss_coef: Qwen3-MoE: load-balancing loss weight.
+        max_position_embeddings: Longest context.
         initializer_range: Standard deviation of the initial weights.
         bos_token_id: Beginning-of-sequence id or None.
         eos_token_id: End-of-sequence id, a tuple of ids (a list is converted), or None.
@@ -264,8 +260,7 @@ class CausalLMConfig:
         param_dtype: "float32" or "bfloat16", of the parameters and the compute.
 
     Raises:
-        ValueError: Naming the field, if a field is invalid or the combination cannot be written as
-            a Hugging Face config of `model_type`.
+        ValueError: Naming the field, if a field or their combination is invalid.
 
     Examples:
         >>> from artifex.generative_models.models.causal_lm import CausalLMConfig

@@ -300,13 +300,12 @@ class CausalLM(nnx.Module):
         With `remat` (gradient checkpointing) a reverse-mode gradient keeps only each
         rematerialized layer's inputs (its hidden states and, with a cache, its own keys and
         values) and recomputes the layer in the backward pass, for about one more forward pass
-        of compute. Values and gradients are the same; `jax.jvp` is not supported then.
+        of compute; `jax.jvp` is not supported then.
 
         With `model.scan_layers` the layers run as one `jax.lax.scan` over their weights stacked
         on a new leading axis (`layer_stack()`: the model's own arrays after `stack_layers()`,
         else a copy made inside the traced function, once per call); pass a `layer_stack`
-        computed once to reuse it across calls. The scan reads and writes a stacked cache layer
-        by layer; a per-layer cache is stacked inside the call (a copy). Either form of cache
+        computed once to reuse it across calls. Either form of cache (stacked, per layer)
         works with either kind of layers and is returned in its form.
 
         Args:
@@ -320,21 +319,17 @@ class CausalLM(nnx.Module):
                 layer). Scanned layers take only True or 1.
             layer_stack: Optional result of `layer_stack()` for this model's current weights; the
                 layers are then scanned with it whatever `scan_layers` says.
-            routing: Mixture-of-experts models only. None: the routers pick the experts and
-                nothing more is returned. True: also return the layers' `RouterTrace` (stacked,
-                `(L, B, T, ...)`). An int array `(L, B, T, k)` of experts per layer and token:
-                route to those instead (replay; -1 where not known: the router's own choice)
-                and return the trace.
+            routing: Mixture-of-experts models: True returns the layers' `RouterTrace` too;
+                experts `(L, B, T, k)` are routed to instead (replay, -1: the router's).
 
         Returns:
             `(hidden, cache)`: hidden states (B, T, D) in the compute dtype and the updated cache
-            (`index` advanced by T), or None when no cache was passed; with `routing`,
-            `(hidden, cache, trace)`.
+            (`index` advanced by T), or None when no cache was passed (the trace third with
+            `routing`).
 
         Raises:
             ValueError: If `input_ids` is not 2-D, a mask / positions / cache shape disagrees,
-                `remat` is an int < 1 (or > 1 with scanned layers), or `routing` is given to a
-                dense model or has the wrong shape.
+                `remat` is an int < 1 (or > 1 with scanned layers), or `routing` is invalid.
             TypeError: If `remat` is neither a bool nor an int.
         """
         if input_ids.ndim != 2:

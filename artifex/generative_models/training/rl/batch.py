@@ -68,14 +68,12 @@ class GRPOBatch:
         step_rewards: ``(B, T)`` per-step rewards for process supervision (NaN where no step
             ends); when given (and ``advantages`` is not), token advantages come from
             :func:`~artifex.generative_models.training.rl.core.advantages.process_advantages`.
-        group_ids: ``(B,)`` int group index per row, for groups of different sizes; when given,
-            the segment form of the kernel is used and ``B`` need not be a multiple of
-            ``group_size``.
+        group_ids: ``(B,)`` int group index per row, for groups of different sizes; then ``B``
+            need not be a multiple of ``group_size``.
         sampler_log_probs: ``(B, T)`` log-probs of the completion tokens as the sampler
-            reported them (an inference engine, bf16 or truncated sampling, stale weights), for
-            the sampler/trainer mismatch correction (``GRPOConfig.sampler_correction``) and the
-            off-policy sequence mask; NaN marks a token the sampler could not score. ``None``:
-            no correction.
+            reported them, for the sampler/trainer mismatch correction
+            (``GRPOConfig.sampler_correction``) and the off-policy sequence mask; NaN marks a
+            token the sampler could not score. ``None``: no correction.
         teacher_log_probs: ``(B, T)`` a distillation teacher's log-probs of the tokens
             (``"reverse_kl"``); ``None``: the update runs its ``teacher_model``.
         conditioning: Further inputs of a non-token policy's log-prob function, a pytree of
@@ -83,6 +81,8 @@ class GRPOBatch:
             sampler settings (``FlowConditioning``, see
             :mod:`~artifex.generative_models.training.rl.flow_batch`). ``None`` for language
             models.
+        routed_experts: ``(B, P + T, L, k)`` routed experts of a mixture-of-experts rollout,
+            for routing replay.
         group_size: Static group size ``G`` (pytree metadata).
         shared_prompts: Static flag: the ``G`` rows of each group have the same prompt (as in
             every GRPO rollout), so a causal LM can encode each prompt once for its group.
@@ -118,6 +118,7 @@ class GRPOBatch:
     sampler_log_probs: jax.Array | None = None
     teacher_log_probs: jax.Array | None = None
     conditioning: Any = None
+    routed_experts: jax.Array | None = None
     group_size: int = dataclasses.field(default=4, metadata=dict(static=True))
     shared_prompts: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -248,6 +249,20 @@ class GRPOBatch:
             if len(_shape(leaf)) < 1 or _shape(leaf)[0] != b:
                 msg = f"GRPOBatch.conditioning arrays must have {b} rows, got shape {_shape(leaf)}"
                 raise ValueError(msg)
+        if self.routed_experts is not None:
+            rshape, width = _shape(self.routed_experts), pshape[1] + t if len(pshape) > 1 else t
+            if len(rshape) != 4 or rshape[:2] != (b, width):
+                msg = (
+                    f"GRPOBatch.routed_experts must have shape (B, P + T, L, k) = ({b}, {width}, "
+                    f"L, k), got {rshape}"
+                )
+                raise ValueError(msg)
+            if not jnp.issubdtype(jnp.result_type(self.routed_experts), jnp.integer):
+                msg = (
+                    "GRPOBatch.routed_experts must hold integer expert ids, got dtype "
+                    f"{jnp.result_type(self.routed_experts)}"
+                )
+                raise TypeError(msg)
         if self.advantages is not None and _shape(self.advantages) not in ((b,), (b, t)):
             msg = (
                 f"GRPOBatch.advantages must have shape ({b},) or ({b}, {t}), "

@@ -129,6 +129,7 @@ class PackedGRPOBatch(GRPOBatch):
         sampler_log_probs: As in :class:`GRPOBatch`.
         teacher_log_probs: As in :class:`GRPOBatch`.
         conditioning: As in :class:`GRPOBatch`.
+        routed_experts: As in :class:`GRPOBatch` (not replayed in packed rows).
         group_size: As in :class:`GRPOBatch`.
         shared_prompts: As in :class:`GRPOBatch`.
         layout: The packing (:func:`pack_batch`).

@@ -1,0 +1,178 @@
+"""Rollout routing replay on Qwen3-MoE: the sampler records routed experts, the update reuses them.
+
+The rollout's router is the policy's with its weights perturbed by 5% (an inference engine's
+router computes slightly differently: lower precision, fused kernels, weights a step behind), so
+it routes a few tokens to other experts than the trainer's router does. The old log-probs are
+the rollout's routing evaluated in the trainer's numerics (R3's recomputation). With replay the
+update's first ratio is then exactly 1; without it the trainer's own routing gives other
+log-probs on those tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from artifex.generative_models.inference.sampling import generate
+from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig, from_pretrained
+from artifex.generative_models.models.causal_lm.moe import load_balancing_loss
+from artifex.generative_models.training import GRPOConfig, GRPOTrainer
+from artifex.generative_models.training.rl import GRPOBatch, causal_lm_log_probs
+from artifex.generative_models.training.rl.core.routing_replay import (
+    routing_replay_log_prob_fn,
+    routing_replay_log_probs,
+)
+
+from ...models.causal_lm._helpers import FIXTURES, load_expected
+
+NAME = "qwen3_moe_tiny"
+G, N = 4, 8
+
+
+def _rollout_router(model, scale=0.05):
+    for i, layer in enumerate(model.layers):
+        w = layer.mlp.gate.kernel[...]
+        noise = jax.random.normal(jax.random.key(100 + i), w.shape)
+        layer.mlp.gate.kernel[...] = w * (1.0 + scale * noise)
+    return model
+
+
+def _rollout(model, *, shared=False):
+    e = load_expected(NAME)
+    out = generate(
+        model,
+        e["input_ids"][:2],
+        e["attention_mask"][:2],
+        key=jax.random.key(0),
+        num_generations=G,
+        max_new_tokens=N,
+        eos_ids=(),
+        record_routing=True,
+    )
+    batch = GRPOBatch(
+        prompt_ids=out.prompt_ids,
+        prompt_mask=out.prompt_mask,
+        completion_ids=out.completion_ids,
+        completion_mask=out.completion_mask,
+        rewards=jnp.array([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 0.2, 0.3]),
+        group_size=G,
+        shared_prompts=shared,
+        routed_experts=out.routed_experts,
+    )
+    return batch.validate(), out
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return from_pretrained(FIXTURES / NAME)
+
+
+def test_batch_checks_the_routed_experts(policy):
+    batch, _ = _rollout(policy)
+    with pytest.raises(ValueError, match=r"routed_experts must have shape \(B, P \+ T, L, k\)"):
+        batch.replace(routed_experts=batch.routed_experts[:, 1:]).validate()
+    with pytest.raises(TypeError, match="routed_experts must hold integer expert ids"):
+        batch.replace(routed_experts=batch.routed_experts.astype(jnp.float32)).validate()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_replayed_log_probs_equal_the_plain_ones_when_the_routers_agree(policy, shared):
+    batch, _ = _rollout(policy, shared=shared)
+    logp, entropy, metrics = routing_replay_log_probs(policy, batch)
+    want, want_entropy = causal_lm_log_probs(
+        policy, batch.prompt_ids, batch.completion_ids, prompt_mask=batch.prompt_mask
+    )
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(want), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(entropy), np.asarray(want_entropy), atol=1e-5)
+    assert float(metrics["moe/routing_agreement"]) == 1.0
+    assert float(metrics["moe/aux_loss"]) > 0
+    fn_logp, _, fn_metrics = routing_replay_log_prob_fn(return_metrics=True)(policy, batch)
+    np.testing.assert_array_equal(np.asarray(fn_logp), np.asarray(logp))
+    assert fn_metrics.keys() == metrics.keys()
+
+
+def test_first_ratio_is_exactly_one_with_replay_and_not_without(policy):
+    rollout_model = _rollout_router(from_pretrained(FIXTURES / NAME))
+    batch, _ = _rollout(rollout_model)
+    # old log-probs: the rollout's routing evaluated by the trainer (R3's recomputation)
+    scored = GRPOTrainer(
+        policy,
+        nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param),
+        GRPOConfig(num_generations=G, beta=0.0),
+        log_prob_fn=routing_replay_log_prob_fn(),
+    ).compute_log_probs(batch)
+    old = np.asarray(scored.old_log_probs)
+    mask = np.asarray(batch.completion_mask).astype(bool)
+
+    replayed, _, with_replay = routing_replay_log_probs(policy, scored)
+    own, _, without = routing_replay_log_probs(policy, scored, routing_replay=False)
+    np.testing.assert_array_equal(np.exp(np.asarray(replayed) - old)[mask], 1.0)
+    ratio = np.exp(np.asarray(own) - old)[mask]
+    assert (ratio != 1.0).sum() >= 3 and np.abs(ratio - 1).max() > 1e-3
+    # the current router disagrees with the rollout's on some (token, layer) pairs
+    assert 0.9 < float(with_replay["moe/routing_agreement"]) < 1.0
+    assert float(without["moe/routing_agreement"]) == 1.0
+
+    # the update's first step: no policy change measured (approx. KL 0, nothing clipped)
+    for replay, exact in ((True, True), (False, False)):
+        model = from_pretrained(FIXTURES / NAME)
+        trainer = GRPOTrainer(
+            model,
+            nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
+            GRPOConfig(num_generations=G, beta=0.0, clip_param=1e-4),
+            log_prob_fn=routing_replay_log_prob_fn(routing_replay=replay),
+        )
+        metrics = trainer.train_step(scored)
+        if exact:
+            assert metrics["approx_kl"] == 0.0 and metrics["clip_fraction"] == 0.0
+        else:
+            assert metrics["approx_kl"] > 1e-6 and metrics["clip_fraction"] > 0.0
+
+
+def test_the_aux_loss_option_adds_its_gradient(policy):
+    batch, _ = _rollout(policy)
+    coef = 0.5
+    weights = jnp.asarray(np.random.default_rng(0).normal(size=batch.completion_ids.shape))
+
+    def objective(fn):
+        def loss(model):
+            logp, _ = fn(model, batch)
+            return jnp.sum(logp * weights)
+
+        return nnx.jit(nnx.grad(loss))(policy)
+
+    def explicit(model):
+        logp, _, metrics = routing_replay_log_probs(model, batch)
+        return jnp.sum(logp * weights) + coef * metrics["moe/aux_loss"]
+
+    got = objective(routing_replay_log_prob_fn(aux_loss_coef=coef))
+    plain = objective(routing_replay_log_prob_fn())
+    want = nnx.jit(nnx.grad(explicit))(policy)
+    leaves = zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(plain), strict=True)
+    router_changed = False
+    for g, w, p in leaves:
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-5)
+        router_changed |= g.shape == (32, 8) and np.abs(np.asarray(g - p)).max() > 1e-6
+    assert router_changed  # the aux loss reaches the routers
+    # the loss value is the transformers-style load-balancing loss of the pass
+    _, _, metrics = routing_replay_log_probs(policy, batch)
+    ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], 1)
+    mask = jnp.concatenate([batch.prompt_mask, jnp.ones_like(batch.completion_ids)], 1)
+    replay = jnp.moveaxis(batch.routed_experts, 2, 0)  # (L, B, P + T, k)
+    _, _, trace = policy.hidden_states(ids, mask, routing=replay)
+    np.testing.assert_allclose(float(metrics["moe/aux_loss"]), float(load_balancing_loss(trace)))
+
+
+def test_replay_refusals(policy):
+    batch, _ = _rollout(policy)
+    with pytest.raises(ValueError, match=r"needs GRPOBatch\.routed_experts"):
+        routing_replay_log_probs(policy, batch.replace(routed_experts=None))
+    dense = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="routing replay needs a mixture-of-experts causal LM"):
+        routing_replay_log_probs(dense, batch)
+    with pytest.raises(ValueError, match="aux_loss_coef"):
+        routing_replay_log_prob_fn(aux_loss_coef=-1.0)
