@@ -571,7 +571,10 @@ def rollout(
         key: PRNG key for sampling.
         need_old_log_probs: Fill ``old_log_probs`` (and ``ref_log_probs`` when the policy
             has a reference and ``beta > 0``): needed when the policy changes between updates
-            on this batch.
+            on this batch. The sampler's log-probs serve where they are the loss's
+            (``RolloutConfig.old_log_probs``); the rest is the policy's ``score``, or, for a
+            policy without one, left to the caller (the training loop scores them as a stage
+            of its own, ``GRPOTrainer.fill_log_probs``).
         placement: A :class:`~artifex.generative_models.training.placement.RolloutPlacement`
             to sample on a mesh of its own (weights resharded onto it first, the batch moved
             back to the trainer's mesh); ``None`` samples with the trainer's model where it is.
@@ -677,10 +680,8 @@ def rollout(
             if placement is not None:
                 old = placement.to_training(old, mesh)
             batch = batch.replace(old_log_probs=old)
-        if policy.score is None:
-            msg = "rollout(need_old_log_probs=True) needs a Policy with a score function"
-            raise ValueError(msg)
-        batch = policy.score(batch)
+        if policy.score is not None:  # else the caller scores (the training loop does)
+            batch = policy.score(batch)
     return Rollout(
         batch=batch,
         rows=list(rows),

@@ -19,18 +19,16 @@ are compared by value, also those inside nested programs.
 
 The groups' update programs donate the old arrays to XLA (their buffers are reused for the new
 arrays, so the old ones are deleted); a caller that stores the new state wraps the step and the
-store in :func:`interrupt_scope`, so that a Ctrl-C arriving while the groups run is delivered
-after the store (``GRPOTrainer`` and the training loop do).
+store in :func:`~artifex.generative_models.training.rl.update.signals.interrupt_scope`
+(re-exported here), so that a Ctrl-C arriving while the groups run is delivered after the store
+(``GRPOTrainer.apply_prepared`` does).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
-import signal
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +39,10 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.update.signals import (
+    deferred_interrupt,
+    interrupt_scope,
+)
 from artifex.generative_models.training.rl.update.state import (
     GRPOTrainState,
     _clip_scale,
@@ -741,108 +743,6 @@ class LayerOptimizer:
                     new_shared = group_shared
         new_state = split.assemble_state(new_slots, new_shared)
         return (split.assemble(new_params), new_state, step), metrics
-
-
-# Open interrupt scopes of the main thread (`interrupt_scope`), innermost last: each holds the
-# interrupts caught while it was open and the SIGINT handler to restore (or _UNSET).
-_UNSET = object()
-_scopes: list[dict[str, Any]] = []
-
-
-def _hold_interrupts(caught: list[Any]) -> Any:
-    """Installs a SIGINT handler that records into ``caught``; returns the one it replaced.
-
-    Returns ``_UNSET`` (nothing installed) where holding back is not possible or not needed:
-    outside the main thread, where SIGINT is ignored, or where its handler was not installed
-    from Python (it could not be restored).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return _UNSET
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is None or previous == signal.SIG_IGN:
-        return _UNSET
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    return previous
-
-
-def _release_interrupts(previous: Any, caught: list[Any]) -> None:
-    """Restores ``previous`` and delivers the first interrupt held back, if any, to it."""
-    if previous is _UNSET:
-        return
-    signal.signal(signal.SIGINT, previous)
-    if not caught:
-        return
-    if callable(previous):
-        previous(signal.SIGINT, caught[0])  # Python's default handler raises KeyboardInterrupt
-    else:  # SIG_DFL: the default action, as if the signal arrived now
-        signal.raise_signal(signal.SIGINT)
-
-
-@contextlib.contextmanager
-def interrupt_scope() -> Iterator[None]:
-    """Delivers a Ctrl-C held back by :func:`deferred_interrupt` inside it at its end instead.
-
-    A step whose optimizer runs group by group donates the old arrays to XLA (deletes them, their
-    buffers reused) before it returns the new ones; the caller that stores the new state wraps the
-    step and the store in this, so that an interrupt is raised only once the new state is stored.
-    Nothing is held back until a :func:`deferred_interrupt` block starts inside (a Ctrl-C during
-    tracing or compiling still interrupts at once). Nested scopes defer to the outermost; main
-    thread only.
-
-    Returns:
-        A context manager.
-
-    Examples:
-        >>> import signal
-        >>> from artifex.generative_models.training.rl.update.optimizer_split import (
-        ...     deferred_interrupt, interrupt_scope)
-        >>> order = []
-        >>> try:
-        ...     with interrupt_scope():
-        ...         with deferred_interrupt():  # the groups' donating updates
-        ...             signal.raise_signal(signal.SIGINT)
-        ...             order.append("updated")
-        ...         order.append("stored")  # the caller stores the new state
-        ... except KeyboardInterrupt:
-        ...     order.append("interrupted")
-        >>> order
-        ['updated', 'stored', 'interrupted']
-    """
-    if threading.current_thread() is not threading.main_thread() or _scopes:
-        yield
-        return
-    scope: dict[str, Any] = {"caught": [], "previous": _UNSET}
-    _scopes.append(scope)
-    try:
-        yield
-    finally:
-        _scopes.pop()
-        _release_interrupts(scope["previous"], scope["caught"])
-
-
-@contextlib.contextmanager
-def deferred_interrupt() -> Iterator[None]:
-    """Holds back Ctrl-C (SIGINT) inside the block and delivers it after; main thread only.
-
-    The optimizer's per-group programs each donate their group's arrays to XLA (reuse their buffers
-    for the new arrays): an interrupt between two of them would leave the model half updated, with
-    the old arrays of the updated groups deleted. Inside an :func:`interrupt_scope` the interrupt is
-    delivered when the scope ends (after the caller stored the new state); otherwise when this block
-    ends. Where SIGINT is ignored, or its handler was not installed from Python, nothing is held
-    back.
-    """
-    if _scopes:
-        scope = _scopes[0]
-        if scope["previous"] is _UNSET:
-            scope["previous"] = _hold_interrupts(scope["caught"])
-        yield
-        return
-    caught: list[Any] = []
-    previous = _hold_interrupts(caught)
-    try:
-        yield
-    finally:
-        _release_interrupts(previous, caught)
 
 
 def lower_programs(

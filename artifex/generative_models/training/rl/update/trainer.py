@@ -50,13 +50,13 @@ from artifex.generative_models.training.rl.update.layerwise import check_layerwi
 from artifex.generative_models.training.rl.update.optimizer_split import (
     LayerSplit,
     SplitDecisions,
-    interrupt_scope,
 )
 from artifex.generative_models.training.rl.update.ref_sync import (
     check_sync_setup,
     reference_sync_due,
     sync_reference,
 )
+from artifex.generative_models.training.rl.update.signals import interrupt_scope
 from artifex.generative_models.training.rl.update.state import (
     GRPOTrainState,
     NonFiniteUpdateError,
@@ -533,6 +533,38 @@ class GRPOTrainer:
             self._reference_state = nnx.as_pure(nnx.state(self.reference_model))
         self.rng = _uncommitted_key(state.rng)
 
+    def seed_rng(self, seed: int | jax.Array) -> None:
+        """Sets the run's PRNG key (``state.rng``): ``jax.random.key(seed)``, or a key as given.
+
+        The training loop seeds it from ``TrainConfig.seed`` before a run (a resumed run then
+        loads the checkpoint's, which is the same key); step ``k`` samples with
+        ``fold_in(rng, k)``.
+
+        Args:
+            seed: An int seed, or a typed PRNG key (``jax.random.key``).
+
+        Raises:
+            TypeError: ``seed`` is neither an int nor a typed PRNG key.
+
+        Examples:
+            >>> import jax, optax
+            >>> from flax import nnx
+            >>> from artifex.generative_models.training import GRPOTrainer
+            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            >>> trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
+            >>> trainer.seed_rng(7)
+            >>> bool((jax.random.key_data(trainer.state.rng) ==
+            ...       jax.random.key_data(jax.random.key(7))).all())
+            True
+        """
+        if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+            self.rng = seed
+            return
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+            msg = f"seed_rng: seed must be an int or a typed PRNG key, got {seed!r}"
+            raise TypeError(msg)
+        self.rng = jax.random.key(int(seed))
+
     def checkpoint_state(self) -> GRPOTrainState:
         """The part of the train state a checkpoint holds: everything but reference and teacher.
 
@@ -645,8 +677,39 @@ class GRPOTrainer:
         return jax.device_put(batch, next(iter(devices)))
 
     def _score(self, batch: GRPOBatch) -> GRPOBatch:
-        """Old and reference log-probs of a library-built batch (see :meth:`compute_log_probs`)."""
-        batch = self.place_batch(batch)
+        """:meth:`fill_log_probs` of the placed batch (``Policy.score`` for custom loops)."""
+        return self.fill_log_probs(self.place_batch(batch))
+
+    def fill_log_probs(self, batch: GRPOBatch) -> GRPOBatch:
+        """Fills the missing old and reference log-probs of a prepared, placed batch.
+
+        What :meth:`compute_log_probs` does after its host checks: ``old_log_probs`` (the
+        current policy, scored by the training graph) when the batch has none, and
+        ``ref_log_probs`` when it has none, ``beta > 0`` and the trainer has a reference. One
+        compiled forward pass, no gradient, no host copy. The training loop calls it as its own
+        stage, after the rollout and before the updates on the batch, when several updates
+        share the batch (``mu > 1`` or several minibatches).
+
+        Args:
+            batch: A :class:`GRPOBatch` built by the library or :meth:`prepare_batch`, on the
+                trainer's mesh (:meth:`place_batch`).
+
+        Returns:
+            The batch with those fields set (fields it had are kept).
+
+        Examples:
+            >>> import jax.numpy as jnp, optax
+            >>> from flax import nnx
+            >>> from artifex.generative_models.training import GRPOTrainer
+            >>> from artifex.generative_models.training.rl import GRPOConfig
+            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2, beta=0.0))
+            >>> batch = trainer.prepare_batch({"observations": jnp.ones((2, 4)),
+            ...     "actions": jnp.array([0, 2]), "rewards": jnp.array([1.0, 0.0])})
+            >>> trainer.fill_log_probs(batch).old_log_probs.shape
+            (2, 1)
+        """
         log_probs, ref_log_probs = self._log_probs_fn(self.state, batch)
         if batch.old_log_probs is None:
             batch = batch.replace(old_log_probs=log_probs)
@@ -988,7 +1051,12 @@ class GRPOTrainer:
         """One GRPO update on a batch that is already checked (no host validation).
 
         For batches the library built itself (the rollout) or that went through
-        :meth:`prepare_batch`: nothing is copied to the host before the compiled step.
+        :meth:`prepare_batch`: nothing is copied to the host before the compiled step. The
+        one method the training loop calls per update: it packs the batch where that pays
+        (:meth:`maybe_pack`), runs the compiled step (:meth:`compiled_step`) on :attr:`state`,
+        stores the new state in the model and optimizer (a Ctrl-C arriving meanwhile is
+        delivered after the store), syncs the reference when due and returns the metrics as
+        floats. A rejected update stores the state before it, unchanged.
 
         Args:
             batch: A prepared :class:`GRPOBatch` of arrays (on the trainer's mesh, if any).
