@@ -71,6 +71,8 @@ GROUPS: tuple[Group, ...] = (
             f"{_GM}.training",
             f"{_RL}.update",
             f"{_RL}.update.trainer",
+            f"{_RL}.update.trainer_setup",
+            f"{_RL}.update.microbatches",
             f"{_RL}.update.engines",
             f"{_RL}.update.compile_ahead",
             f"{_RL}.packing",

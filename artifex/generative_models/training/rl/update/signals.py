@@ -108,6 +108,9 @@ def deferred_interrupt() -> Iterator[None]:
     delivered when the scope ends (after the caller stored the new state); otherwise when this block
     ends. Where SIGINT is ignored, or its handler was not installed from Python, nothing is held
     back.
+
+    Returns:
+        A context manager.
     """
     if _scopes:
         scope = _scopes[0]

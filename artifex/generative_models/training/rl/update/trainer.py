@@ -13,9 +13,7 @@ imports it.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
@@ -36,7 +34,6 @@ from artifex.generative_models.training.rl.core.objective import (
     split_microbatches,
 )
 from artifex.generative_models.training.rl.core.policy import Policy
-from artifex.generative_models.training.rl.core.teacher import check_teacher_setup
 from artifex.generative_models.training.rl.packing import (
     pack_batch,
     packed_log_prob_fn,
@@ -46,7 +43,11 @@ from artifex.generative_models.training.rl.update.engines import (
     choose_optimizer_split,
     make_step_engine,
 )
-from artifex.generative_models.training.rl.update.layerwise import check_layerwise_model
+from artifex.generative_models.training.rl.update.microbatches import (
+    MIN_MICROBATCH_TOKENS,
+    auto_num_microbatches,
+    check_microbatches,
+)
 from artifex.generative_models.training.rl.update.optimizer_split import (
     LayerSplit,
     SplitDecisions,
@@ -65,14 +66,20 @@ from artifex.generative_models.training.rl.update.state import (
     make_grpo_log_probs,
     write_train_state,
 )
+from artifex.generative_models.training.rl.update.trainer_setup import (
+    _check_token_range,
+    _replicated_key,
+    _uncommitted_key,
+    _vocab_size,
+    check_trainer_inputs,
+    host_update_metrics,
+    place_models,
+)
 from artifex.generative_models.training.sharding import (
     PartitionRules,
-    _path_parts,
     current_mesh,
     num_data_shards,
     shard_batch,
-    shard_model,
-    shard_optimizer,
 )
 from artifex.generative_models.utils.compile_options import jit
 from artifex.generative_models.utils.host_memory import release_memory_after_compilation
@@ -91,184 +98,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _vocab_size(model: Any) -> int | None:
-    """The vocabulary size of a causal LM (``None`` when the model is not one)."""
-    if not (hasattr(model, "hidden_states") and hasattr(model, "output_embedding")):
-        return None
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(size, int) and not isinstance(size, bool):
-        return size
-    try:
-        return int(jnp.shape(model.output_embedding())[-1])
-    except Exception:  # an unusual model: skip the check rather than fail
-        return None
-
-
-def _check_token_range(batch: GRPOBatch, vocab_size: int | None) -> None:
-    """Token ids outside ``[0, vocab_size)`` would be clamped silently by the gathers."""
-    if vocab_size is None:
-        return
-    for name in ("prompt_ids", "completion_ids"):
-        value = getattr(batch, name)
-        if not jnp.issubdtype(jnp.result_type(value), jnp.integer):
-            continue
-        mask = batch.completion_mask if name == "completion_ids" else batch.prompt_mask
-        if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in (value, mask)):
-            continue  # multi-host shards: each process checks what it feeds (the sampler)
-        host = np.asarray(value)
-        if mask is not None and np.shape(mask) == host.shape:  # padding may hold anything
-            host = np.where(np.asarray(mask) > 0, host, 0)
-        if host.size and (host.min() < 0 or host.max() >= vocab_size):
-            bad = np.argwhere((host < 0) | (host >= vocab_size))[0]
-            msg = (
-                f"GRPOBatch.{name} must hold token ids in [0, {vocab_size}) (the model's "
-                f"vocabulary), got {int(host[tuple(bad)])} at row {int(bad[0])}: check that "
-                "the tokenizer matches the model"
-            )
-            raise ValueError(msg)
-
-
-# On the CPU the update runs, by default, in the most microbatches of whole prompt groups that
-# keep at least this many token positions each (see ``auto_num_microbatches``).
-MIN_MICROBATCH_TOKENS = 512
-
-
-def auto_num_microbatches(
-    rows: int,
-    group_size: int,
-    prompt_width: int,
-    completion_width: int,
-    *,
-    shared_prompts: bool = True,
-    min_tokens: int = MIN_MICROBATCH_TOKENS,
-) -> int:
-    """The most microbatches of a batch's rows that keep ``min_tokens`` token positions each.
-
-    A microbatch is a slice of whole prompt groups when the prompts are shared (so each group's
-    prompt is still encoded once), any equal slice of rows otherwise; its token positions are
-    ``r * completion_width + (r / group_size) * prompt_width`` for ``r`` rows with shared
-    prompts, ``r * (prompt_width + completion_width)`` without. Splitting changes nothing in
-    the update (advantages and the loss normalizer come from the whole batch) but the size of
-    the step's temporaries, which on the CPU are mapped anew at every run of the step; slices
-    below ``min_tokens`` positions are slower again (matrix products of too few rows).
-
-    Args:
-        rows: The batch's rows.
-        group_size: Rows per prompt group.
-        prompt_width: Prompt tokens per row (the padded width).
-        completion_width: Completion tokens per row (the padded width).
-        shared_prompts: Whether the rows of a group share their prompt (encoded once).
-        min_tokens: The fewest token positions a microbatch may have.
-
-    Returns:
-        The number of microbatches, >= 1 (1 when even two would be too small).
-
-    Raises:
-        ValueError: If an argument is not an int >= 1 (``prompt_width``: >= 0), or
-            ``group_size`` does not divide ``rows`` with ``shared_prompts``.
-
-    Examples:
-        >>> from artifex.generative_models.training.rl import auto_num_microbatches
-        >>> auto_num_microbatches(32, 4, 32, 96)  # 4 slices of 2 groups, 832 positions each
-        4
-        >>> auto_num_microbatches(16, 4, 64, 64)  # 2 slices of 640 positions
-        2
-        >>> auto_num_microbatches(8, 4, 16, 32)   # 320 positions in all: one piece
-        1
-    """
-    for name, value, least in (
-        ("rows", rows, 1),
-        ("group_size", group_size, 1),
-        ("prompt_width", prompt_width, 0),
-        ("completion_width", completion_width, 1),
-        ("min_tokens", min_tokens, 1),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
-            msg = f"auto_num_microbatches: {name} must be an int >= {least}, got {value!r}"
-            raise ValueError(msg)
-    if shared_prompts and rows % group_size:
-        msg = (
-            f"auto_num_microbatches: group_size={group_size} must divide rows={rows} when the "
-            "prompts are shared"
-        )
-        raise ValueError(msg)
-    best = 1
-    for m in range(2, rows + 1):
-        if rows % m:
-            continue
-        r = rows // m
-        if shared_prompts:
-            if r % group_size:
-                continue
-            tokens = r * completion_width + (r // group_size) * prompt_width
-        else:
-            tokens = r * (prompt_width + completion_width)
-        if tokens >= min_tokens:
-            best = m
-    return best
-
-
-def _check_microbatches(num_microbatches: Any, rows: int) -> None:
-    """``num_microbatches`` must be an int >= 1 dividing the batch rows."""
-    if (
-        isinstance(num_microbatches, bool)
-        or not isinstance(num_microbatches, int)
-        or num_microbatches < 1
-        or rows % num_microbatches
-    ):
-        msg = (
-            f"num_microbatches must be an int >= 1 dividing the {rows} batch rows, "
-            f"got {num_microbatches!r}"
-        )
-        raise ValueError(msg)
-
-
-def _uncommitted_key(key: jax.Array) -> jax.Array:
-    """A copy of a PRNG key that is not committed to any device (samplers use it anywhere).
-
-    Keys taken out of a train state live on the training mesh; the rollout may sample on
-    other devices (a placement of its own), so the trainer keeps its ``rng`` on the host side.
-    """
-    local = key.addressable_shards[0].data if isinstance(key, jax.Array) else key
-    data = np.asarray(jax.random.key_data(local))
-    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(local))
-
-
-def _holds_per_layer_state(optimizer: nnx.Optimizer) -> bool:
-    """Whether the optimizer state has per-layer entries (paths `... layers <int> ...`)."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.state(optimizer.opt_state))
-    for keypath, _ in leaves:
-        keys = _path_parts(keypath)
-        if any(a == "layers" and isinstance(b, int) for a, b in itertools.pairwise(keys)):
-            return True
-    return False
-
-
-def _replicated_key(key: jax.Array, mesh: Mesh) -> jax.Array:
-    """``key`` replicated over ``mesh`` (which may span several processes)."""
-    sharding = NamedSharding(mesh, PartitionSpec())
-    if getattr(key, "sharding", None) == sharding:
-        return key
-    data = np.asarray(jax.random.key_data(key))
-    arr = jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
-    return jax.random.wrap_key_data(arr, impl=jax.random.key_impl(key))
-
-
-def _unshare_buffers(reference: nnx.Module, model: nnx.Module) -> None:
-    """Gives ``reference`` its own copy of any array it shares with ``model``.
-
-    ``nnx.clone`` shares arrays; the compiled step reuses the model's buffers for its outputs
-    (they are donated to XLA), which would delete a reference that still points at them.
-    """
-    model_ids = {id(x) for x in jax.tree.leaves(nnx.state(model))}
-    state = nnx.state(reference)
-    if any(id(x) in model_ids for x in jax.tree.leaves(state)):
-        nnx.update(
-            reference,
-            jax.tree.map(lambda x: jnp.array(x, copy=True) if id(x) in model_ids else x, state),
-        )
 
 
 class GRPOTrainer:
@@ -347,72 +176,29 @@ class GRPOTrainer:
         config = GRPOConfig() if config is None else config
         check_float("packing_threshold", packing_threshold, minimum=0, maximum=1, allow_none=True)
         self.packing_threshold = packing_threshold
-        if not isinstance(model, nnx.Module):
-            msg = f"model must be an nnx.Module, got {type(model).__name__}"
-            raise TypeError(msg)
-        if not isinstance(optimizer, nnx.Optimizer):
-            msg = f"optimizer must be an nnx.Optimizer, got {type(optimizer).__name__}"
-            raise TypeError(msg)
-        if not isinstance(config, GRPOConfig):
-            msg = f"config must be a GRPOConfig, got {type(config).__name__}"
-            raise TypeError(msg)
-        if reference_model is not None and not isinstance(reference_model, nnx.Module):
-            msg = f"reference_model must be an nnx.Module, got {type(reference_model).__name__}"
-            raise TypeError(msg)
-        if reference_model is model:
-            msg = (
-                "reference_model must be a frozen copy of the policy (e.g. nnx.clone(model)), "
-                "not the policy itself"
-            )
-            raise ValueError(msg)
         mesh = current_mesh() if mesh is None else mesh
-        if mesh is not None and not isinstance(mesh, Mesh):
-            msg = f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}"
-            raise TypeError(msg)
-        if partition_rules is not None and mesh is None:
-            msg = "partition_rules were given without a mesh; pass mesh= as well"
-            raise TypeError(msg)
-        if teacher_partition_rules is not None and mesh is None:
-            msg = "teacher_partition_rules were given without a mesh; pass mesh= as well"
-            raise TypeError(msg)
-        check_teacher_setup(
-            model, teacher_model, config, custom_log_prob_fn=log_prob_fn is not None
+        check_trainer_inputs(
+            model,
+            optimizer,
+            config,
+            reference_model,
+            mesh=mesh,
+            partition_rules=partition_rules,
+            teacher_model=teacher_model,
+            teacher_partition_rules=teacher_partition_rules,
+            log_prob_fn=log_prob_fn,
         )
-        if config.layerwise_update:
-            if log_prob_fn is not None:
-                msg = (
-                    "GRPOConfig.layerwise_update runs the causal LM's own layers and output "
-                    "projection; it cannot use a custom log_prob_fn"
-                )
-                raise ValueError(msg)
-            if mesh is not None:
-                msg = "GRPOConfig.layerwise_update does not support a mesh yet; leave mesh=None"
-                raise ValueError(msg)
-            check_layerwise_model(model, reference_model, optimizer.wrt)
-        if reference_model is not None:
-            # Before placement: device_put onto a mesh may reuse a source buffer, so two models
-            # sharing arrays (nnx.clone) would end up sharing device buffers the step donates.
-            _unshare_buffers(reference_model, model)
-        if teacher_model is not None:
-            _unshare_buffers(teacher_model, model)
-        if mesh is not None:
-            shard_model(model, mesh, partition_rules)
-            shard_optimizer(optimizer, model, mesh, partition_rules)
-            if reference_model is not None:
-                shard_model(reference_model, mesh, partition_rules)
-            if teacher_model is not None:
-                teacher_rules = teacher_partition_rules
-                if teacher_rules is None:  # laid out as the policy
-                    teacher_rules = partition_rules
-                shard_model(teacher_model, mesh, teacher_rules)
+        place_models(
+            model,
+            optimizer,
+            mesh,
+            partition_rules,
+            reference_model=reference_model,
+            teacher_model=teacher_model,
+            teacher_partition_rules=teacher_partition_rules,
+        )
         self.mesh = mesh
         self.model = model
-        if getattr(model, "layers_stacked", False) and _holds_per_layer_state(optimizer):
-            msg = (
-                "the optimizer was built before model.stack_layers(): its state holds the "
-                "per-layer parameters; build the nnx.Optimizer after stacking the layers"
-            )
-            raise ValueError(msg)
         self.optimizer = optimizer
         self.config = config
         self.reference_model = reference_model
@@ -978,7 +764,7 @@ class GRPOTrainer:
         batch = self.prepare_batch(batch)
         if num_microbatches is None:
             num_microbatches = self.auto_microbatches(batch)
-        _check_microbatches(num_microbatches, batch.batch_size)
+        check_microbatches(num_microbatches, batch.batch_size)
         if (
             self.config.beta > 0.0
             and batch.ref_log_probs is None
@@ -1042,7 +828,7 @@ class GRPOTrainer:
         batch = self.prepare_batch(batch)
         if num_microbatches is None:
             num_microbatches = self.auto_microbatches(batch)
-        _check_microbatches(num_microbatches, batch.batch_size)
+        check_microbatches(num_microbatches, batch.batch_size)
         return self.compiled_step(num_microbatches).compile_ahead(self.state, batch)
 
     def apply_prepared(
@@ -1146,45 +932,4 @@ class GRPOTrainer:
             NonFiniteUpdateError: The update was not finite (the state it returned is the
                 state before it).
         """
-        host = {k: float(v) for k, v in jax.device_get(dict(metrics)).items()}
-        ok = host.pop("finite_update") > 0
-        finite_params = host.pop("finite_params") > 0
-        finite_opt = host.pop("finite_optimizer_state") > 0
-        applied = host.pop("update_applied") > 0
-        if host.pop("reward_signal") == 0 and ok and self.config.policy_loss_coeff > 0.0:
-            logger.warning(
-                "every reward of this batch is NaN (no reward signal): the reward metrics are "
-                "NaN and %s; check the reward functions",
-                "only the KL and entropy terms were applied"
-                if applied
-                else "the update was skipped (parameters unchanged)",
-            )
-        elif (
-            host.get("advantage_signal", 1.0) == 0 and ok and self.config.distillation_coeff == 0.0
-        ):
-            logger.warning(
-                "every advantage of this batch is zero (each group's rewards are equal): %s",
-                "only the KL and entropy terms were applied "
-                "(GRPOConfig.update_without_advantage=True)"
-                if applied
-                else "the update was skipped (parameters and optimizer unchanged; "
-                "GRPOConfig.update_without_advantage=True applies such updates)",
-            )
-        if not ok:
-            bad = [
-                f"{name}={host[name]}"
-                for name in ("total_loss", "grad_norm")
-                if not math.isfinite(host[name])
-            ]
-            if not finite_params:
-                bad.append("updated parameters")
-            if not finite_opt:
-                bad.append("updated optimizer state")
-            step = int(jax.device_get(step))
-            msg = (
-                f"non-finite {', '.join(bad) or 'values'} at optimizer step {step}; the update "
-                "was not applied (parameters and optimizer state are unchanged): lower the "
-                "learning rate, clip gradients (GRPOConfig.max_grad_norm) or check the batch"
-            )
-            raise NonFiniteUpdateError(msg, host)
-        return host
+        return host_update_metrics(metrics, step=step, config=self.config)
