@@ -7,6 +7,12 @@
 - ``--quantize-block-size N|column``: input rows per scale (default 64, QLoRA's); ``column``
   gives one scale per output column.
 
+With ``--quantize`` the sampler and the update scan the decoder layers (``model.scan_layers``;
+``--scan-layers`` defaults to true unless given, or ``--remat-every`` > 1 or
+``--layerwise-update`` asks otherwise): XLA:CPU dequantizes the kernels of unrolled layers all
+up front and keeps them, as much memory as the full-precision projections; a scan dequantizes
+one layer at a time.
+
 The export (``--output``) is the trained function in full precision: the dequantized base with
 the adapters merged (``merge_lora(dequantize_base(model))``).
 """
@@ -130,6 +136,33 @@ def check_options(args: argparse.Namespace) -> None:
         raise ImportError(msg)
 
 
+def apply_defaults(args: argparse.Namespace) -> None:
+    """With ``--quantize``, makes ``--scan-layers`` default to true (see the module docstring).
+
+    Call it before ``GRPOConfig`` is built from the arguments. A ``--scan-layers`` given, or a
+    ``--remat-every`` > 1 or ``--layerwise-update`` (which need unrolled layers), is kept.
+
+    Args:
+        args: The parsed ``train`` arguments (changed in place).
+
+    Examples:
+        >>> import argparse
+        >>> from artifex.cli_quantize import apply_defaults
+        >>> args = argparse.Namespace(quantize="nf4", quantize_block_size=None)
+        >>> apply_defaults(args)
+        >>> getattr(args, "GRPOConfig.scan_layers")
+        True
+    """
+    if not _quantizing(args):
+        return
+    given = vars(args)
+    unrolled = given.get("GRPOConfig.remat_every", 1) > 1 or given.get(
+        "GRPOConfig.layerwise_update", False
+    )
+    if "GRPOConfig.scan_layers" not in given and not unrolled:
+        setattr(args, "GRPOConfig.scan_layers", True)
+
+
 def quantize_config(args: argparse.Namespace) -> Any:
     """The :class:`~artifex.generative_models.models.causal_lm.quantize.QuantizeConfig` asked for.
 
@@ -158,6 +191,9 @@ def quantize_config(args: argparse.Namespace) -> Any:
 def quantize_model(args: argparse.Namespace, model: Any) -> Any:
     """Quantizes the loaded policy's base as ``--quantize`` asks (in place; a no-op without).
 
+    The sampler then scans the layers (``model.scan_layers = True``), unless the update runs
+    them unrolled (``GRPOConfig.scan_layers`` false after :func:`apply_defaults`).
+
     Args:
         args: The parsed ``train`` arguments.
         model: The loaded ``CausalLM`` (before or after ``apply_lora``).
@@ -184,7 +220,9 @@ def quantize_model(args: argparse.Namespace, model: Any) -> Any:
         return model
     from artifex.generative_models.models.causal_lm.quantize import quantize_base
 
-    return quantize_base(model, config)
+    quantize_base(model, config)
+    model.scan_layers = bool(getattr(args, "GRPOConfig.scan_layers", True))
+    return model
 
 
 def export_model(model: Any) -> Any:

@@ -17,8 +17,9 @@ the adapters zeroed, so no second copy of the weights). The worker samples one b
 - ``proj_mb``: the bytes of the seven projections' stored weights (kernels, or codes and
   scales), exactly, from the arrays; ``model_mb``: the whole model's arrays (embeddings,
   norms and adapters included), what a device holds for the weights;
-- ``rss_model_gb``: the process's resident memory once the model is built, quantized and the
-  unquantized kernels freed (``VmRSS``); ``peak_step_gb``: the peak resident memory
+- ``rss_model_gb``: the process's resident memory once the model and the trainer are built
+  (``VmRSS``; the model is built abstractly, then each array drawn at random, so a quantized
+  row never holds full-precision kernels); ``peak_step_gb``: the peak resident memory
   (``VmHWM``, reset after the model is built) over the sampling and the updates;
 - ``generate_s``: the second sampling call (the first compiles); ``first_update_s``: the first
   update (compilation included); ``update_s``: the median of the later updates.
@@ -71,6 +72,20 @@ def _nbytes(tree) -> int:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
+def _proj_shape(config, name: str) -> tuple[int, int]:
+    d, f = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {
+        "q_proj": (d, q),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (q, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }[name]
+
+
 def worker(args: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
@@ -95,25 +110,51 @@ def worker(args: argparse.Namespace) -> dict:
 
     shape = dict(WORKLOADS[args.shape]["model"])
     config = CausalLMConfig(**shape, param_dtype=args.dtype)
-    model = CausalLM(config, rngs=nnx.Rngs(0))
+
+    def build() -> CausalLM:
+        model = CausalLM(config, rngs=nnx.Rngs(0))
+        if args.config != "lora":
+            quantize_base(model, QuantizeConfig(qtype=args.config, block_size=64))
+        apply_lora(model, LoRAConfig(rank=16, alpha=32.0), nnx.Rngs(1))
+        if args.scan:
+            model.stack_layers()
+        return model
+
+    # The structure only, then random values array by array: the process never holds the
+    # full-precision kernels of a quantized row (as loading a checkpoint layer by layer would).
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
+    keys = iter(jax.random.split(jax.random.key(0), 4096))
+
+    def fill(path, leaf):
+        names = {str(getattr(p, "key", getattr(p, "name", p))) for p in path}
+        dtype = jnp.dtype(leaf.dtype)
+        if jnp.issubdtype(dtype, jnp.integer):  # codes
+            info = jnp.iinfo(dtype)
+            return jax.random.randint(next(keys), leaf.shape, info.min, info.max, dtype)
+        if "kernel_scale" in names:
+            return jnp.full(leaf.shape, 0.05 / 7.5, dtype)
+        if "lora_b" in names:
+            return jnp.zeros(leaf.shape, dtype)
+        if "scale" in names:  # RMSNorm
+            return jnp.ones(leaf.shape, dtype)
+        return (0.02 * jax.random.normal(next(keys), leaf.shape, jnp.float32)).astype(dtype)
+
+    state = jax.tree_util.tree_map_with_path(fill, abstract)
+    model = nnx.merge(graphdef, state)
+    model.scan_layers = args.scan
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    proj_full = sum(
-        getattr(getattr(layer, part), name).kernel[...].nbytes
-        for layer in model.layers
-        for part, names in (("attn", lora_targets[:4]), ("mlp", lora_targets[4:]))
-        for name in names
+    itemsize = jnp.dtype(args.dtype).itemsize
+    proj_full = config.num_layers * sum(
+        _proj_shape(config, name)[0] * _proj_shape(config, name)[1] * itemsize
+        for name in lora_targets
     )
-    if args.config != "lora":
-        quantize_base(model, QuantizeConfig(qtype=args.config, block_size=64))
-    gc.collect()
-    apply_lora(model, LoRAConfig(rank=16, alpha=32.0), nnx.Rngs(1))
     proj = proj_full if args.config == "lora" else _nbytes(nnx.state(model, QuantizedWeight))
     model_bytes = _nbytes(nnx.state(model))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-6), wrt=nnx.LoRAParam)
     trainer = GRPOTrainer(
         model,
         optimizer,
-        GRPOConfig(num_generations=args.generations, beta=0.04, remat=True),
+        GRPOConfig(num_generations=args.generations, beta=0.04, remat=True, scan_layers=args.scan),
     )
     gc.collect()
     rss_model = _status_kb("VmRSS") / 1e6
@@ -157,7 +198,7 @@ def worker(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - start)
     assert np.isfinite(metrics["policy_loss"])
     return {
-        "config": args.config,
+        "config": args.config + (" scan" if args.scan else ""),
         "shape": args.shape,
         "dtype": args.dtype,
         "proj_mb": round(proj / 2**20, 1),
@@ -237,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument(
+        "--scan",
+        action="store_true",
+        help="layers stacked and scanned, in the sampler and the update (one layer's kernels "
+        "dequantized at a time)",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument("--accuracy", default=None, metavar="DIR", help="see the docstring")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -253,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         "--shape", args.shape, "--dtype", args.dtype, "--prompts", str(args.prompts),
         "--generations", str(args.generations), "--prompt-length", str(args.prompt_length),
         "--new-tokens", str(args.new_tokens), "--steps", str(args.steps),
+        *(["--scan"] if args.scan else []),
     ]  # fmt: skip
     for config in args.configs:
         done = subprocess.run(

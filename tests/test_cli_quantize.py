@@ -12,6 +12,7 @@ from flax import nnx
 
 from artifex.cli_quantize import (
     add_options,
+    apply_defaults,
     check_options,
     export_model,
     fingerprint,
@@ -72,6 +73,22 @@ def test_refusals_before_loading(argv, message):
         check_options(parse(*argv))
 
 
+def test_quantizing_scans_the_layers_unless_told_otherwise():
+    def scan(**given):
+        args = argparse.Namespace(quantize="nf4", quantize_block_size=None)
+        for key, value in given.items():
+            setattr(args, f"GRPOConfig.{key}", value)
+        apply_defaults(args)
+        return getattr(args, "GRPOConfig.scan_layers", None)
+
+    assert scan() is True
+    assert scan(scan_layers=False) is False  # --scan-layers false is kept
+    assert scan(remat_every=2) is None and scan(layerwise_update=True) is None
+    args = argparse.Namespace(quantize="none", quantize_block_size=None)
+    apply_defaults(args)
+    assert not hasattr(args, "GRPOConfig.scan_layers")
+
+
 def test_without_qwix_the_check_names_the_extra(monkeypatch):
     import importlib.util
 
@@ -85,6 +102,7 @@ def test_quantize_then_export_the_trained_function():
     model = demo_model(demo_tokenizer())
     model = quantize_model(parse("--quantize", "nf4", "--lora-rank", "2"), model)
     assert model.layers[0].mlp.down_proj.qtype == "nf4"
+    assert model.scan_layers  # the sampler dequantizes one layer at a time
     apply_lora(model, LoRAConfig(rank=2, alpha=4.0), nnx.Rngs(1))
     for layer in model.layers:  # "trained" adapters
         layer.attn.q_proj.lora.lora_b.set_value(jnp.full_like(layer.attn.q_proj.lora.lora_b, 0.1))

@@ -256,6 +256,33 @@ def test_the_backward_pass_keeps_no_dequantized_kernel():
     assert not np.asarray(dscale).any()  # frozen: no gradient to the scales
 
 
+def test_scanned_layers_dequantize_one_layer_at_a_time():
+    # XLA:CPU computes the dequantized kernels of unrolled layers up front and keeps them all
+    # (the gradient program's temporaries: 18.1 MB here, against 18.0 MB of full-precision
+    # projections); a scan over stacked layers dequantizes one layer per iteration (4.6 MB).
+    cfg = CausalLMConfig.tiny(
+        num_layers=6, hidden_size=256, intermediate_size=768, head_dim=64, vocab_size=64
+    )
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
+    projections = sum(
+        x.nbytes
+        for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+        if "_proj" in jax.tree_util.keystr(path)
+    )
+    quantize_base(model, QuantizeConfig(qtype="nf4"))
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0), nnx.Rngs(1))
+    model.stack_layers()
+    model.scan_layers = True
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+    ids = jnp.ones((1, 8), jnp.int32)
+
+    def loss(adapters, rest):
+        return nnx.merge(graphdef, adapters, rest)(ids).sum()
+
+    compiled = jax.jit(jax.grad(loss)).lower(adapters, rest).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.4 * projections
+
+
 # ---------------------------------------------------------------- GRPO
 
 
