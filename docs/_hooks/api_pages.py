@@ -56,6 +56,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_RL}.batch",
             f"{_RL}.core.advantages",
             f"{_RL}.core.losses",
+            f"{_RL}.core.variant_losses",
             f"{_RL}.core.objective",
             f"{_RL}.core.logprobs",
             f"{_RL}.core.routing_replay",
