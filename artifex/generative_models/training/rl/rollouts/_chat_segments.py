@@ -14,7 +14,6 @@ from typing import Any
 
 from artifex.generative_models.training.rl.rollouts.environments import Message
 
-
 _SENTINEL = "\x00ARTIFEX-ASSISTANT-CONTENT\x00"
 
 
