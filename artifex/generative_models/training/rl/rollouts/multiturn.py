@@ -136,8 +136,8 @@ class MultiTurnRollout:
     ``MultiTurnRollout(factory, config)`` is called like
     :func:`~artifex.generative_models.training.rl.rollouts.rollout.rollout` (pass it as
     ``rollout_fn``) and its :meth:`evaluate` like
-    :func:`~artifex.generative_models.training.rl.run.evaluation.evaluate` (``evaluate_fn``). Reward functions receive the model's final turn as ``completions`` and
-    the columns ``completion_length`` (model tokens), ``env_reward``, ``turns``, ``tool_calls``
+    :func:`~artifex.generative_models.training.rl.run.evaluation.evaluate` (``evaluate_fn``).
+    Reward functions receive the model's final turn as ``completions`` and the columns ``completion_length`` (model tokens), ``env_reward``, ``turns``, ``tool_calls``
     and ``transcript`` besides the dataset's.
 
     Args:
