@@ -137,8 +137,9 @@ class MultiTurnRollout:
     :func:`~artifex.generative_models.training.rl.rollouts.rollout.rollout` (pass it as
     ``rollout_fn``) and its :meth:`evaluate` like
     :func:`~artifex.generative_models.training.rl.run.evaluation.evaluate` (``evaluate_fn``).
-    Reward functions receive the model's final turn as ``completions`` and the columns ``completion_length`` (model tokens), ``env_reward``, ``turns``, ``tool_calls``
-    and ``transcript`` besides the dataset's.
+    Reward functions receive the model's final turn as ``completions`` and the columns
+    ``completion_length`` (model tokens), ``env_reward``, ``turns``, ``tool_calls`` and
+    ``transcript`` besides the dataset's.
 
     Args:
         environment_factory: Builds one :class:`Environment` per episode.
