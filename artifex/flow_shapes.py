@@ -37,7 +37,7 @@ from artifex.generative_models.models.flow import (
     train_flow_matching,
 )
 from artifex.generative_models.utils.atomic import atomic_write, atomic_write_json
-from artifex.generative_models.utils.validation import check_float, check_int
+from artifex.generative_models.utils.validation import check_choice, check_float, check_int
 
 __all__ = ["ShapesTaskConfig", "main", "prepare_shapes_task"]
 
@@ -57,6 +57,8 @@ class ShapesTaskConfig:
         pretrain_steps: Flow-matching steps.
         batch_size: Images per step.
         learning_rate: Peak Adam learning rate.
+        layout: ``"grid"`` or ``"free"``
+            (:func:`~artifex.generative_models.models.flow.shapes.draw_scene`).
 
     Examples:
         >>> from artifex.flow_shapes import ShapesTaskConfig
@@ -74,6 +76,7 @@ class ShapesTaskConfig:
     pretrain_steps: int = 3000
     batch_size: int = 64
     learning_rate: float = 2e-3
+    layout: str = "grid"
 
     def __post_init__(self) -> None:
         for name in ("num_images", "hidden_dim", "num_blocks", "num_heads", "patch_size"):
@@ -88,6 +91,7 @@ class ShapesTaskConfig:
             less_than=1.0,
         )
         check_float("ShapesTaskConfig.learning_rate", self.learning_rate, greater_than=0.0)
+        check_choice("ShapesTaskConfig.layout", self.layout, ("grid", "free"))
 
     def model_config(self) -> TextFlowDiTConfig:
         """The DiT's config (32x32 RGB, the shapes vocabulary).
@@ -133,7 +137,7 @@ def prepare_shapes_task(
     t0 = time.perf_counter()
     train_captions, held_out = split_captions(config.held_out_fraction, seed=config.seed)
     images, captions = make_shapes_dataset(
-        config.num_images, captions=train_captions, seed=config.seed
+        config.num_images, captions=train_captions, seed=config.seed, layout=config.layout
     )
     model = TextFlowDiT(config.model_config(), rngs=nnx.Rngs(config.seed))
     tokens = model.config.tokenizer().encode(captions)

@@ -21,6 +21,8 @@ import json
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -62,6 +64,8 @@ def main() -> None:
     classifier = DigitClassifier(rngs=nnx.Rngs(1))
     accuracy = train_classifier(classifier, images, labels, num_steps=400, seed=1)
     print(f"pretrained in {time.perf_counter() - t0:.1f} s; classifier accuracy {accuracy:.3f}")
+    # host copies: every run starts from them (a run's updates donate its own buffers)
+    snapshot = jax.tree.map(np.asarray, nnx.state(pretrained))
     reward = image_reward(classifier_reward(classifier), name="classifier")
     rows = [{"prompt": c} for c in range(10)]
     results = []
@@ -69,6 +73,7 @@ def main() -> None:
         sde = SDEConfig(num_steps=args.sde_steps, noise_level=0.7, window_size=window)
         for seed in args.seeds:
             model = nnx.clone(pretrained)
+            nnx.update(model, jax.tree.map(jnp.asarray, snapshot))
             optimizer = nnx.Optimizer(model, optax.adam(3e-4), wrt=nnx.Param)
             grpo = GRPOConfig(
                 num_generations=8,

@@ -160,10 +160,14 @@ class FlowRollout:
             a window or a subset of the steps).
         describe: ``image (H, W, C) -> str`` for the completions log (default: its shape and
             mean; :func:`~artifex.generative_models.flow.images.describe_shapes` for shapes).
+        window_start: With ``sde.window_size``: the window's first step in every batch (0:
+            the first, high-noise steps, where the layout is decided, as Flow-GRPO-Fast
+            trains); ``None`` draws it uniformly per batch.
 
     Raises:
         TypeError: ``sde`` is not an ``SDEConfig``, or ``describe`` not callable.
-        ValueError: ``noise_level`` 0 (ODE trajectories have no density).
+        ValueError: ``noise_level`` 0 (ODE trajectories have no density), or a
+            ``window_start`` without a window or past ``num_steps - window_size``.
 
     Examples:
         >>> import jax
@@ -182,7 +186,13 @@ class FlowRollout:
         (2, (2, 2), (2, 32, 32, 3))
     """
 
-    def __init__(self, sde: SDEConfig, *, describe: Callable[[np.ndarray], str] | None = None):
+    def __init__(
+        self,
+        sde: SDEConfig,
+        *,
+        describe: Callable[[np.ndarray], str] | None = None,
+        window_start: int | None = None,
+    ):
         if not isinstance(sde, SDEConfig):
             msg = f"sde must be an SDEConfig, got {type(sde).__name__}"
             raise TypeError(msg)
@@ -192,6 +202,14 @@ class FlowRollout:
         if describe is not None and not callable(describe):
             msg = f"describe must be callable image -> str, got {type(describe).__name__}"
             raise TypeError(msg)
+        if window_start is not None:
+            if sde.window_size is None:
+                msg = "window_start needs SDEConfig.window_size (every step is an SDE step)"
+                raise ValueError(msg)
+            check_int(
+                "window_start", window_start, minimum=0, maximum=sde.num_steps - sde.window_size
+            )
+        self.window_start = window_start
         self.sde = sde
         self.sampler = FlowSampler(sde)
         self.describe = _default_description if describe is None else describe
@@ -240,7 +258,7 @@ class FlowRollout:
         prompts = [row[column] for row in rows]
         encoded = encode_flow_prompts(model, tokenizer, prompts)
         k_sample, k_steps = jax.random.split(key)
-        traj = self.sampler(model, encoded, k, k_sample)
+        traj = self.sampler(model, encoded, k, k_sample, window_start=self.window_start)
         images = as_images(jax.device_get(traj.images), model.config.image_shape)
         repeated = [p for p in prompts for _ in range(k)]
         total, per_function = rewards(

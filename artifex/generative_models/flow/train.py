@@ -150,6 +150,7 @@ def train_flow(
     eval_images_per_prompt: int = 1,
     eval_num_steps: int | None = None,
     describe: Callable[[Any], str] | None = None,
+    window_start: int | None = None,
     fingerprint_extra: Mapping[str, Any] | None = None,
 ) -> TrainResult:
     """Trains a flow model with GRPO through the main loop.
@@ -175,6 +176,9 @@ def train_flow(
         eval_num_steps: ODE steps of the evaluation (``None``: ``sde.num_steps``).
         describe: ``image -> str`` for the logs (``None``: the detected shapes for a model
             of the shapes vocabulary, else the image's shape and mean).
+        window_start: With ``sde.window_size``: the window's first step in every batch
+            (``None``: drawn uniformly per batch;
+            :class:`~artifex.generative_models.flow.rollout.FlowRollout`).
         fingerprint_extra: Further settings recorded in checkpoints (see ``train``).
 
     Returns:
@@ -232,6 +236,7 @@ def train_flow(
         "sde": dataclasses.asdict(sde),
         "eval_images_per_prompt": eval_images_per_prompt,
         "eval_num_steps": ode_steps,
+        "window_start": window_start,
     }
     return train(
         trainer,
@@ -242,7 +247,7 @@ def train_flow(
         rollout_config,
         eval_dataset=eval_dataset,
         eval_reward=eval_reward,
-        rollout_fn=FlowRollout(sde, describe=describe),
+        rollout_fn=FlowRollout(sde, describe=describe, window_start=window_start),
         evaluate_fn=evaluator,
         fingerprint_extra={"flow": flow, **dict(fingerprint_extra or {})},
     )

@@ -145,6 +145,22 @@ def test_class_labels_and_prompt_errors():
         FlowRollout({"num_steps": 2})
     with pytest.raises(TypeError, match="describe must be callable"):
         FlowRollout(SDEConfig(num_steps=2), describe="shapes")
+    with pytest.raises(ValueError, match=r"window_start needs SDEConfig\.window_size"):
+        FlowRollout(SDEConfig(num_steps=4), window_start=0)
+    with pytest.raises(ValueError, match="window_start"):
+        FlowRollout(SDEConfig(num_steps=4, window_size=2), window_start=3)
+
+
+def test_a_fixed_window_start():
+    sde = SDEConfig(num_steps=4, window_size=2)
+    policy = Policy(_model(), GRPOConfig(num_generations=2))
+    combiner = RewardCombiner([compositional])
+    for start in (0, 2):
+        ro = FlowRollout(sde, window_start=start)(
+            policy, None, ROWS[:1], combiner, RolloutConfig(), key=jax.random.key(start)
+        )
+        assert ro.window_start == start
+        np.testing.assert_array_equal(ro.batch.completion_ids, [[start, start + 1]] * 2)
 
 
 def test_the_evaluator_is_deterministic_pads_and_writes_grids(tmp_path):

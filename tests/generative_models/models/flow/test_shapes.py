@@ -74,13 +74,14 @@ def _pixels(image, colour):
     return np.all(image == np.array(COLOURS[colour], np.float32), axis=-1)
 
 
+@pytest.mark.parametrize("layout", ["grid", "free"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_drawn_scenes_hold_what_the_caption_says(seed):
+def test_drawn_scenes_hold_what_the_caption_says(seed, layout):
     """Counted independently of the reward: pixels per colour, halves of the relation."""
     rng = np.random.default_rng(seed)
     for caption in rng.choice(all_captions(), 40, replace=False):
         scene = parse_caption(caption)
-        image = draw_scene(scene, rng)
+        image = draw_scene(scene, rng, layout=layout)
         assert image.shape == (32, 32, 3) and image.dtype == np.float32
         assert set(np.unique(image)) <= {-1.0, 1.0}
         colours = {g.colour for g in scene.groups}
@@ -97,9 +98,10 @@ def test_drawn_scenes_hold_what_the_caption_says(seed):
                 assert ia.min() > ib.max()
 
 
-def test_the_reward_is_right_on_drawn_images():
+@pytest.mark.parametrize("layout", ["grid", "free"])
+def test_the_reward_is_right_on_drawn_images(layout):
     """On drawn scenes every check passes, and the wrong caption fails the checks it should."""
-    images, captions = make_shapes_dataset(300, seed=7)
+    images, captions = make_shapes_dataset(300, seed=7, layout=layout)
     assert compositional_accuracy(images, captions).all()
     reward = compositional_reward()
     np.testing.assert_array_equal(reward(images, captions), 1.0)
@@ -129,6 +131,23 @@ def test_the_reward_is_right_on_drawn_images():
         wrong = Scene((ObjectGroup(g.count, other, g.shape), *scene.groups[1:]), scene.relation)
         checks = scene_checks(shapes, wrong)
         assert not checks["present_0"] and not checks["no_extra"]
+
+
+def test_the_grid_layout_puts_each_shape_in_its_own_cell():
+    images, captions = make_shapes_dataset(200, seed=5)
+    for image, caption in zip(images, captions, strict=True):
+        scene = parse_caption(caption)
+        lit = (image > -1.0).any(axis=-1)
+        cells = lit.reshape(4, 8, 4, 8).any(axis=(1, 3))
+        assert cells.sum() == sum(g.count for g in scene.groups)
+        for r, c in zip(*np.nonzero(cells), strict=True):
+            block = lit[8 * r : 8 * r + 8, 8 * c : 8 * c + 8]
+            assert not block[7].any() and not block[:, 7].any()  # the free row and column
+            assert block[:7, :7].any(axis=1).all() or block[:7, :7].any(axis=0).all()
+    with pytest.raises(ValueError, match="multiple of 4 for the grid layout"):
+        draw_scene(parse_caption("a red square"), np.random.default_rng(0), image_size=30)
+    with pytest.raises(ValueError, match="layout"):
+        draw_scene(parse_caption("a red square"), np.random.default_rng(0), layout="ring")
 
 
 def test_shape_kinds_and_noise():
