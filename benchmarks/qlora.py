@@ -24,7 +24,10 @@ the adapters zeroed, so no second copy of the weights). The worker samples one b
 - ``generate_s``: the second sampling call (the first compiles); ``first_update_s``: the first
   update (compilation included); ``update_s``: the median of the later updates.
 
-Times on a shared CPU are noisy: compare rows of one run, not across runs.
+Times on a shared CPU are noisy. ``--interleave`` times the configurations in one process
+instead, a sampling and an update of each in turn per round (``--steps`` rounds, after one that
+compiles), and gives each round's time over plain LoRA's (the median of those ratios): load
+that changes during the run then falls on every configuration alike.
 
 ``python benchmarks/qlora.py --accuracy DIR`` measures instead how far each format moves a real
 checkpoint's next-token distributions (float32, ``block_size=64``) on a few chat prompts and
@@ -86,14 +89,13 @@ def _proj_shape(config, name: str) -> tuple[int, int]:
     }[name]
 
 
-def worker(args: argparse.Namespace) -> dict:
+def _setup(args: argparse.Namespace, name: str) -> tuple:
+    """(model, trainer, model config, projection bytes, model bytes) of one configuration."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from flax import nnx
 
-    from artifex.generative_models.inference import generate
     from artifex.generative_models.models.causal_lm import (
         CausalLM,
         CausalLMConfig,
@@ -105,7 +107,7 @@ def worker(args: argparse.Namespace) -> dict:
         QuantizedWeight,
         quantize_base,
     )
-    from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig, GRPOTrainer
+    from artifex.generative_models.training.rl import GRPOConfig, GRPOTrainer
     from benchmarks.hfdir import WORKLOADS
 
     shape = dict(WORKLOADS[args.shape]["model"])
@@ -113,8 +115,8 @@ def worker(args: argparse.Namespace) -> dict:
 
     def build() -> CausalLM:
         model = CausalLM(config, rngs=nnx.Rngs(0))
-        if args.config != "lora":
-            quantize_base(model, QuantizeConfig(qtype=args.config, block_size=64))
+        if name != "lora":
+            quantize_base(model, QuantizeConfig(qtype=name, block_size=64))
         apply_lora(model, LoRAConfig(rank=16, alpha=32.0), nnx.Rngs(1))
         if args.scan:
             model.stack_layers()
@@ -145,10 +147,9 @@ def worker(args: argparse.Namespace) -> dict:
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     itemsize = jnp.dtype(args.dtype).itemsize
     proj_full = config.num_layers * sum(
-        _proj_shape(config, name)[0] * _proj_shape(config, name)[1] * itemsize
-        for name in lora_targets
+        _proj_shape(config, n)[0] * _proj_shape(config, n)[1] * itemsize for n in lora_targets
     )
-    proj = proj_full if args.config == "lora" else _nbytes(nnx.state(model, QuantizedWeight))
+    proj = proj_full if name == "lora" else _nbytes(nnx.state(model, QuantizedWeight))
     model_bytes = _nbytes(nnx.state(model))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-6), wrt=nnx.LoRAParam)
     trainer = GRPOTrainer(
@@ -156,41 +157,65 @@ def worker(args: argparse.Namespace) -> dict:
         optimizer,
         GRPOConfig(num_generations=args.generations, beta=0.04, remat=True, scan_layers=args.scan),
     )
-    gc.collect()
-    rss_model = _status_kb("VmRSS") / 1e6
-    _reset_peak()
+    return model, trainer, config, proj, model_bytes
+
+
+def _prompts(args: argparse.Namespace, vocab_size: int):
+    import jax.numpy as jnp
+    import numpy as np
 
     rng = np.random.default_rng(0)
-    prompts = jnp.asarray(
-        rng.integers(2, config.vocab_size, (args.prompts, args.prompt_length)), jnp.int32
+    return jnp.asarray(rng.integers(2, vocab_size, (args.prompts, args.prompt_length)), jnp.int32)
+
+
+def _sample(args: argparse.Namespace, model, prompts, seed: int):
+    import jax
+
+    from artifex.generative_models.inference import generate
+
+    out = generate(
+        model,
+        prompts,
+        key=jax.random.key(seed),
+        num_generations=args.generations,
+        max_new_tokens=args.new_tokens,
+        temperature=1.0,
+        eos_ids=[],
     )
+    jax.block_until_ready(out.completion_ids)
+    return out
 
-    def sample(seed: int):
-        out = generate(
-            model,
-            prompts,
-            key=jax.random.key(seed),
-            num_generations=args.generations,
-            max_new_tokens=args.new_tokens,
-            temperature=1.0,
-            eos_ids=[],
-        )
-        jax.block_until_ready(out.completion_ids)
-        return out
 
-    sample(0)
-    start = time.perf_counter()
-    out = sample(1)
-    generate_s = time.perf_counter() - start
+def _batch(args: argparse.Namespace, out):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from artifex.generative_models.training.rl import GRPOBatch
+
     rows = args.prompts * args.generations
-    batch = GRPOBatch(
+    return GRPOBatch(
         prompt_ids=out.prompt_ids,
         prompt_mask=out.prompt_mask,
         completion_ids=out.completion_ids,
         completion_mask=out.completion_mask,
-        rewards=jnp.asarray(rng.normal(size=rows), jnp.float32),
+        rewards=jnp.asarray(np.random.default_rng(1).normal(size=rows), jnp.float32),
         group_size=args.generations,
     )
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import numpy as np
+
+    model, trainer, config, proj, model_bytes = _setup(args, args.config)
+    gc.collect()
+    rss_model = _status_kb("VmRSS") / 1e6
+    _reset_peak()
+    prompts = _prompts(args, config.vocab_size)
+    _sample(args, model, prompts, 0)
+    start = time.perf_counter()
+    out = _sample(args, model, prompts, 1)
+    generate_s = time.perf_counter() - start
+    batch = _batch(args, out)
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -209,6 +234,37 @@ def worker(args: argparse.Namespace) -> dict:
         "first_update_s": round(times[0], 2),
         "update_s": round(statistics.median(times[1:]), 2) if len(times) > 1 else None,
     }
+
+
+def interleaved(args: argparse.Namespace) -> list[dict]:
+    """Step times of every configuration in one process, one sampling and one update each in
+    turn per round, so that a change in the machine's load falls on all of them alike."""
+    runs = {}
+    for name in args.configs:
+        model, trainer, config, _, _ = _setup(args, name)
+        prompts = _prompts(args, config.vocab_size)
+        batch = _batch(args, _sample(args, model, prompts, 0))  # compiles the sampler
+        trainer.train_step(batch)  # compiles the update
+        runs[name] = (model, trainer, prompts, batch, {"generate": [], "update": []})
+    for round_ in range(args.steps):
+        for model, trainer, prompts, batch, times in runs.values():
+            start = time.perf_counter()
+            _sample(args, model, prompts, round_ + 1)
+            times["generate"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            trainer.train_step(batch)
+            times["update"].append(time.perf_counter() - start)
+    rows = []
+    base = runs.get("lora")
+    for name, (_, _, _, _, times) in runs.items():
+        row = {"config": name + (" scan" if args.scan else ""), "rounds": args.steps}
+        for what in ("generate", "update"):
+            row[f"{what}_s"] = round(statistics.median(times[what]), 2)
+            if base is not None:
+                ratio = [t / b for t, b in zip(times[what], base[4][what], strict=True)]
+                row[f"{what}_vs_lora"] = round(statistics.median(ratio), 2)
+        rows.append(row)
+    return rows
 
 
 TEXTS = (
@@ -286,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None)
     parser.add_argument("--accuracy", default=None, metavar="DIR", help="see the docstring")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="step times only: every configuration in one process, in turn (--steps rounds)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", choices=CONFIGS, default="lora", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -294,6 +355,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.accuracy:
         _table(accuracy(args.accuracy))
+        return 0
+    if args.interleave:
+        rows = interleaved(args)
+        _table(rows)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"argv": sys.argv[1:], "rows": rows}, fh, indent=1)
         return 0
     rows = []
     common = [
