@@ -318,10 +318,8 @@ class QuantizedWeight(nnx.Variable):
 
     Args:
         value: The array.
-        hijax: As for `nnx.Variable`.
-        ref: As for `nnx.Variable`.
-        eager_sharding: As for `nnx.Variable`.
-        metadata: As for `nnx.Variable` (e.g. a sharding annotation).
+        **kwargs: As for `nnx.Variable` (``hijax``, ``ref``, ``eager_sharding``, metadata such
+            as a sharding annotation).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -330,6 +328,9 @@ class QuantizedWeight(nnx.Variable):
         >>> isinstance(QuantizedWeight(jnp.zeros((2, 2), jnp.uint8)), nnx.Param)
         False
     """
+
+    def __init__(self, value: Any, **kwargs: Any):
+        super().__init__(value, **kwargs)
 
 
 class QuantizedLinear(Linear):

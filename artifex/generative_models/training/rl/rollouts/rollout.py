@@ -578,9 +578,9 @@ def rollout(
         placement: A :class:`~artifex.generative_models.training.placement.RolloutPlacement`
             to sample on a mesh of its own (weights resharded onto it first, the batch moved
             back to the trainer's mesh); ``None`` samples with the trainer's model where it is.
-        step_rewards: A
-        :class:`~artifex.generative_models.training.rl.rollouts.step_rewards.StepRewards`
-            whose per-step rewards fill ``step_rewards`` (process supervision); ``None``: none.
+        step_rewards: A ``StepRewards``
+            (:mod:`~artifex.generative_models.training.rl.rollouts.step_rewards`) whose
+            per-step rewards fill ``step_rewards`` (process supervision); ``None``: none.
         engine: A :class:`~artifex.generative_models.inference.engines.RolloutEngine` that
             samples (given the policy's weights first, when they changed): its per-token
             log-probs fill ``sampler_log_probs`` when the loss reads them; old log-probs are

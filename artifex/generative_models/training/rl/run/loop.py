@@ -404,9 +404,8 @@ def train(
     """Trains ``trainer``'s policy with GRPO on prompts from ``dataset``.
 
     Args:
-        trainer: A :class:`~artifex.generative_models.training.rl.update.trainer.GRPOTrainer` on a
-        causal
-            LM.
+        trainer: A :class:`~artifex.generative_models.training.rl.update.trainer.GRPOTrainer`
+            on a causal LM.
         tokenizer: Its tokenizer.
         dataset: Rows (mappings, or a Hugging Face dataset:
             :func:`~artifex.generative_models.training.rl.rollouts.dataset_rows.as_rows`) with a
