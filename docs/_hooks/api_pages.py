@@ -50,7 +50,6 @@ GROUPS: tuple[Group, ...] = (
         "objective, per-token log-probs, the batch and the config.",
         (
             _RL,
-            f"{_RL}.core",
             f"{_RL}.core.configs",
             f"{_RL}.core.policy",
             f"{_RL}.batch",
@@ -70,7 +69,6 @@ GROUPS: tuple[Group, ...] = (
         "a model and its optimizer.",
         (
             f"{_GM}.training",
-            f"{_RL}.update",
             f"{_RL}.update.trainer",
             f"{_RL}.update.trainer_setup",
             f"{_RL}.update.microbatches",
@@ -90,9 +88,7 @@ GROUPS: tuple[Group, ...] = (
         "From dataset rows to batches (single- and multi-turn, with tools) and the training "
         "loop with its logging and evaluation.",
         (
-            f"{_RL}.rollouts",
             f"{_RL}.rollouts.dataset_rows",
-            f"{_RL}.run",
             f"{_RL}.rollouts.rollout",
             f"{_RL}.rollouts.truncation",
             f"{_RL}.run.loop",
