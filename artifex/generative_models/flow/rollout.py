@@ -114,6 +114,14 @@ class FlowRolloutResult(Rollout):
     completions log; ``images`` the images themselves.
 
     Attributes:
+        batch: As in ``Rollout``.
+        rows: As in ``Rollout``.
+        prompts: As in ``Rollout``.
+        completions: As in ``Rollout``.
+        rewards_per_function: As in ``Rollout``.
+        reward_names: As in ``Rollout``.
+        truncated: As in ``Rollout``.
+        lengths: As in ``Rollout``.
         images: ``(B, H, W, C)`` float32 final samples in ``[-1, 1]``.
         window_start: The first SDE step of the batch's window (``None``: no window).
 
