@@ -318,8 +318,7 @@ class QuantizedWeight(nnx.Variable):
 
     Args:
         value: The array.
-        **kwargs: As for `nnx.Variable` (``hijax``, ``ref``, ``eager_sharding``, metadata such
-            as a sharding annotation).
+        **kwargs: As for `nnx.Variable` (``hijax``, ``ref``, ``eager_sharding``, metadata).
 
     Examples:
         >>> import jax.numpy as jnp
