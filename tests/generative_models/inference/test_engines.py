@@ -36,9 +36,8 @@ from artifex.generative_models.models.causal_lm import (
     to_hf_tensors,
 )
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
-from artifex.generative_models.training.rl.loop import TrainConfig, train
+from artifex.generative_models.training.rl import RolloutConfig, TrainConfig, rollout, train
 from artifex.generative_models.training.rl.rewards import RewardCombiner
-from artifex.generative_models.training.rl.rollout import RolloutConfig, rollout
 from tests.spread_reward import text_reward
 
 ROWS = [{"prompt": "12+3=", "answer": "15"}, {"prompt": "7+8=", "answer": "15"}]

@@ -209,8 +209,7 @@ def test_three_grpo_steps_through_the_loop(engine, smollm2_dir):
 
     from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer, apply_lora
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
-    from artifex.generative_models.training.rl.loop import TrainConfig, train
-    from artifex.generative_models.training.rl.rollout import RolloutConfig
+    from artifex.generative_models.training.rl import RolloutConfig, TrainConfig, train
 
     model, tok = CausalLM.from_pretrained(smollm2_dir), Tokenizer.from_pretrained(smollm2_dir)
     apply_lora(model, lora_config(), nnx.Rngs(0))
