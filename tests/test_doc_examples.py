@@ -71,7 +71,7 @@ def _has_example(obj: object) -> bool:
 
 
 def test_every_module_is_collected():
-    assert "artifex.generative_models.training.rl.objective" in _modules()
+    assert "artifex.generative_models.training.rl.core.objective" in _modules()
     assert len(_modules()) > 40
 
 

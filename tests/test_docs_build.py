@@ -221,7 +221,7 @@ def _runtime_dataclasses() -> dict[str, type]:
 def test_griffe_gives_every_dataclass_its_fields(griffe_package):
     """Deleting the fields first left ``GRPOConfig.__init__`` with ``self`` only."""
     classes = _runtime_dataclasses()
-    assert "artifex.generative_models.training.rl.configs.GRPOConfig" in classes
+    assert "artifex.generative_models.training.rl.core.configs.GRPOConfig" in classes
     assert "artifex.generative_models.models.causal_lm.cache.KVCache" in classes  # flax struct
     bad = []
     for path, cls in classes.items():
@@ -234,7 +234,7 @@ def test_griffe_gives_every_dataclass_its_fields(griffe_package):
 
 
 def test_griffe_hides_undocumented_fields_without_deleting_them(griffe_package):
-    config = griffe_package["generative_models.training.rl.configs.GRPOConfig"]
+    config = griffe_package["generative_models.training.rl.core.configs.GRPOConfig"]
     clip = config.members["clip_param"]  # still there: the __init__ and the table need it
     assert clip.annotation is not None and str(clip.value) == "0.2"
     assert not clip.is_public  # the Attributes table documents it, not a member entry

@@ -189,7 +189,7 @@ def public_dataclasses() -> dict[str, type]:
 
 @pytest.mark.slow
 def test_grpo_config_shows_fields_with_types_and_defaults(site):
-    page = site / "api" / "artifex.generative_models.training.rl.configs" / "index.html"
+    page = site / "api" / "artifex.generative_models.training.rl.core.configs" / "index.html"
     section = _section(page.read_text(encoding="utf-8"), _GRPO_CONFIG)
     rows = _table_rows(section, "Attributes:")
     assert rows["clip_param"][1:2] == ["float"] and rows["clip_param"][-1] == "0.2", rows
@@ -198,7 +198,7 @@ def test_grpo_config_shows_fields_with_types_and_defaults(site):
     assert "clip_param: float = 0.2" in signature and "beta: float = 0.01" in signature
 
 
-_GRPO_CONFIG = "artifex.generative_models.training.rl.configs.GRPOConfig"
+_GRPO_CONFIG = "artifex.generative_models.training.rl.core.configs.GRPOConfig"
 
 
 @pytest.mark.slow
