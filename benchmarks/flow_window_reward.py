@@ -1,17 +1,17 @@
 """Flow-GRPO with and without an SDE window through the main loop: step time and reward.
 
     python benchmarks/flow_window_reward.py [--grpo-steps 40] [--window 2] [--seeds 0 1]
-        [--sde-steps 10] [--eval-every 10] [--json FILE]
+        [--window-grpo-steps N] [--sde-steps 10] [--eval-every 10] [--json FILE]
 
 The flow demo's task (a class-conditioned DiT pretrained briefly on scikit-learn's 8x8 digits,
 a digit classifier's confidence in the requested class as the reward), trained with
 ``train_flow`` (the main loop) from the same pretrained weights with every step an SDE step
 ("full") and with an SDE window of ``--window`` steps at a random position ("window": the other
-steps are ODE steps the update does not evaluate). Each run: 10 class prompts x 8 images per
-step, Adam 3e-4, exact KL with beta 0.05; evaluation every ``--eval-every`` steps on 16 ODE
-images per class from fixed noise. Printed per setting and seed: the evaluation reward at each
-evaluation, the median step time and update time (steps after the first, which compiles), and
-the GRPO wall time.
+steps are ODE steps the update does not evaluate; ``--window-grpo-steps`` runs it longer).
+Each run: 10 class prompts x 8 images per step, Adam 3e-4, exact KL with beta 0.05;
+evaluation every ``--eval-every`` steps on 16 ODE images per class from fixed noise. Printed
+per setting and seed: the evaluation reward at each evaluation, the median step time and
+update time (steps after the first, which compiles), and the GRPO wall time.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grpo-steps", type=int, default=40)
     parser.add_argument("--window", type=int, default=2)
+    parser.add_argument(
+        "--window-grpo-steps", type=int, default=None, help="steps of the window runs"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--sde-steps", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=10)
@@ -83,8 +86,11 @@ def main() -> None:
                 max_grad_norm=1.0,
             )
             trainer = flow_trainer(model, optimizer, grpo, sde)
+            num_steps = args.grpo_steps
+            if window is not None and args.window_grpo_steps is not None:
+                num_steps = args.window_grpo_steps
             loop = TrainConfig(
-                num_steps=args.grpo_steps,
+                num_steps=num_steps,
                 prompts_per_step=10,
                 eval_every=args.eval_every,
                 seed=seed,
