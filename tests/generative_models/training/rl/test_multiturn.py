@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from artifex.demo_tools import TOOL_CHAT_TEMPLATE, multiply, tool_demo_tokenizer
+from artifex.demos.tools import TOOL_CHAT_TEMPLATE, multiply, tool_demo_tokenizer
 from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
 from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.grpo import GRPOTrainer
@@ -427,3 +427,22 @@ def test_stacked_layers_are_sliced_once_per_rollout(monkeypatch) -> None:
     np.testing.assert_array_equal(episodes[0].completion_ids, episodes[1].completion_ids)
     np.testing.assert_array_equal(episodes[0].completion_mask, episodes[1].completion_mask)
     np.testing.assert_allclose(episodes[0].log_probs, episodes[1].log_probs, atol=1e-5)
+
+
+def test_the_loop_scores_multi_turn_batches_itself() -> None:
+    """With several updates per batch the loop scores old log-probs as its own stage: the
+    rollout gets a policy without a scorer and never calls back into the trainer."""
+    from artifex.generative_models.training.rl import TrainConfig, train
+
+    tok = tool_demo_tokenizer()
+    trainer = _trainer(tok, update_without_advantage=True)  # the scripted rewards tie
+    inner, seen = _scripted_rollout(), []
+
+    def rollout_fn(policy, *args, **kwargs):
+        seen.append((policy.score, kwargs["need_old_log_probs"]))
+        return inner(policy, *args, **kwargs)
+
+    config = TrainConfig(num_steps=1, prompts_per_step=2, num_iterations=2, progress=False)
+    result = train(trainer, tok, ROWS, environment_reward, config, rollout_fn=rollout_fn)
+    assert seen == [(None, True)]
+    assert np.isfinite(result.history[-1]["total_loss"]) and int(trainer.optimizer.step[...]) == 2

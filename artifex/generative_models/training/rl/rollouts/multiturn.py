@@ -202,7 +202,10 @@ class MultiTurnRollout:
             config: The single-turn settings read here: ``top_k``, ``top_p``,
                 ``prompt_column`` (excluded from the columns), ``old_log_probs``.
             key: PRNG key.
-            need_old_log_probs: Fill ``old_log_probs`` (see the single-turn rollout).
+            need_old_log_probs: Fill ``old_log_probs`` from the sampler where its numbers are
+                the loss's, and the rest with ``policy.score`` when the policy has one (a
+                ``GRPOTrainer`` does; the training loop's policy does not: it scores them
+                itself, as for the single-turn rollout).
 
         Returns:
             A :class:`MultiTurnRolloutResult`.
@@ -246,10 +249,8 @@ class MultiTurnRollout:
             )
             if use_sampler:
                 batch = batch.replace(old_log_probs=jnp.asarray(ep.log_probs))
-            if policy.score is None:
-                msg = "need_old_log_probs=True needs a Policy with a score function"
-                raise ValueError(msg)
-            batch = policy.score(batch)
+            if policy.score is not None:  # else the caller scores (the training loop does)
+                batch = policy.score(batch)
         return MultiTurnRolloutResult(
             batch=batch,
             rows=list(rows),

@@ -499,7 +499,9 @@ def train(
     )
     own_rollout = rollout_fn is None
     plain_rollout = own_rollout and step_rewards is None and rollout_engine is None
-    rollout_policy = policy if own_rollout else trainer.policy()
+    # Every rollout gets the scorer-less policy: scoring old and reference log-probs is the
+    # loop's own stage (score_old_log_probs), never a call from a rollout back into the trainer.
+    rollout_policy = policy
     rollout_fn = _rollout_function(rollout_fn, step_rewards, rollout_engine)
     several_updates = config.num_iterations > 1 or config.num_minibatches > 1
 
@@ -577,7 +579,7 @@ def train(
             )
             t_rollout = time.perf_counter() - t0
             batch = trainer.place_batch(generation.batch)
-            if several_updates and own_rollout:
+            if several_updates:
                 batch = score_old_log_probs(trainer, batch)
             batch, batch_metrics = add_advantages(batch, trainer.config)
             generation.batch = batch
