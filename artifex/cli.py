@@ -1024,10 +1024,10 @@ def float32_precision_notice(
 def _demo(args: argparse.Namespace) -> int:
     if getattr(args, "task", "addition") == "flow":
         return _flow_demo(args)
-    from artifex.demo import DemoConfig, run_demo
+    from artifex.demos.addition import DemoConfig, run_demo
 
     if getattr(args, "task", "addition") == "tools":
-        from artifex.demo_tools import ToolDemoConfig, run_tool_demo
+        from artifex.demos.tools import ToolDemoConfig, run_tool_demo
 
         tcfg = ToolDemoConfig(seed=args.seed, out_dir=args.out)
         if args.steps is not None:
@@ -1042,7 +1042,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _flow_demo(args: argparse.Namespace) -> int:
-    from artifex.flow_demo import FlowDemoConfig, run_flow_demo
+    from artifex.demos.flow import FlowDemoConfig, run_flow_demo
 
     out = "runs/flow_demo" if args.out == "runs/demo" else args.out
     cfg = FlowDemoConfig(seed=args.seed, out_dir=out)

@@ -1,8 +1,9 @@
 """On-policy distillation on the addition demo: a smaller student, GRPO alone against distillation.
 
-1. Teacher: the demo's model (``artifex.demo.demo_model``), warmed up and trained with GRPO with
-   the settings of ``artifex-grpo demo`` (``DemoConfig``'s), for ``--teacher-steps`` steps,
-   then saved (``OUT/teacher``; a later run with the same seed and teacher settings reuses it).
+1. Teacher: the demo's model (``artifex.demos.addition.demo_model``), warmed up and trained
+   with GRPO with the settings of ``artifex-grpo demo`` (``DemoConfig``'s), for
+   ``--teacher-steps`` steps, then saved (``OUT/teacher``; a later run with the same seed and
+   teacher settings reuses it).
 2. Student: a smaller model (``--student-width``, ``--student-layers``), warmed up by the demo's
    supervised warm-up to ``--student-warmup-target`` validation accuracy.
 3. Arms, each from the same warmed-up student with the same rollout budget per step (the
@@ -35,7 +36,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from artifex.demo import (
+from artifex.demos.addition import (
     DemoConfig,
     addition_dataset,
     demo_model,

@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from artifex.flow_demo import FlowDemoConfig, build_flow_model
+from artifex.demos.flow import FlowDemoConfig, build_flow_model
 from artifex.generative_models.flow import flow_trainer, image_reward, train_flow
 from artifex.generative_models.inference import SDEConfig
 from artifex.generative_models.models.flow import (

@@ -37,7 +37,7 @@ import optax
 from flax import nnx
 
 import artifex
-from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl.rewards import math_answer_reward
 from artifex.generative_models.training.rl.rollouts.rollout import RolloutConfig, rollout

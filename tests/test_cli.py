@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from artifex.cli import load_rows, main
-from artifex.demo import DemoConfig, addition_dataset, demo_model, demo_tokenizer, run_demo
+from artifex.demos.addition import (
+    DemoConfig,
+    addition_dataset,
+    demo_model,
+    demo_tokenizer,
+    run_demo,
+)
 from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
 
 
@@ -162,7 +168,7 @@ def test_short_demo_raises_held_out_accuracy(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("ARTIFEX_CPU_OPT_LEVEL", "XLA_FLAGS")}
     code = (
         "import json, sys\n"
-        "from artifex.demo import DemoConfig, run_demo\n"
+        "from artifex.demos.addition import DemoConfig, run_demo\n"
         "summary = run_demo(DemoConfig(grpo_steps=150, out_dir=sys.argv[1]), verbose=False)\n"
         "print('SUMMARY ' + json.dumps(summary))\n"
     )

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from artifex.cli import _build_rewards, _expand_config, build_parser, load_rows, main
-from artifex.demo import addition_dataset, demo_model
+from artifex.demos.addition import addition_dataset, demo_model
 from artifex.generative_models.models.causal_lm import Tokenizer
 
 pa = pytest.importorskip("pyarrow")

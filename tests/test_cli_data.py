@@ -12,7 +12,7 @@ import json
 import pytest
 
 from artifex.cli import load_rows, main
-from artifex.demo import demo_model, demo_tokenizer
+from artifex.demos.addition import demo_model, demo_tokenizer
 from artifex.generative_models.training.rl.dataset_rows import EVAL_SPLITS
 from tests.generative_models.training.rl.test_dataset_rows import ROWS, _write, hf_datasets
 

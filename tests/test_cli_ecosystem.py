@@ -10,7 +10,7 @@ import pytest
 
 from artifex.cli import build_parser, main
 from artifex.cli_checks import run_fingerprint
-from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.models.causal_lm import CausalLM, read_peft_adapter
 from artifex.generative_models.models.causal_lm.peft_io import load_peft_adapter
 

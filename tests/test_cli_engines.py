@@ -13,7 +13,7 @@ import pytest
 
 from artifex.cli import build_parser, main
 from artifex.cli_engines import parse_vllm_option
-from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 

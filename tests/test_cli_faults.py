@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from artifex.cli import EXIT_INTERRUPTED, build_parser, load_rows, main
-from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.models.causal_lm import CausalLM, hf_io
 from artifex.generative_models.training.checkpointing import CheckpointManager
 from artifex.generative_models.training.rl import loop as loop_lib

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import artifex.flow_demo as flow_demo
+import artifex.demos.flow as flow_demo
 from artifex import cli
 
 

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.models.causal_lm import CausalLM
 from tests.processes import free_port, wait_for, xla_flags
 

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from artifex.cli import import_object, main
-from artifex.demo import demo_model
-from artifex.demo_tools import multiplication_dataset, multiply, tool_demo_tokenizer
+from artifex.demos.addition import demo_model
+from artifex.demos.tools import multiplication_dataset, multiply, tool_demo_tokenizer
 
 
 @pytest.fixture()
@@ -38,7 +38,7 @@ def test_train_with_tools_and_with_an_environment(tmp_path, setup):
     model_dir, data = setup
     out = str(tmp_path / "out" / "model")
     rc = main(["train", "--model", model_dir, "--data", data, "--output", out,
-               "--tools", "artifex.demo_tools:multiply", *ARGS])  # fmt: skip
+               "--tools", "artifex.demos.tools:multiply", *ARGS])  # fmt: skip
     assert rc == 0
     with open(os.path.join(tmp_path, "out", "logs", "metrics.jsonl")) as fh:
         lines = fh.read().splitlines()
@@ -59,13 +59,13 @@ def test_train_with_tools_and_with_an_environment(tmp_path, setup):
 
 
 def test_import_object_and_errors(tmp_path, setup, capsys):
-    assert import_object("artifex.demo_tools:multiply") is multiply
+    assert import_object("artifex.demos.tools:multiply") is multiply
     with pytest.raises(ValueError, match="module:attribute"):
-        import_object("artifex.demo_tools")
+        import_object("artifex.demos.tools")
     with pytest.raises(ValueError, match="no attribute"):
-        import_object("artifex.demo_tools:nope")
+        import_object("artifex.demos.tools:nope")
     model_dir, data = setup
     rc = main(["train", "--model", model_dir, "--data", data,
-               "--tools", "artifex.demo_tools:multiply",
-               "--environment", "artifex.demo_tools:multiply", *ARGS])  # fmt: skip
+               "--tools", "artifex.demos.tools:multiply",
+               "--environment", "artifex.demos.tools:multiply", *ARGS])  # fmt: skip
     assert rc == 2 and "not both" in capsys.readouterr().err

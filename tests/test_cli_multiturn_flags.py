@@ -19,7 +19,7 @@ def parse(*extra):
 
 def test_tool_threads_and_observation_size_reach_the_environment():
     args = parse(
-        "--tools", "artifex.demo_tools:multiply", "--tool-max-threads", "3",
+        "--tools", "artifex.demos.tools:multiply", "--tool-max-threads", "3",
         "--max-observation-chars", "100",
     )  # fmt: skip
     hooks = _multi_turn_hooks(args, RolloutConfig(max_new_tokens=8))
@@ -32,11 +32,11 @@ def test_without_the_flags_the_settings_keep_their_defaults():
     from artifex.generative_models.training.rl.multiturn import MultiTurnConfig, ToolEnvironment
     from artifex.generative_models.training.rl.tools import ToolRunner
 
-    args = parse("--tools", "artifex.demo_tools:multiply")
+    args = parse("--tools", "artifex.demos.tools:multiply")
     rollout = _multi_turn_hooks(args, RolloutConfig(max_new_tokens=8))["rollout_fn"]
     default_chars = MultiTurnConfig(max_new_tokens=8).max_observation_chars
     assert rollout.config.max_observation_chars == default_chars
-    from artifex.demo_tools import multiply
+    from artifex.demos.tools import multiply
 
     default_threads = ToolRunner([multiply]).max_threads
     assert isinstance(rollout.environment_factory(), ToolEnvironment)

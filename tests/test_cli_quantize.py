@@ -19,7 +19,7 @@ from artifex.cli_quantize import (
     quantize_config,
     quantize_model,
 )
-from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.models.causal_lm import CausalLM, LoRAConfig, apply_lora
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from artifex.cli import build_parser, main
-from artifex.demo import demo_model, demo_tokenizer
+from artifex.demos.addition import demo_model, demo_tokenizer
 from artifex.generative_models.training import trackers
 from tests.generative_models.training.test_trackers import (
     same,

@@ -64,7 +64,7 @@ def test_train_prints_the_sampled_evaluation(tmp_path, capsys):
     import json
 
     from artifex.cli import main
-    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+    from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 
     tok = demo_tokenizer()
     demo_model(tok).save_pretrained(str(tmp_path / "model"))

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from artifex.flow_demo import FlowDemoConfig, build_flow_model, run_flow_demo
+from artifex.demos.flow import FlowDemoConfig, build_flow_model, run_flow_demo
 from artifex.generative_models.models.flow import FlowDiT, FlowModel
 
 

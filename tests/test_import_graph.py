@@ -11,6 +11,10 @@ The layers of ``training.rl``, bottom to top (each sub-package's ``__init__`` sa
 ``core`` (with ``batch`` and ``packing``) -> ``rewards`` -> ``update`` and ``rollouts`` (side by
 side: neither imports the other) -> ``run``; the package's own ``__init__`` re-exports them all,
 and nothing inside the package imports it.
+
+The demos (``artifex.demos``) sit on top of the library: nothing in it imports them except the
+command line (``artifex.cli*``), which runs them, and the deprecated aliases at the demos' old
+paths (``artifex.demo``, ``artifex.demo_tools``, ``artifex.flow_demo``).
 """
 
 from __future__ import annotations
@@ -208,3 +212,54 @@ def test_each_layer_package_says_what_it_may_import():
     for part in ("core", "update", "rollouts", "run"):
         doc = importlib.import_module(f"{RL}.{part}").__doc__ or ""
         assert "may import" in doc, part
+
+
+DEMOS = "artifex.demos"
+# The deprecated modules at the demos' old paths: each re-exports its demo and warns.
+DEMO_ALIASES = {"artifex.demo", "artifex.demo_tools", "artifex.flow_demo"}
+
+
+def may_import_demos(module: str) -> bool:
+    """Whether a library module may import ``artifex.demos``: the demos, the CLI, the aliases."""
+    return (
+        module == DEMOS
+        or module.startswith(f"{DEMOS}.")
+        or module == "artifex.cli"
+        or module.startswith("artifex.cli_")
+        or module in DEMO_ALIASES
+    )
+
+
+def demo_importers(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(module, demo module)`` for each import of the demos from where none may be."""
+    bad = []
+    for module, deps in graph.items():
+        if may_import_demos(module):
+            continue
+        bad += [(module, d) for d in deps if d == DEMOS or d.startswith(f"{DEMOS}.")]
+    return sorted(bad)
+
+
+def test_the_demo_rule_finds_a_library_import_of_a_demo():
+    graph = {
+        f"{RL}.run.loop": {f"{DEMOS}.addition"},
+        "artifex.cli": {f"{DEMOS}.flow"},
+        f"{DEMOS}.tools": {f"{DEMOS}.addition"},
+        "artifex.flow_shapes": {DEMOS},
+    }
+    assert demo_importers(graph) == [
+        ("artifex.flow_shapes", DEMOS),
+        (f"{RL}.run.loop", f"{DEMOS}.addition"),
+    ]
+
+
+def test_only_the_cli_imports_the_demos_type_only_imports_included():
+    graph = import_graph(type_only=True)
+    assert f"{DEMOS}.addition" in graph["artifex.cli"]  # the check sees the CLI's imports
+    assert demo_importers(graph) == []
+
+
+def test_the_demos_package_says_what_it_may_import():
+    import importlib
+
+    assert "may import" in (importlib.import_module(DEMOS).__doc__ or "")

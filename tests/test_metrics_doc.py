@@ -134,7 +134,7 @@ def loop_keys(tmp_path_factory) -> set[str]:
     import json
 
     from artifex.cli import main
-    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+    from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 
     tmp = tmp_path_factory.mktemp("loop_keys")
     tok = demo_tokenizer()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from artifex.demo_tools import ToolDemoConfig, run_tool_demo
+from artifex.demos.tools import ToolDemoConfig, run_tool_demo
 
 
 @pytest.mark.slow

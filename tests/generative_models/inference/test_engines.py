@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
-from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.inference import generate
 from artifex.generative_models.inference.engines import (
     RolloutEngine,

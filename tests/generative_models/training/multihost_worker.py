@@ -42,7 +42,7 @@ def make_trainer(mesh=None, seed=0):
     import optax
     from flax import nnx
 
-    from artifex.demo import demo_model, demo_tokenizer
+    from artifex.demos.addition import demo_model, demo_tokenizer
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 
     tok = demo_tokenizer()
@@ -117,7 +117,7 @@ def run_loop(out: str, name: str, ckpt: str, mesh, kill_after: int | None = None
     """The whole loop (3 steps, checkpoint every step, evaluation) on the two-process mesh."""
     import jax
 
-    from artifex.demo import addition_dataset
+    from artifex.demos.addition import addition_dataset
     from artifex.generative_models.training import checkpointing
     from artifex.generative_models.training.rl.loop import TrainConfig, train
     from artifex.generative_models.training.rl.rewards import math_answer_reward

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from artifex.demo import demo_model, demo_tokenizer
+from artifex.demos.addition import demo_model, demo_tokenizer
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.checkpointing import (
     CheckpointManager,
@@ -260,7 +260,7 @@ KILL_DURING_CHECKPOINT = textwrap.dedent(
     import os, signal, sys, threading, time
     import optax
     from flax import nnx
-    from artifex.demo import demo_model, demo_tokenizer
+    from artifex.demos.addition import demo_model, demo_tokenizer
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
     from artifex.generative_models.training.checkpointing import CheckpointManager
 

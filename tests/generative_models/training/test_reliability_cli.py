@@ -9,7 +9,7 @@ import os
 import pytest
 
 from artifex.cli import EXIT_INTERRUPTED, build_parser, load_rows, main
-from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.training.checkpointing import CorruptCheckpointError
 from artifex.generative_models.training.rl import loop as loop_lib
 from artifex.generative_models.training.rl.grpo import NonFiniteUpdateError

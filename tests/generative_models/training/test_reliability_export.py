@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.demo import demo_model, demo_tokenizer
+from artifex.demos.addition import demo_model, demo_tokenizer
 from artifex.generative_models.models.causal_lm import from_pretrained, hf_io
 from artifex.generative_models.utils import atomic
 from artifex.generative_models.utils.atomic import atomic_write_json
@@ -155,7 +155,7 @@ def test_switching_layouts_leaves_no_stale_files(tmp_path, models):
 KILL_DURING_SAVE = textwrap.dedent(
     """
     import os, signal, sys
-    from artifex.demo import demo_model, demo_tokenizer
+    from artifex.demos.addition import demo_model, demo_tokenizer
     from artifex.generative_models.models.causal_lm import hf_io
 
     out, shard = sys.argv[1], sys.argv[2]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from artifex.demo import demo_model, demo_tokenizer
+from artifex.demos.addition import demo_model, demo_tokenizer
 from artifex.generative_models.inference.sampling import generate
 from artifex.generative_models.training.rl.advantages import (
     group_advantages,

@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.checkpointing import (
     CheckpointManager,

@@ -448,7 +448,7 @@ def test_cloned_reference_on_a_mesh_keeps_its_own_buffers():
 
 
 def test_rollout_on_a_mesh_generates_data_parallel():
-    from artifex.demo import demo_model, demo_tokenizer
+    from artifex.demos.addition import demo_model, demo_tokenizer
     from artifex.generative_models.training.rl import RewardCombiner, RolloutConfig, rollout
 
     tok = demo_tokenizer()

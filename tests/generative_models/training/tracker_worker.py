@@ -19,7 +19,7 @@ def main(out: str, names: str) -> None:
     import optax
     from flax import nnx
 
-    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+    from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
     from artifex.generative_models.training.rl.loop import TrainConfig, train
     from artifex.generative_models.training.rl.rollout import RolloutConfig

@@ -338,7 +338,7 @@ def test_grpo_train_step_on_a_quantized_base(qtype, stacked):
 
 @pytest.mark.slow
 def test_the_loop_trains_checkpoints_and_resumes_a_quantized_base(tmp_path):
-    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+    from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
     from artifex.generative_models.training.rl import (
         RolloutConfig,
         TrainConfig,

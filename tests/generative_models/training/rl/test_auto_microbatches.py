@@ -210,7 +210,7 @@ def test_the_loop_compiles_ahead_and_runs_the_trainers_choice(minibatches):
     """``TrainConfig.gradient_accumulation_steps=None``: the update the loop compiles ahead
     and the one it runs are the trainer's choice for one minibatch's rows (the shuffled rows of
     a minibatch do not share prompts), compiled once."""
-    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+    from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
     from artifex.generative_models.inference import sampling
     from artifex.generative_models.training.rl.loop import train
     from artifex.generative_models.training.rl.rewards import math_answer_reward

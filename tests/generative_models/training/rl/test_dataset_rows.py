@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from artifex.demo import demo_model, demo_tokenizer
+from artifex.demos.addition import demo_model, demo_tokenizer
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl.dataset_rows import EVAL_SPLITS, as_rows
 from artifex.generative_models.training.rl.loop import TrainConfig, dataset_fingerprint, train

@@ -443,7 +443,7 @@ def test_a_ctrl_c_during_the_per_group_updates_keeps_the_new_state(default_sigin
 
 
 def _loop_trainer(num_layers=LAYERS):
-    from artifex.demo import demo_tokenizer
+    from artifex.demos.addition import demo_tokenizer
     from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
 
     tok = demo_tokenizer()
@@ -472,7 +472,7 @@ def text_reward(prompts, completions, **columns):
 
 
 def _run_loop(trainer, tok, **options):
-    from artifex.demo import addition_dataset
+    from artifex.demos.addition import addition_dataset
     from artifex.generative_models.training.rl.loop import TrainConfig, train
     from artifex.generative_models.training.rl.rollout import RolloutConfig
 

@@ -396,7 +396,7 @@ def test_trainer_packs_when_padding_is_above_its_threshold(model):
 
 
 def test_the_loop_packs_and_trains_as_it_would_padded(monkeypatch):
-    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+    from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
     from artifex.generative_models.training.rl import RolloutConfig, TrainConfig, train
     from artifex.generative_models.training.rl.rewards import math_answer_reward
 

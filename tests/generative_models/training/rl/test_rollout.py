@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from artifex.demo import demo_model, demo_tokenizer
+from artifex.demos.addition import demo_model, demo_tokenizer
 from artifex.generative_models.models.causal_lm import Tokenizer
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl.rewards import RewardCombiner, RewardFunctionError

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.demo_tools import tool_demo_tokenizer
+from artifex.demos.tools import tool_demo_tokenizer
 from artifex.generative_models.inference.stop_strings import stop_string_table, token_bytes
 from artifex.generative_models.models.causal_lm import Tokenizer
 from artifex.generative_models.models.causal_lm.cache import KVCache

@@ -13,8 +13,8 @@ import optax
 import pytest
 from flax import nnx
 
-from artifex.demo import demo_model, demo_tokenizer
-from artifex.demo_tools import tool_demo_tokenizer
+from artifex.demos.addition import demo_model, demo_tokenizer
+from artifex.demos.tools import tool_demo_tokenizer
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl import GRPOBatch
 from artifex.generative_models.training.rl.multiturn import MultiTurnConfig, MultiTurnRollout

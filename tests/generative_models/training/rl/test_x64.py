@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     jax.config.update("jax_enable_x64", True)
     import numpy as np, optax
     from flax import nnx
-    from artifex.demo import addition_dataset, demo_model, demo_tokenizer
+    from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
     from artifex.generative_models.training.rl.loop import TrainConfig, train
     from artifex.generative_models.training.rl.rewards import math_answer_reward

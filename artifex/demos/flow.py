@@ -87,7 +87,7 @@ class FlowDemoConfig:
         out_dir: Where the metrics (JSON) and figures go; ``None`` writes nothing.
 
     Examples:
-        >>> from artifex.flow_demo import FlowDemoConfig
+        >>> from artifex.demos.flow import FlowDemoConfig
         >>> config = FlowDemoConfig(grpo_steps=20, classes=(0, 1), out_dir=None)
         >>> config.grpo_steps, config.classes, config.num_generations
         (20, (0, 1), 8)
@@ -175,7 +175,7 @@ class FlowDemoResult:
 
     Examples:
         >>> import dataclasses
-        >>> from artifex.flow_demo import FlowDemoResult
+        >>> from artifex.demos.flow import FlowDemoResult
         >>> [f.name for f in dataclasses.fields(FlowDemoResult)][:4]
         ['reward_before', 'reward_after', 'accuracy_before', 'accuracy_after']
     """
@@ -233,7 +233,7 @@ def build_flow_model(config: FlowDemoConfig) -> FlowDiT | FlowModel:
         A :class:`FlowDiT` (``architecture="dit"``) or a :class:`FlowModel` (``"mlp"``).
 
     Examples:
-        >>> from artifex.flow_demo import FlowDemoConfig, build_flow_model
+        >>> from artifex.demos.flow import FlowDemoConfig, build_flow_model
         >>> build_flow_model(FlowDemoConfig(hidden_dim=16, num_blocks=1)).config.num_tokens
         16
     """
@@ -264,7 +264,7 @@ def run_flow_demo(config: FlowDemoConfig | None = None, *, verbose: bool = True)
         ``tests/test_flow_demo.py::test_short_flow_demo_writes_results`` runs a 3-step version
         end to end.
 
-        >>> from artifex.flow_demo import FlowDemoConfig, run_flow_demo
+        >>> from artifex.demos.flow import FlowDemoConfig, run_flow_demo
         >>> result = run_flow_demo(FlowDemoConfig(out_dir="runs/flow_demo"))  # doctest: +SKIP
         >>> result.reward_after > result.reward_before  # doctest: +SKIP
         True
@@ -400,7 +400,7 @@ def plot_image_grid(
 
     Examples:
         >>> import numpy as np
-        >>> from artifex.flow_demo import plot_image_grid
+        >>> from artifex.demos.flow import plot_image_grid
         >>> before = np.zeros((2, 3, 8, 8))  # 2 classes, 3 images each
         >>> fig = plot_image_grid(before, before + 0.5, columns=3)
         >>> type(fig).__name__
@@ -447,7 +447,7 @@ def plot_flow_rewards(result: FlowDemoResult, path: str | None = None) -> Any:
 
     Examples:
         >>> import numpy as np
-        >>> from artifex.flow_demo import FlowDemoResult, plot_flow_rewards
+        >>> from artifex.demos.flow import FlowDemoResult, plot_flow_rewards
         >>> images = np.zeros((1, 2, 8, 8))
         >>> result = FlowDemoResult(reward_before=0.2, reward_after=0.6, accuracy_before=0.2,
         ...                         accuracy_after=0.6, reward_curve=[0.2, 0.4, 0.6],

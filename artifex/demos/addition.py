@@ -66,7 +66,7 @@ class DemoConfig:
             the same directory are replaced (its warm-up made another model).
 
     Examples:
-        >>> from artifex.demo import DemoConfig
+        >>> from artifex.demos.addition import DemoConfig
         >>> config = DemoConfig(grpo_steps=200, out_dir=None)
         >>> config.grpo_steps, config.num_generations, config.prompts_per_step
         (200, 8, 32)
@@ -97,7 +97,7 @@ def addition_dataset(seed: int = 0, num_eval: int = 200) -> tuple[list[dict], li
         ``(train_rows, eval_rows)``; each row has ``prompt`` (``"a+b="``) and ``answer``.
 
     Examples:
-        >>> from artifex.demo import addition_dataset
+        >>> from artifex.demos.addition import addition_dataset
         >>> train_rows, eval_rows = addition_dataset(seed=0, num_eval=200)
         >>> len(train_rows), len(eval_rows), sorted(train_rows[0])
         (9800, 200, ['answer', 'prompt'])
@@ -115,7 +115,7 @@ def demo_tokenizer() -> Tokenizer:
         The tokenizer.
 
     Examples:
-        >>> from artifex.demo import demo_tokenizer
+        >>> from artifex.demos.addition import demo_tokenizer
         >>> tok = demo_tokenizer()
         >>> tok.vocab_size, tok.encode("12+30="), tok.decode(tok.encode("12+30="))
         (16, [1, 5, 6, 14, 7, 4, 15], '12+30=')
@@ -135,7 +135,7 @@ def demo_model(tokenizer: Tokenizer, seed: int = 0, *, max_positions: int = 32) 
         The model.
 
     Examples:
-        >>> from artifex.demo import demo_model, demo_tokenizer
+        >>> from artifex.demos.addition import demo_model, demo_tokenizer
         >>> model = demo_model(demo_tokenizer())
         >>> model.config.vocab_size, model.config.max_position_embeddings
         (16, 32)
@@ -190,7 +190,9 @@ def supervised_warmup(
         The loss of each step taken.
 
     Examples:
-        >>> from artifex.demo import addition_dataset, demo_model, demo_tokenizer, supervised_warmup
+        >>> from artifex.demos.addition import (
+        ...     addition_dataset, demo_model, demo_tokenizer, supervised_warmup,
+        ... )
         >>> tok = demo_tokenizer()
         >>> model = demo_model(tok)
         >>> rows, _ = addition_dataset(num_eval=10)
@@ -255,7 +257,7 @@ def digit_reward(
         One score in [0, 1] per completion.
 
     Examples:
-        >>> from artifex.demo import digit_reward
+        >>> from artifex.demos.addition import digit_reward
         >>> digit_reward(["12+30="] * 3, ["42", "41", "4"], answer=["42"] * 3)
         [1.0, 0.5, 0.5]
     """
@@ -277,7 +279,7 @@ def plot_rewards(result: TrainResult, path: str) -> None:
     Examples:
         >>> import os, tempfile
         >>> from artifex.generative_models.training.rl import TrainResult
-        >>> from artifex.demo import plot_rewards
+        >>> from artifex.demos.addition import plot_rewards
         >>> history = [{"rewards/math_answer_reward": r / 10} for r in range(10)]
         >>> result = TrainResult(history=history, evaluations=[], start_step=0, interrupted=None)
         >>> path = os.path.join(tempfile.mkdtemp(), "rewards.png")
@@ -326,7 +328,7 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
         ``tests/test_cli.py::test_short_demo_raises_held_out_accuracy`` runs a 150-step
         version and checks the gain.
 
-        >>> from artifex.demo import DemoConfig, run_demo
+        >>> from artifex.demos.addition import DemoConfig, run_demo
         >>> summary = run_demo(DemoConfig(out_dir="runs/demo"))  # doctest: +SKIP
         >>> summary["held_out_pass@1_after"] > summary["held_out_pass@1_before"]  # doctest: +SKIP
         True

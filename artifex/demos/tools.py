@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 from tokenizers import AddedToken
 
-from artifex.demo import demo_model
+from artifex.demos.addition import demo_model
 from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.rewards import math_answer_reward
@@ -90,7 +90,7 @@ def multiply(a: int, b: int) -> int:
         The product.
 
     Examples:
-        >>> from artifex.demo_tools import multiply
+        >>> from artifex.demos.tools import multiply
         >>> multiply(1234, 56)
         69104
     """
@@ -121,7 +121,7 @@ class ToolDemoConfig:
         out_dir: Where metrics and the summary go (``None``: a temporary directory).
 
     Examples:
-        >>> from artifex.demo_tools import ToolDemoConfig
+        >>> from artifex.demos.tools import ToolDemoConfig
         >>> config = ToolDemoConfig(grpo_steps=10)
         >>> config.grpo_steps, config.tool_fraction
         (10, 0.5)
@@ -149,7 +149,7 @@ def tool_demo_tokenizer() -> Tokenizer:
         The tokenizer.
 
     Examples:
-        >>> from artifex.demo_tools import tool_demo_tokenizer
+        >>> from artifex.demos.tools import tool_demo_tokenizer
         >>> tok = tool_demo_tokenizer()
         >>> ids = tok.encode("<tool_call>", add_special_tokens=False)
         >>> len(ids), tok.chat_template is not None  # the tool tag is a single token
@@ -177,7 +177,7 @@ def multiplication_dataset(
         ``b``.
 
     Examples:
-        >>> from artifex.demo_tools import multiplication_dataset
+        >>> from artifex.demos.tools import multiplication_dataset
         >>> train_rows, eval_rows = multiplication_dataset(seed=0, num_eval=5, size=20)
         >>> len(train_rows), len(eval_rows), sorted(train_rows[0])
         (20, 5, ['a', 'answer', 'b', 'prompt'])
@@ -211,7 +211,7 @@ def tool_warmup_rows(
         One list of pieces per example.
 
     Examples:
-        >>> from artifex.demo_tools import (
+        >>> from artifex.demos.tools import (
         ...     multiplication_dataset, tool_demo_tokenizer, tool_warmup_rows)
         >>> tok = tool_demo_tokenizer()
         >>> rows, _ = multiplication_dataset(num_eval=1, size=4)
@@ -277,8 +277,8 @@ def tool_warmup(
         The loss of each step.
 
     Examples:
-        >>> from artifex.demo import demo_model
-        >>> from artifex.demo_tools import (
+        >>> from artifex.demos.addition import demo_model
+        >>> from artifex.demos.tools import (
         ...     multiplication_dataset, tool_demo_tokenizer, tool_warmup, tool_warmup_rows)
         >>> tok = tool_demo_tokenizer()
         >>> rows, _ = multiplication_dataset(num_eval=1, size=8)
@@ -341,7 +341,7 @@ def run_tool_demo(config: ToolDemoConfig | None = None, *, verbose: bool = True)
         Not run with the other docstring examples: the default settings train the whole demo,
         and settings small enough for a docstring learn nothing.
 
-        >>> from artifex.demo_tools import ToolDemoConfig, run_tool_demo
+        >>> from artifex.demos.tools import ToolDemoConfig, run_tool_demo
         >>> summary = run_tool_demo(ToolDemoConfig(out_dir="runs/tools"))  # doctest: +SKIP
         >>> summary["tool_call_rate_after"] > summary["tool_call_rate_before"]  # doctest: +SKIP
         True
