@@ -499,9 +499,7 @@ def train(
     )
     own_rollout = rollout_fn is None
     plain_rollout = own_rollout and step_rewards is None and rollout_engine is None
-    # Every rollout gets the scorer-less policy: scoring old and reference log-probs is the
-    # loop's own stage (score_old_log_probs), never a call from a rollout back into the trainer.
-    rollout_policy = policy
+    rollout_policy = policy  # no scorer: scoring is the loop's stage (score_old_log_probs)
     rollout_fn = _rollout_function(rollout_fn, step_rewards, rollout_engine)
     several_updates = config.num_iterations > 1 or config.num_minibatches > 1
 
