@@ -202,6 +202,26 @@ def train_flow_command(
         ValueError: Options of language models, a text reward, no ``--reward``, bad sampler
             settings, or as the loop.
         ImportError: A ``--reward`` module that cannot be imported.
+
+    Examples:
+        A run trains a flow model (``tests/test_cli_flow_train.py`` runs a tiny one); the
+        options are checked before anything is loaded:
+
+        >>> from artifex import cli
+        >>> from artifex.cli_flow import train_flow_command
+        >>> argv = ["train", "--model", "runs/shapes/model", "--data", "runs/shapes/train.jsonl",
+        ...         "--num-steps", "1"]
+        >>> args = cli.build_parser().parse_args([*argv, "--reward", "math"])
+        >>> train_flow_command(args, load_rows=cli.load_rows, lr_schedule=cli.lr_schedule)
+        Traceback (most recent call last):
+            ...
+        ValueError: --reward math scores text; a flow model's completions are images: ...
+        >>> reward = "artifex.generative_models.flow.rewards:compositional"
+        >>> args = cli.build_parser().parse_args([*argv, "--reward", reward, "--lora-rank", "4"])
+        >>> train_flow_command(args, load_rows=cli.load_rows, lr_schedule=cli.lr_schedule)
+        Traceback (most recent call last):
+            ...
+        ValueError: --lora-rank is an option of language models; ...
     """
     import optax
     from flax import nnx

@@ -186,6 +186,24 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         The exit status.
+
+    Raises:
+        ValueError: A setting :class:`ShapesTaskConfig` refuses (before anything is drawn).
+
+    Examples:
+        Pretraining compiles and runs for minutes (``tests/test_flow_shapes.py`` runs a tiny
+        one); the settings are checked first:
+
+        >>> import tempfile
+        >>> from artifex.flow_shapes import main
+        >>> main(["--out", tempfile.mkdtemp(), "--layout", "ring"])
+        Traceback (most recent call last):
+            ...
+        ValueError: ShapesTaskConfig.layout must be one of ('grid', 'free'), got 'ring'
+        >>> main(["--out", tempfile.mkdtemp(), "--pretrain-steps", "0"])
+        Traceback (most recent call last):
+            ...
+        ValueError: ShapesTaskConfig.pretrain_steps ...
     """
     parser = argparse.ArgumentParser(
         prog="python -m artifex.flow_shapes", description=__doc__.split("\n\n")[0]

@@ -250,6 +250,17 @@ class GenerationBatch:
         groups: With dynamic sampling, ``(rollout, group)`` of each group of ``batch``, in
             order; ``None`` when ``batch`` is the first rollout's.
         info: The dynamic-sampling metrics (empty without it).
+
+    Examples:
+        >>> import numpy as np
+        >>> from artifex.generative_models.training.rl import GRPOBatch, Rollout
+        >>> from artifex.generative_models.training.rl.run.data import GenerationBatch
+        >>> batch = GRPOBatch.zeros(1, 2, prompt_length=4, completion_length=1)
+        >>> ro = Rollout(batch, [{"prompt": "1+1="}], ["1+1="], ["2", "3"],
+        ...              np.array([[1.0], [0.0]]), ["correct"], np.zeros(2, bool))
+        >>> gen = GenerationBatch(batch=ro.batch, rollouts=[ro])  # one rollout, no resampling
+        >>> gen.batch.batch_size, gen.groups, gen.info
+        (2, None, {})
     """
 
     batch: GRPOBatch
@@ -300,6 +311,36 @@ def collect_generation_batch(
 
     Returns:
         The :class:`GenerationBatch`.
+
+    Examples:
+        A scripted rollout stands in for the sampler (``rollout_fn=rollout`` samples from the
+        policy): every group answers ``"2"`` and ``"4"``, so ``3+3=`` gets equal rewards.
+
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> from artifex.generative_models.training.rl import (
+        ...     DataIterator, GRPOBatch, GRPOConfig, Policy, RewardCombiner, Rollout,
+        ...     RolloutConfig)
+        >>> from artifex.generative_models.training.rl.run.data import collect_generation_batch
+        >>> def scripted(policy, tokenizer, rows, rewards, config, *, key, need_old_log_probs):
+        ...     prompts = [row["prompt"] for row in rows]
+        ...     completions = ["2", "4"] * len(rows)
+        ...     total, per_function = rewards([p for p in prompts for _ in (0, 1)], completions)
+        ...     batch = GRPOBatch.zeros(len(rows), 2, 4, 1).replace(rewards=jnp.asarray(total))
+        ...     return Rollout(batch, rows, prompts, completions, per_function,
+        ...                    list(rewards.names), np.zeros(len(completions), bool))
+        >>> def correct(prompts, completions, **columns):
+        ...     return [float(int(c) == int(p[0]) + int(p[2]))
+        ...             for p, c in zip(prompts, completions, strict=True)]
+        >>> policy = Policy(None, GRPOConfig(num_generations=2))  # the script never samples
+        >>> data = DataIterator([{"prompt": "3+3="}, {"prompt": "1+1="}], seed=0, shuffle=False)
+        >>> gen = collect_generation_batch(
+        ...     scripted, policy, None, data, RewardCombiner([correct]), RolloutConfig(),
+        ...     prompts=1, key=jax.random.key(0), need_old_log_probs=False,
+        ...     dynamic_sampling=True, max_resample_rounds=1)
+        >>> len(gen.rollouts), gen.groups, gen.batch.rewards.tolist()  # 3+3= dropped
+        (2, [(1, 0)], [1.0, 0.0])
+        >>> gen.info["dynamic_sampling/kept_fraction"], data.state()
+        (0.5, {'epoch': 0, 'index': 2})
     """
     g = policy.config.num_generations
     mesh = policy.mesh

@@ -57,6 +57,24 @@ def score_old_log_probs(trainer: GRPOTrainer, batch: GRPOBatch) -> GRPOBatch:
 
     Returns:
         The scored batch.
+
+    Examples:
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import GRPOConfig, GRPOTrainer
+        >>> from artifex.generative_models.training.rl.run.steps import score_old_log_probs
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2, beta=0.04),
+        ...                       reference_model=nnx.clone(model))
+        >>> batch = trainer.prepare_batch({"observations": jnp.ones((2, 4)),
+        ...     "actions": jnp.array([0, 2]), "rewards": jnp.array([1.0, 0.0])})
+        >>> batch.old_log_probs is None, batch.ref_log_probs is None
+        (True, True)
+        >>> scored = score_old_log_probs(trainer, trainer.place_batch(batch))
+        >>> scored.old_log_probs.shape, bool(jnp.allclose(scored.old_log_probs,
+        ...                                               scored.ref_log_probs))  # same weights
+        ((2, 1), True)
     """
     return trainer.fill_log_probs(batch)
 
@@ -86,6 +104,17 @@ def add_advantages(batch: GRPOBatch, config: Any) -> tuple[GRPOBatch, dict[str, 
 
     Returns:
         ``(batch, metrics)``: the metrics as device scalars.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> from artifex.generative_models.training.rl.run.steps import add_advantages
+        >>> batch = GRPOBatch.zeros(2, 2, 3, 4).replace(rewards=jnp.array([1.0, 0.0, 2.0, 2.0]))
+        >>> batch, metrics = add_advantages(batch, GRPOConfig(num_generations=2))
+        >>> [round(a, 3) for a in batch.advantages.tolist()]  # the second group's are equal
+        [0.707, -0.707, 0.0, 0.0]
+        >>> float(metrics["reward_mean"]), float(metrics["frac_reward_zero_std"])
+        (1.25, 0.5)
     """
     adv = _advantages(batch, config)
     like = batch.rewards if adv.ndim == 1 else batch.completion_mask
@@ -118,6 +147,25 @@ def run_updates(
     Raises:
         NonFiniteUpdateError: An update was rejected, naming the step and the update; the
             trainer keeps the last finite state.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training.rl import (
+        ...     GRPOConfig, GRPOTrainer, TrainConfig)
+        >>> from artifex.generative_models.training.rl.run.steps import (
+        ...     add_advantages, run_updates)
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        >>> grpo = GRPOConfig(num_generations=2, beta=0.0)
+        >>> trainer = GRPOTrainer(model, optimizer, grpo)
+        >>> batch = trainer.prepare_batch({"observations": jnp.ones((4, 4)),
+        ...     "actions": jnp.array([0, 2, 1, 1]), "rewards": jnp.array([1.0, 0.0, 0.0, 1.0])})
+        >>> batch, _ = add_advantages(trainer.fill_log_probs(batch), grpo)
+        >>> config = TrainConfig(num_steps=1, prompts_per_step=2, num_iterations=2)
+        >>> updates = run_updates(trainer, batch, config, key=jax.random.key(0), step=1)
+        >>> len(updates), int(optimizer.step[...]), "total_loss" in updates[0]
+        (2, 2, True)
     """
     rows = batch.batch_size
     updates: list[dict[str, float]] = []
@@ -184,6 +232,20 @@ def step_metrics(
 
     Returns:
         One flat dict of floats.
+
+    Examples:
+        >>> import jax.numpy as jnp, numpy as np
+        >>> from artifex.generative_models.training.rl import GRPOBatch, Rollout
+        >>> from artifex.generative_models.training.rl.run.data import GenerationBatch
+        >>> from artifex.generative_models.training.rl.run.steps import step_metrics
+        >>> batch = GRPOBatch.zeros(1, 2, prompt_length=4, completion_length=1)
+        >>> ro = Rollout(batch, [{"prompt": "1+1="}], ["1+1="], ["2", "3"],
+        ...              np.array([[1.0], [0.0]]), ["correct"], np.zeros(2, bool))
+        >>> step_metrics([{"total_loss": 1.0}, {"total_loss": 3.0}],
+        ...              {"reward_mean": jnp.float32(0.5)}, GenerationBatch(batch, [ro]),
+        ...              learning_rate=0.1, eval_reward=None)
+        {'total_loss': 2.0, 'reward_mean': 0.5, 'rewards/correct': 0.5,
+         'completion_length_max': 1.0, 'truncated_fraction': 0.0, 'learning_rate': 0.1}
     """
     metrics = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
     metrics.update({k: float(v) for k, v in jax.device_get(dict(batch_metrics)).items()})
@@ -216,6 +278,26 @@ def log_completions(
         generation: The generation batch (its advantages set).
         mesh: The training mesh.
         prompts_per_step: Prompts per step (this process's rows of a mesh spanning processes).
+
+    Examples:
+        >>> import json, os, tempfile
+        >>> import jax.numpy as jnp, numpy as np
+        >>> from artifex.generative_models.training.logging import CompletionLog
+        >>> from artifex.generative_models.training.rl import GRPOBatch, Rollout
+        >>> from artifex.generative_models.training.rl.run.data import GenerationBatch
+        >>> from artifex.generative_models.training.rl.run.steps import log_completions
+        >>> batch = GRPOBatch.zeros(1, 2, prompt_length=4, completion_length=1).replace(
+        ...     rewards=jnp.array([1.0, 0.0]), advantages=jnp.array([0.5, -0.5]))
+        >>> ro = Rollout(batch, [{"prompt": "1+1="}], ["1+1="], ["2", "3"],
+        ...              np.array([[1.0], [0.0]]), ["correct"], np.zeros(2, bool))
+        >>> path = os.path.join(tempfile.mkdtemp(), "completions.jsonl")
+        >>> log = CompletionLog(path, print_rows=0)
+        >>> log_completions(log, 3, GenerationBatch(batch, [ro]), None, prompts_per_step=1)
+        >>> log.close()
+        >>> with open(path) as fh:
+        ...     records = [json.loads(line) for line in fh]
+        >>> [(r["step"], r["completion"], r["reward"], r["advantage"]) for r in records]
+        [(3, '2', 1.0, 0.5), (3, '3', 0.0, -0.5)]
     """
     batch = generation.batch
     g = batch.group_size

@@ -111,6 +111,20 @@ def deferred_interrupt() -> Iterator[None]:
 
     Returns:
         A context manager.
+
+    Examples:
+        >>> import signal
+        >>> from artifex.generative_models.training.rl.update.signals import deferred_interrupt
+        >>> order = []
+        >>> try:
+        ...     with deferred_interrupt():
+        ...         signal.raise_signal(signal.SIGINT)  # held back
+        ...         order.append("updated")
+        ...     order.append("after the block")  # not reached: delivered as the block ends
+        ... except KeyboardInterrupt:
+        ...     order.append("interrupted")
+        >>> order
+        ['updated', 'interrupted']
     """
     if _scopes:
         scope = _scopes[0]

@@ -232,6 +232,25 @@ def place_models(
         reference_model: The reference policy, or ``None``.
         teacher_model: The distillation teacher, or ``None``.
         teacher_partition_rules: The teacher's rules, or ``None``.
+
+    Examples:
+        >>> import optax
+        >>> from flax import nnx
+        >>> from artifex.generative_models.training import make_mesh
+        >>> from artifex.generative_models.training.rl.update.trainer_setup import place_models
+        >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        >>> reference = nnx.clone(model)  # shares the policy's arrays
+        >>> reference.kernel[...] is model.kernel[...]
+        True
+        >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> place_models(model, optimizer, make_mesh(), None, reference_model=reference,
+        ...              teacher_model=None, teacher_partition_rules=None)
+        >>> reference.kernel[...] is model.kernel[...]  # a copy of its own, equal values
+        False
+        >>> bool((reference.kernel[...] == model.kernel[...]).all())
+        True
+        >>> model.kernel[...].sharding.mesh.axis_names
+        ('data', 'fsdp', 'tensor')
     """
     if reference_model is not None:
         # Before placement: device_put onto a mesh may reuse a source buffer, so two models
@@ -270,6 +289,22 @@ def host_update_metrics(
     Raises:
         NonFiniteUpdateError: The update was not finite (the state it returned is the state
             before it).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> from artifex.generative_models.training.rl.update.trainer_setup import (
+        ...     host_update_metrics)
+        >>> flags = {"finite_update": 1.0, "finite_params": 1.0, "finite_optimizer_state": 1.0,
+        ...          "update_applied": 1.0, "reward_signal": 1.0}
+        >>> metrics = {"total_loss": jnp.float32(0.25), "grad_norm": jnp.float32(1.5), **flags}
+        >>> host_update_metrics(metrics, step=0, config=GRPOConfig())
+        {'grad_norm': 1.5, 'total_loss': 0.25}
+        >>> rejected = {**metrics, "finite_update": 0.0, "grad_norm": jnp.float32(jnp.nan)}
+        >>> host_update_metrics(rejected, step=3, config=GRPOConfig())
+        Traceback (most recent call last):
+            ...
+        artifex...NonFiniteUpdateError: non-finite grad_norm=nan at optimizer step 3; ...
     """
     host = {k: float(v) for k, v in jax.device_get(dict(metrics)).items()}
     ok = host.pop("finite_update") > 0
