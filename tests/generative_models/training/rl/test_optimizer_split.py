@@ -202,7 +202,15 @@ def test_only_layers_trainable_has_no_rest_group():
 # ---------------------------------------------------------------- GRPOTrainer with the split
 
 
-LAYERS = 8  # MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER
+LAYERS = 3
+
+
+@pytest.fixture(autouse=True)
+def _low_threshold(monkeypatch):
+    """The by-layer optimizer from 3 layers (the library: 8): the same programs, smaller."""
+    from artifex.generative_models.training.rl.update import engines
+
+    monkeypatch.setattr(engines, "MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER", LAYERS)
 
 
 def _trainer(optimizer_by_layer, *, tx=None, tied=False, lora=False, layers=LAYERS, **options):
@@ -326,7 +334,9 @@ def test_a_state_loaded_with_other_types_is_split_as_its_own_types_allow():
             state.replace(opt_state=jax.tree.map(lambda x: x.astype(jnp.bfloat16), state.opt_state))
         )
     assert "reads other groups" in b.optimizer_split_reason
-    _assert_same_training(a, b, batch, steps=2)
+    # bfloat16 moments: where one lands on a rounding boundary the two paths round one unit
+    # (2**-8 relative) apart, as in test_moments_in_bfloat16_for_float32_parameters_run_by_layer
+    _assert_same_training(a, b, batch, steps=2, rtol=2**-7, atol=1e-4)
     assert type(b.compiled_step()).__name__ == "SplitOptimizerEngine"  # optimizer: one program
     back = b.state  # and layer by layer again for float32 moments
     b.load_state(
@@ -528,8 +538,8 @@ def test_arrays_that_cannot_be_donated_are_refused_before_any_group_runs():
     batch = lm_batch(seed=1).replace(ref_log_probs=None)
     t = _trainer(True)
     shared = t.model.layers[0].attn.q_proj.kernel.value
-    t.model.layers[3].attn.q_proj.kernel.value = shared  # one array in two groups
-    with pytest.raises(ValueError, match=r"group 3, parameters.*same device buffer.*group 0"):
+    t.model.layers[2].attn.q_proj.kernel.value = shared  # one array in two groups
+    with pytest.raises(ValueError, match=r"group 2, parameters.*same device buffer.*group 0"):
         t.train_step(batch)
     assert _deleted(nnx.state(t.model)) == [] and _deleted(nnx.state(t.optimizer)) == []
 
