@@ -318,7 +318,7 @@ def test_float32_precision_notice_reads_jax_setting(model_dir):
 
 def test_train_prints_the_precision_notice(tmp_path, model_dir, data_file, capsys, monkeypatch):
     # The command asks for the notice once the model is loaded and prints it on stderr.
-    import artifex.cli as cli
+    import artifex.cli_train as cli_train  # the train command looks the notice up there
 
     seen = []
 
@@ -326,7 +326,7 @@ def test_train_prints_the_precision_notice(tmp_path, model_dir, data_file, capsy
         seen.append(model)
         return "note: float32 parameters on a GPU (test)"
 
-    monkeypatch.setattr(cli, "float32_precision_notice", notice)
+    monkeypatch.setattr(cli_train, "float32_precision_notice", notice)
     out = str(tmp_path / "out" / "model")
     assert main(["train", "--model", model_dir, "--data", data_file, "--output", out, *ARGS]) == 0
     assert len(seen) == 1 and isinstance(seen[0], CausalLM)

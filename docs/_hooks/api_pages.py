@@ -198,6 +198,10 @@ GROUPS: tuple[Group, ...] = (
         (
             "artifex",
             "artifex.cli",
+            "artifex.cli_train",
+            "artifex.cli_rows",
+            "artifex.cli_rewards",
+            "artifex.cli_devices",
             "artifex.cli_checks",
             "artifex.demos",
             "artifex.demos.addition",
