@@ -14,7 +14,6 @@ LIMIT = 600
 
 # Over the limit, to be split: path -> its line count when listed (a ceiling).
 NOT_YET_SPLIT: dict[str, int] = {
-    "artifex/cli.py": 1640,
     "artifex/generative_models/models/causal_lm/model.py": 1457,
     "artifex/generative_models/training/sharding.py": 1099,
     "artifex/generative_models/inference/sampling.py": 974,
