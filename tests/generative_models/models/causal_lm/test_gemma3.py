@@ -29,11 +29,11 @@ from artifex.generative_models.models.causal_lm import (
     Tokenizer,
     convert_gguf,
     from_pretrained,
+    gguf_config,
     load_gguf,
     read_gguf,
     rope_inv_frequencies,
 )
-from artifex.generative_models.models.causal_lm import gguf as gguf_module
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.rl import (
     GRPOBatch,
@@ -380,6 +380,6 @@ def test_gguf_converts_to_a_checkpoint_that_loads_the_same(tmp_path):
 
 def test_gguf_attention_scale_of_the_27b_layout(monkeypatch):
     """llama.cpp gives the 62-layer model 1/sqrt(hidden / heads) (its query_pre_attn_scalar)."""
-    monkeypatch.setattr(gguf_module, "_GEMMA3_27B_LAYERS", 3)
+    monkeypatch.setattr(gguf_config, "_GEMMA3_27B_LAYERS", 3)
     config = read_gguf(GGUF).config
     assert config.query_pre_attn_scalar == 32 / 4
