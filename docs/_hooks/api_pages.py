@@ -164,7 +164,16 @@ GROUPS: tuple[Group, ...] = (
     Group(
         "Sharding",
         "Meshes, partition rules and batch placement over devices and processes.",
-        (f"{_GM}.training.sharding", f"{_GM}.training.placement", f"{_GM}.training.rendezvous"),
+        (
+            f"{_GM}.training.sharding",
+            f"{_GM}.training.sharding.mesh",
+            f"{_GM}.training.sharding.rules",
+            f"{_GM}.training.sharding.states",
+            f"{_GM}.training.sharding.batches",
+            f"{_GM}.training.sharding.processes",
+            f"{_GM}.training.placement",
+            f"{_GM}.training.rendezvous",
+        ),
     ),
     Group(
         "Checkpoints",
