@@ -153,6 +153,8 @@ GROUPS: tuple[Group, ...] = (
         (
             f"{_GM}.inference",
             f"{_GM}.inference.sampling",
+            f"{_GM}.inference.token_sampling",
+            f"{_GM}.inference.batch_layout",
             f"{_GM}.inference.continuous",
             f"{_GM}.inference.multiturn",
             f"{_GM}.inference.stop_strings",

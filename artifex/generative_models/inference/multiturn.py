@@ -15,7 +15,7 @@ to; positions count valid slots only, so a conversation with padding in the midd
 logits as the unpadded conversation), and a turn has a static maximum length with a traced
 per-call limit. The host loop only runs between turns.
 
-Sampling is :func:`~artifex.generative_models.inference.sampling.sample_logits`: the returned
+Sampling is :func:`~artifex.generative_models.inference.token_sampling.sample_logits`: the returned
 log-probs are ``log pi(token)`` under the sampling distribution
 ``pi(v) \propto exp(z_v / tau)`` (restricted by top-k / top-p when set).
 """

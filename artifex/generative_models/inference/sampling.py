@@ -7,27 +7,18 @@ end-of-sequence token or ``max_new_tokens`` is reached.
 The whole generation is one XLA program, compiled once per (batch size, prompt-length bucket,
 ``max_new_tokens``, number of generations, decoding mode).
 
-Sampling distribution at each step, from the model's float32 logits ``z``:
-
-.. math::
-
-    \pi(v) \propto \exp(z_v / \tau)\ \ \text{for } v \in \mathcal{A},
-
-where ``tau`` is the temperature and ``A`` the allowed set: all tokens, or the ``top_k`` largest
-logits, intersected with the top-p nucleus (the smallest set of most likely tokens whose
-probability reaches ``top_p``; Holtzman et al., 2020). The returned log-probs are
-``log pi(token)`` under exactly this distribution, so for ``top_k=None, top_p=1`` they equal the
-teacher-forced ``log_softmax(z / tau)`` of the sampled tokens. Greedy decoding picks ``argmax z``
-and reports ``log_softmax(z / tau)`` of that token.
-
-References:
-    Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration", arXiv:1904.09751.
+This module holds :func:`generate`, :class:`Sampler` and the row groups that decode at the same
+time on host threads (:func:`auto_row_groups`). The sampling step and its distribution are in
+:mod:`~artifex.generative_models.inference.token_sampling`; the prompt buckets, the position
+check and :class:`~artifex.generative_models.inference.batch_layout.SamplerOutput` in
+:mod:`~artifex.generative_models.inference.batch_layout`; the compiled decode program in
+``_kv_decode`` and the slicing of stacked layers in ``_layer_slices``. Their names stay
+importable from here.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import os
 import threading
@@ -39,22 +30,41 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from artifex.generative_models.inference._kv_decode import (  # noqa: F401  (old imports)
+    _generate,
+    _routed,
+)
+from artifex.generative_models.inference._layer_slices import (  # noqa: F401  (old imports)
+    _PER_LAYER_PLANS,
+    _layer_slice,
+    _per_layer_model,
+    _per_layer_plan,
+    _per_layer_split,
+    _runs_stacked_layers_unrolled,
+    _sharded_like_stack,
+)
+from artifex.generative_models.inference.batch_layout import (
+    DEFAULT_PROMPT_BUCKETS,
+    SamplerOutput,
+    _local_rows,
+    bucket_length,
+    check_fits_positions,
+)
+from artifex.generative_models.inference.token_sampling import (  # noqa: F401  (old imports)
+    _argmax,
+    _check_row_slice,
+    _inverse_cdf,
+    sample_logits,
+)
 from artifex.generative_models.utils.compile_options import jit
 from artifex.generative_models.utils.validation import check_float, check_int
 
 __all__ = [
-    "DEFAULT_PROMPT_BUCKETS",
     "ROW_GROUP_MAX_MATRIX_SIZE",
     "Sampler",
-    "SamplerOutput",
     "auto_row_groups",
-    "bucket_length",
-    "check_fits_positions",
     "generate",
-    "sample_logits",
 ]
-
-DEFAULT_PROMPT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 #: :func:`auto_row_groups` splits the rows only for models whose largest weight matrix (one
 #: layer's, for layers stored stacked) has at most this many elements: products that XLA:CPU
@@ -62,388 +72,6 @@ DEFAULT_PROMPT_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048
 #: row groups"): shorter generations up to 1.3 M elements (float32 and bfloat16), none from
 #: 3.1 M on.
 ROW_GROUP_MAX_MATRIX_SIZE = 2**21
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplerOutput:
-    """Completions in prompt-major, generation-minor order (row ``i``: prompt ``i // K``).
-
-    Attributes:
-        prompt_ids: ``(B*K, P)`` the left-padded prompts (padded to their length bucket),
-            repeated for each generation.
-        prompt_mask: ``(B*K, P)`` 1 on real prompt tokens.
-        completion_ids: ``(B*K, N)`` generated tokens; ``pad_id`` after a row's EOS.
-        completion_mask: ``(B*K, N)`` int32, 1 on generated tokens up to and including EOS.
-        log_probs: ``(B*K, N)`` float32 log-prob of each generated token under the sampling
-            distribution (0 where the mask is 0).
-        truncated: ``(B*K,)`` bool, True for rows that reached ``max_new_tokens`` without EOS.
-        lengths: ``(B*K,)`` int32 number of completion tokens (the mask's row sums).
-        routed_experts: With ``generate(..., record_routing=True)`` (mixture-of-experts models):
-            ``(B*K, P + N, L, k)`` int32, the ``k`` experts each of the ``L`` layers computed
-            every prompt and completion token by, as the tokens went through the model (-1
-            where a token was not computed as a real token: prompt padding, the last
-            completion token, tokens after EOS); else ``None``.
-
-    Examples:
-        >>> import dataclasses
-        >>> from artifex.generative_models.inference import SamplerOutput
-        >>> [f.name for f in dataclasses.fields(SamplerOutput)][:4]
-        ['prompt_ids', 'prompt_mask', 'completion_ids', 'completion_mask']
-    """
-
-    prompt_ids: jax.Array
-    prompt_mask: jax.Array
-    completion_ids: jax.Array
-    completion_mask: jax.Array
-    log_probs: jax.Array
-    truncated: jax.Array
-    lengths: jax.Array
-    routed_experts: jax.Array | None = None
-
-
-def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS) -> int:
-    """The smallest bucket >= ``length`` (``length`` itself beyond the largest bucket).
-
-    Args:
-        length: A prompt width.
-        buckets: Increasing bucket sizes.
-
-    Returns:
-        The padded width.
-
-    Examples:
-        >>> from artifex.generative_models.inference import bucket_length
-        >>> bucket_length(5, (16, 32)), bucket_length(20, (16, 32)), bucket_length(40, (16, 32))
-        (16, 32, 40)
-    """
-    for b in sorted(buckets):
-        if b >= length:
-            return int(b)
-    return int(length)
-
-
-def check_fits_positions(model: Any, longest_prompt: int, max_new_tokens: int) -> None:
-    """Raises unless the longest prompt plus ``max_new_tokens`` fits the model's positions.
-
-    Args:
-        model: The model; its ``config.max_position_embeddings`` (if any) is the limit.
-        longest_prompt: Tokens of the longest prompt (without padding).
-        max_new_tokens: Tokens to generate.
-
-    Raises:
-        ValueError: Naming both lengths and the limit.
-
-    Examples:
-        >>> from types import SimpleNamespace
-        >>> from artifex.generative_models.inference.sampling import check_fits_positions
-        >>> model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8))
-        >>> check_fits_positions(model, 5, 3)  # 8 positions: fits
-    """
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if max_pos is not None and longest_prompt + max_new_tokens > max_pos:
-        msg = (
-            f"prompt too long: the longest prompt has {longest_prompt} tokens and "
-            f"max_new_tokens={max_new_tokens}, but the model has {max_pos} positions "
-            f"(max_position_embeddings)"
-        )
-        raise ValueError(msg)
-
-
-def _argmax(x: jax.Array) -> jax.Array:
-    """``jnp.argmax(x, -1)`` (first index of the maximum) as two plain reductions.
-
-    XLA:CPU lowers ``argmax`` to a variadic (value, index) reduce that runs several times slower
-    than a max followed by a min over matching indices; this runs once per generated token.
-    """
-    v = x.shape[-1]
-    hit = x == jnp.max(x, axis=-1, keepdims=True)
-    idx = jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
-    return jnp.minimum(idx, v - 1).astype(jnp.int32)  # all-NaN rows: a valid id, never v
-
-
-def sample_logits(
-    logits: jax.Array,
-    key: jax.Array,
-    *,
-    temperature: float | jax.Array = 1.0,
-    top_k: int | None = None,
-    top_p: float | jax.Array | None = None,
-    greedy: bool = False,
-    batch_rows: int | None = None,
-    row_offset: int | jax.Array = 0,
-) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row and returns it with its log-prob under the sampling distribution.
-
-    Args:
-        logits: ``(R, V)`` float logits.
-        key: PRNG key.
-        temperature: ``tau > 0`` dividing the logits.
-        top_k: Keep only the ``top_k`` largest logits (static), or ``None``.
-        top_p: Nucleus mass in (0, 1], or ``None`` for no nucleus truncation.
-        greedy: Take the argmax instead of sampling (static).
-        batch_rows: For ``logits`` that are rows ``row_offset .. row_offset + R`` of a batch of
-            ``batch_rows`` rows (static; ``None``: ``R``, the whole batch): the rows draw the
-            random numbers they would draw in that batch, so a batch sampled in slices
-            samples as it would whole.
-        row_offset: The first row's index in that batch (0 without ``batch_rows``). A traced
-            offset must be an integer scalar; its value is not checked and must lie in
-            ``[0, batch_rows - R]``.
-
-    Raises:
-        ValueError: ``batch_rows`` smaller than ``R``, or a concrete ``row_offset`` outside
-            ``[0, batch_rows - R]`` (other than 0 without ``batch_rows``).
-        TypeError: A ``row_offset`` that is not an integer scalar.
-
-    Returns:
-        ``(tokens (R,) int32, log_probs (R,) float32)``.
-
-    Examples:
-        >>> import jax, jax.numpy as jnp
-        >>> from artifex.generative_models.inference import sample_logits
-        >>> logits = jnp.array([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
-        >>> tokens, logp = sample_logits(logits, jax.random.key(0), greedy=True)
-        >>> tokens.tolist()
-        [1, 0]
-        >>> tokens, logp = sample_logits(logits, jax.random.key(0), top_k=1)
-        >>> tokens.tolist(), logp.tolist()
-        ([1, 0], [0.0, 0.0])
-    """
-    n_rows = int(np.shape(logits)[0])
-    _check_row_slice(n_rows, n_rows if batch_rows is None else batch_rows, row_offset)
-    z = jnp.asarray(logits, jnp.float32) / jnp.asarray(temperature, jnp.float32)
-    if greedy:
-        token = _argmax(z)
-        logp = jax.nn.log_softmax(z, axis=-1)
-        return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-    neg = jnp.finfo(jnp.float32).min
-    if top_k is not None and top_k < z.shape[-1]:
-        kth = jax.lax.top_k(z, top_k)[0][:, -1:]
-        z = jnp.where(z >= kth, z, neg)
-    if top_p is not None:
-        order = jnp.argsort(-z, axis=-1)
-        sorted_z = jnp.take_along_axis(z, order, axis=-1)
-        probs = jax.nn.softmax(sorted_z, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
-        keep_sorted = before < jnp.asarray(top_p, jnp.float32)
-        keep_sorted = keep_sorted.at[:, 0].set(True)
-        row_ids = jnp.arange(z.shape[0])[:, None]
-        keep = jnp.zeros(z.shape, jnp.bool_).at[row_ids, order].set(keep_sorted)
-        z = jnp.where(keep, z, neg)
-    logp = jax.nn.log_softmax(z, axis=-1)
-    # Inverse-CDF sampling: one uniform per row (instead of a Gumbel draw per vocabulary entry,
-    # which costs a random hash per entry at every step).
-    tiny = jnp.finfo(jnp.float32).tiny  # u > 0, so leading zero-probability tokens are skipped
-    total = n_rows if batch_rows is None else batch_rows
-    uniform = jax.random.uniform(key, (total, 1), jnp.float32, minval=tiny)
-    if total != n_rows:
-        uniform = jax.lax.dynamic_slice_in_dim(uniform, jnp.asarray(row_offset, jnp.int32), n_rows)
-    token = _inverse_cdf(jnp.exp(logp), uniform)
-    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-
-
-def _check_row_slice(rows: int, batch_rows: int, row_offset: int | jax.Array) -> None:
-    """Raises unless ``rows`` rows from ``row_offset`` fit a batch of ``batch_rows`` rows."""
-    check_int("batch_rows", batch_rows, minimum=rows)
-    if isinstance(row_offset, jax.core.Tracer):  # its value is not known: its type is
-        if row_offset.shape or not jnp.issubdtype(row_offset.dtype, jnp.integer):
-            msg = f"row_offset must be an integer scalar, got a traced {row_offset.aval}"
-            raise TypeError(msg)
-        return
-    offset = np.asarray(row_offset)
-    if offset.shape or not np.issubdtype(offset.dtype, np.integer):
-        msg = f"row_offset must be an integer scalar, got {row_offset!r}"
-        raise TypeError(msg)
-    if not 0 <= int(offset) <= batch_rows - rows:
-        msg = (
-            f"row_offset must be in [0, {batch_rows - rows}] for {rows} rows of a batch of "
-            f"{batch_rows}, got {int(offset)}"
-        )
-        raise ValueError(msg)
-
-
-def _inverse_cdf(probs: jax.Array, uniform: jax.Array, block: int = 64) -> jax.Array:
-    """Token ``v`` with ``cdf[v-1] < u <= cdf[v]`` for ``u = uniform * cdf[-1]``, per row.
-
-    So token ``v`` is drawn with probability ``p[v] / sum(p)``, and a token with ``p[v] = 0``
-    never is. The CDF is taken in two levels, over blocks of ``block`` entries and then inside
-    the one block that ``u`` falls in: a cumulative sum over the whole vocabulary lowers on
-    XLA:CPU to a windowed reduction that is several times slower than these plain sums, and
-    this runs once per generated token.
-
-    Args:
-        probs: ``(R, V)`` non-negative float32 weights, each row with a positive sum.
-        uniform: ``(R, 1)`` float32 in ``(0, 1)``.
-        block: Entries per block.
-
-    Returns:
-        ``(R,)`` int32 token ids.
-    """
-    rows, v = probs.shape
-    blocks = -(-v // block)
-    padded = jnp.pad(probs, ((0, 0), (0, blocks * block - v))).reshape(rows, blocks, block)
-    sums = jnp.sum(padded, axis=-1)  # (R, blocks)
-    cdf = jnp.cumsum(sums, axis=-1)
-    u = uniform * cdf[:, -1:]
-    j = jnp.minimum(jnp.sum(cdf < u, axis=-1), blocks - 1)  # cdf[j-1] < u <= cdf[j]
-    inside = jnp.take_along_axis(padded, j[:, None, None], axis=1)[:, 0]  # (R, block)
-    before = jnp.take_along_axis(cdf - sums, j[:, None], axis=-1)
-    count = jnp.sum(jnp.cumsum(inside, axis=-1) + before < u, axis=-1)
-    # Rounding may put u past the block's last partial sum: stay on its last nonzero entry.
-    ids = jnp.arange(block, dtype=jnp.int32)
-    last = jnp.max(jnp.where(inside > 0, ids, 0), axis=-1)
-    return (j * block + jnp.minimum(count, last)).astype(jnp.int32)
-
-
-@jit(
-    static_argnames=(
-        "graphdef",
-        "num_generations",
-        "max_new_tokens",
-        "top_k",
-        "use_top_p",
-        "greedy",
-        "eos_ids",
-        "pad_id",
-        "share_prefill",
-        "batch_rows",
-        "record_routing",
-    ),
-)
-def _generate(
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
-    prompt_ids: jax.Array,
-    prompt_mask: jax.Array,
-    key: jax.Array,
-    temperature: jax.Array,
-    top_p: jax.Array,
-    row_offset: jax.Array,
-    *,
-    num_generations: int,
-    max_new_tokens: int,
-    top_k: int | None,
-    use_top_p: bool,
-    greedy: bool,
-    eos_ids: tuple[int, ...],
-    pad_id: int,
-    share_prefill: bool,
-    batch_rows: int,
-    record_routing: bool = False,
-) -> SamplerOutput:
-    # ``prompt_ids`` may be one group of a batch of ``batch_rows`` rows (see ``generate``'s
-    # ``row_groups``), whose first row is row ``row_offset`` of the batch.
-    model = nnx.merge(graphdef, state)
-    # Scanned layers: stack the layer weights once, outside the decode loop (no copy when the
-    # model stores them stacked). Unrolled layers stored stacked arrive sliced per layer
-    # (`generate` slices them before this program, see `_per_layer_split`).
-    stack = model.layer_stack() if getattr(model, "scan_layers", False) else None
-    layers = {} if stack is None else {"layer_stack": stack}
-    k, n = num_generations, max_new_tokens
-    b, p = prompt_ids.shape
-    rows = b * k
-    prompt_ids = prompt_ids.astype(jnp.int32)
-    prompt_mask = prompt_mask.astype(jnp.int32)
-    rep_ids = jnp.repeat(prompt_ids, k, axis=0)
-    rep_mask = jnp.repeat(prompt_mask, k, axis=0)
-
-    if record_routing:  # mixture-of-experts models: each layer's routed experts per token
-        layers = {**layers, "routing": True}
-    # Prefill once per prompt, then share the cache with the prompt's K generations.
-    if share_prefill:
-        cache = model.init_cache(b, p + n)
-        hidden, cache, *trace = model.hidden_states(
-            prompt_ids, attention_mask=prompt_mask, cache=cache, **layers
-        )
-        cache = cache.repeat(k)
-        last = jnp.repeat(hidden[:, -1], k, axis=0)
-        prompt_routing = _routed(trace, prompt_mask, k)
-    else:
-        cache = model.init_cache(rows, p + n)
-        hidden, cache, *trace = model.hidden_states(
-            rep_ids, attention_mask=rep_mask, cache=cache, **layers
-        )
-        last = hidden[:, -1]
-        prompt_routing = _routed(trace, rep_mask, 1)
-    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
-
-    def draw(logits: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return sample_logits(
-            logits,
-            jax.random.fold_in(key, step),
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p if use_top_p else None,
-            greedy=greedy,
-            batch_rows=None if batch_rows == rows else batch_rows,
-            row_offset=row_offset,
-        )
-
-    def record(carry: dict[str, Any], token: jax.Array, logp: jax.Array, step: jax.Array):
-        alive = ~carry["done"]
-        token = jnp.where(alive, token, pad_id)
-        carry["tokens"] = carry["tokens"].at[:, step].set(token)
-        carry["mask"] = carry["mask"].at[:, step].set(alive.astype(jnp.int32))
-        carry["logps"] = carry["logps"].at[:, step].set(jnp.where(alive, logp, 0.0))
-        carry["done"] = carry["done"] | (alive & jnp.any(token[:, None] == eos[None, :], axis=-1))
-        return carry
-
-    carry = {
-        "tokens": jnp.full((rows, n), pad_id, jnp.int32),
-        "mask": jnp.zeros((rows, n), jnp.int32),
-        "logps": jnp.zeros((rows, n), jnp.float32),
-        "done": jnp.zeros((rows,), jnp.bool_),
-        "cache": cache,
-        "step": jnp.zeros((), jnp.int32),
-    }
-    if prompt_routing is not None:
-        carry["routing"] = jnp.full((rows, n, *prompt_routing.shape[2:]), -1, jnp.int32)
-    token, logp = draw(model.logits_from_hidden(last), carry["step"])
-    carry = record(carry, token, logp, carry["step"])
-    carry["last"] = carry["tokens"][:, 0]
-
-    def cond(c: dict[str, Any]) -> jax.Array:
-        return (c["step"] + 1 < n) & ~jnp.all(c["done"])
-
-    def body(c: dict[str, Any]) -> dict[str, Any]:
-        step = c["step"] + 1
-        alive = (~c["done"]).astype(jnp.int32)
-        hidden, cache, *trace = model.hidden_states(
-            c["last"][:, None], attention_mask=alive[:, None], cache=c["cache"], **layers
-        )
-        token, logp = draw(model.logits_from_hidden(hidden[:, 0]), step)
-        if trace:  # the fed token is completion token step - 1
-            c = dict(
-                c, routing=c["routing"].at[:, step - 1].set(_routed(trace, alive[:, None])[:, 0])
-            )
-        c = dict(c, cache=cache, step=step)
-        c = record(c, token, logp, step)
-        c["last"] = c["tokens"][:, step]
-        return c
-
-    carry = jax.lax.while_loop(cond, body, carry)
-    mask = carry["mask"]
-    return SamplerOutput(
-        prompt_ids=rep_ids,
-        prompt_mask=rep_mask,
-        completion_ids=carry["tokens"],
-        completion_mask=mask,
-        log_probs=carry["logps"],
-        truncated=~carry["done"],
-        lengths=jnp.sum(mask, axis=-1, dtype=jnp.int32),
-        routed_experts=None
-        if prompt_routing is None
-        else jnp.concatenate([prompt_routing, carry["routing"]], axis=1),
-    )
-
-
-def _routed(trace: list[Any], valid: jax.Array, repeat: int = 1) -> jax.Array | None:
-    """A router trace's experts as ``(rows, T, L, k)``, -1 on invalid tokens (None: no trace)."""
-    if not trace:
-        return None
-    experts = jnp.moveaxis(trace[0].experts, 0, 2)  # (L, B, T, k) -> (B, T, L, k)
-    experts = jnp.where(valid.astype(jnp.bool_)[:, :, None, None], experts, -1)
-    return jnp.repeat(experts, repeat, axis=0) if repeat > 1 else experts
 
 
 def auto_row_groups(model: nnx.Module, num_prompts: int) -> int:
@@ -564,124 +192,6 @@ def _run_row_groups(run: Callable[..., Any], parts: list[dict[str, Any]]) -> lis
 @jit
 def _concat_rows(outs: list[SamplerOutput]) -> SamplerOutput:
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *outs)
-
-
-def _local_rows(x: Any) -> np.ndarray:
-    """Host copy of the rows of ``x`` that this process holds (all of them in one process).
-
-    A ``jax.Array`` spread over several processes cannot be fetched whole; its addressable
-    row shards are concatenated in row order (replicas counted once), so the host-side checks
-    of :func:`generate` look at this process's prompts.
-    """
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return np.asarray(x)
-    parts: dict[int, np.ndarray] = {}
-    for shard in x.addressable_shards:
-        start = (shard.index[0].start or 0) if shard.index else 0
-        parts.setdefault(start, np.asarray(shard.data))
-    return np.concatenate([parts[k] for k in sorted(parts)], axis=0)
-
-
-def _per_layer_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
-    """``nnx.split(model)``, with decoder layers stored stacked sliced one module per layer.
-
-    For the unrolled samplers (:func:`generate`, the multi-turn rollout): a model whose layers
-    are stored stacked (``CausalLM.stack_layers()``) and not scanned runs its layers one by
-    one, so the sampler needs them sliced. They are sliced here, one layer per call of one small
-    compiled program (a dynamic index into each stack), and the sampler then compiles the same
-    program as for per-layer storage (slicing inside the sampler's program, or all layers in one
-    program of its own, compiles longer; ``docs/benchmarks.md``). The model itself is left as
-    it is; the slices are copies, made once per call.
-
-    Args:
-        model: The model to sample from.
-
-    Returns:
-        ``(graphdef, state)`` to merge inside the sampler's program.
-    """
-    graphdef, state = nnx.split(model)
-    if not _runs_stacked_layers_unrolled(model):
-        return graphdef, state
-    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    key = (graphdef, tuple((np.shape(x), jnp.result_type(x)) for _, x in leaves))
-    plan = _PER_LAYER_PLANS.get(key)
-    if plan is None:
-        plan = _per_layer_plan(graphdef, state, [path for path, _ in leaves])
-        if len(_PER_LAYER_PLANS) >= 16:  # a few model shapes per process at most
-            _PER_LAYER_PLANS.clear()
-        _PER_LAYER_PLANS[key] = plan
-    per_layer_graphdef, treedef, sources, stacked_at, num_layers = plan
-    stacks = tuple(leaves[j][1] for j in stacked_at)
-    layers = [_layer_slice(stacks, np.int32(i)) for i in range(num_layers)]
-    layers = [tuple(map(_sharded_like_stack, stacks, layer)) for layer in layers]
-    out = [leaves[j][1] if layer is None else layers[layer][j] for layer, j in sources]
-    return per_layer_graphdef, jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _per_layer_model(model: nnx.Module) -> nnx.Module:
-    """``model``, or for stacked, unrolled layers the same model with one module per layer.
-
-    The layers are sliced once (:func:`_per_layer_split`); the other arrays are shared, not
-    copied. For callers that run the samplers several times on unchanged weights (the
-    multi-turn rollout calls them twice per turn), so that each call does not slice again.
-    """
-    return nnx.merge(*_per_layer_split(model)) if _runs_stacked_layers_unrolled(model) else model
-
-
-def _runs_stacked_layers_unrolled(model: nnx.Module) -> bool:
-    """Layers stored stacked (``CausalLM.stack_layers()``) and run one by one (not scanned)."""
-    stacked = bool(getattr(model, "layers_stacked", False))
-    return stacked and not getattr(model, "scan_layers", False)
-
-
-def _sharded_like_stack(stack: jax.Array, piece: jax.Array) -> jax.Array:
-    """``piece``, one layer of ``stack``, with the stack's partition spec less its layer axis.
-
-    The slicing program hands back an equivalent sharding under another spec (``P()`` for a
-    replicated vector, where a per-layer model's weight has ``P(None,)``); relabelled, the slices
-    match a per-layer model's weights and the sampler reuses its program. Where the spec is
-    only relabelled, ``device_put`` moves no data.
-    """
-    sharding = getattr(stack, "sharding", None)
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        return piece
-    spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:])
-    want = jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
-    return piece if piece.sharding == want else jax.device_put(piece, want)
-
-
-# (graphdef, leaf shapes and dtypes) -> (per-layer graphdef, its state's treedef, where each of
-# its leaves comes from: (None, leaf index) or (layer, stack index), the stacked leaves, number
-# of layers)
-_PER_LAYER_PLANS: dict[Any, tuple[Any, ...]] = {}
-
-
-def _per_layer_plan(graphdef: nnx.GraphDef, state: nnx.State, paths: list[Any]) -> tuple:
-    """How the per-layer state is assembled from the stacked one (shapes only, traced once)."""
-    abstract = nnx.eval_shape(lambda s: nnx.merge(graphdef, s).unstack_layers(), state)
-    per_layer_graphdef, abstract_state = nnx.split(abstract)
-    out, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-    index = {path: j for j, path in enumerate(paths)}
-    stacked_at: list[int] = []  # leaf indices of the stacked layer weights, in order of use
-    sources = []
-    layer_key = jax.tree_util.DictKey("layers")
-    num_layers = 0
-    for path, _ in out:
-        index_key = path[1] if len(path) > 2 and path[0] == layer_key else None
-        if isinstance(index_key, jax.tree_util.DictKey) and isinstance(index_key.key, int):
-            source = index[(path[0], *path[2:])]  # the stacked weight this slice comes from
-            if source not in stacked_at:
-                stacked_at.append(source)
-            sources.append((index_key.key, stacked_at.index(source)))
-            num_layers = max(num_layers, index_key.key + 1)
-        else:
-            sources.append((None, index[path]))
-    return per_layer_graphdef, treedef, tuple(sources), tuple(stacked_at), num_layers
-
-
-@jit
-def _layer_slice(stacks: tuple[jax.Array, ...], layer: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in stacks)
 
 
 def generate(

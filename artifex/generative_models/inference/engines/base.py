@@ -7,7 +7,7 @@ sampler is one (:class:`SamplerEngine`); an external inference server such as vL
 1. takes the policy's current weights with ``sync_weights(model)`` (a no-op when they have not
    changed since the last call), and
 2. answers ``generate(prompt_ids, prompt_mask, key=..., num_generations=K, ...)`` with the same
-   :class:`~artifex.generative_models.inference.sampling.SamplerOutput` as
+   :class:`~artifex.generative_models.inference.batch_layout.SamplerOutput` as
    :func:`~artifex.generative_models.inference.sampling.generate`: ``B * K`` prompt-major rows,
    the prompts left-padded to their length bucket, ``max_new_tokens`` completion columns, the
    completion mask (end-of-sequence token included), the per-token log-probs under the
@@ -115,7 +115,7 @@ class RolloutEngine(Protocol):
             prompt_buckets: Prompt widths to left-pad to (``None``: the longest prompt's).
 
         Returns:
-            A :class:`~artifex.generative_models.inference.sampling.SamplerOutput`:
+            A :class:`~artifex.generative_models.inference.batch_layout.SamplerOutput`:
             ``B * K`` prompt-major rows, with the engine's per-token log-probs.
         """
         ...
@@ -246,7 +246,7 @@ def assemble_output(
         prompt_buckets: Prompt widths to pad to (``None``: the longest prompt's).
 
     Returns:
-        A :class:`~artifex.generative_models.inference.sampling.SamplerOutput` of device
+        A :class:`~artifex.generative_models.inference.batch_layout.SamplerOutput` of device
         arrays.
 
     Raises:

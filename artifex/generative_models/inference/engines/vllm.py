@@ -14,7 +14,7 @@
   temperature, top-k and top-p, the end-of-sequence ids as stop ids and a seed drawn from
   ``key`` (so the output is a function of the key and the weights), and lays vLLM's ragged
   outputs out as the sampler's
-  :class:`~artifex.generative_models.inference.sampling.SamplerOutput`.
+  :class:`~artifex.generative_models.inference.batch_layout.SamplerOutput`.
 
 The per-token log-probs are vLLM's ``processed_logprobs``: the log-prob of each sampled token
 under the distribution it was drawn from (after the temperature, top-k and top-p), what the
@@ -324,7 +324,7 @@ class VLLMEngine:
             prompt_buckets: Prompt widths to left-pad to (``None``: the longest prompt's).
 
         Returns:
-            A :class:`~artifex.generative_models.inference.sampling.SamplerOutput` with vLLM's
+            A :class:`~artifex.generative_models.inference.batch_layout.SamplerOutput` with vLLM's
             tokens and per-token log-probs.
 
         Raises:

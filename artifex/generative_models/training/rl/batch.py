@@ -375,7 +375,7 @@ class GRPOBatch:
         needs to
         compile the update for the sampler's batches before the first one exists. Pass the
         prompt width the sampler pads to
-        (:func:`~artifex.generative_models.inference.sampling.bucket_length`).
+        (:func:`~artifex.generative_models.inference.batch_layout.bucket_length`).
 
         Args:
             num_prompts: Prompts per batch.

@@ -402,18 +402,18 @@ def test_episodes_compile_once_per_shape() -> None:
 def test_stacked_layers_are_sliced_once_per_rollout(monkeypatch) -> None:
     """A model with stacked, unrolled layers runs the episodes of its per-layer twin, and its
     layers are sliced once for the rollout, not at each of the sampler's calls per turn."""
-    from artifex.generative_models.inference import sampling
+    from artifex.generative_models.inference import _layer_slices
 
     tok = tool_demo_tokenizer()
     cfg = MultiTurnConfig(max_turns=3, max_new_tokens=5, max_completion_tokens=64)
     slices = []
-    layer_slice = sampling._layer_slice
+    layer_slice = _layer_slices._layer_slice
 
     def counting(stacks, layer):
         slices.append(int(layer))
         return layer_slice(stacks, layer)
 
-    monkeypatch.setattr(sampling, "_layer_slice", counting)
+    monkeypatch.setattr(_layer_slices, "_layer_slice", counting)
     episodes = []
     for stacked in (False, True):
         model = _model(tok, seed=3)
