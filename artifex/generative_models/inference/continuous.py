@@ -3,7 +3,7 @@ r"""Continuous batching: decode slots refilled as completions end, over a length
 :func:`~artifex.generative_models.inference.sampling.generate` decodes a batch until its
 longest row ends, so when completion lengths differ widely most of its decoding steps go to
 rows that have finished. :func:`generate_continuous` returns the same
-:class:`~artifex.generative_models.inference.sampling.SamplerOutput` and keeps a fixed number
+:class:`~artifex.generative_models.inference.batch_layout.SamplerOutput` and keeps a fixed number
 of *slots* busy instead:
 
 1. *Requests.* Output row ``i`` (prompt ``i // K``, generation ``i % K``) is one request with
