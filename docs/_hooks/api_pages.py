@@ -130,6 +130,7 @@ GROUPS: tuple[Group, ...] = (
             _LM,
             f"{_LM}.model",
             f"{_LM}.config",
+            f"{_LM}.config_types",
             f"{_LM}.modules",
             f"{_LM}.moe",
             f"{_LM}.cache",

@@ -3,6 +3,11 @@
 `CausalLMConfig` is the one description of an architecture. It converts to and from the
 `config.json` dictionaries that Hugging Face transformers reads and writes, so a checkpoint saved by
 either library loads in the other.
+
+`CausalLMConfig` is defined here; the types and vocabularies of its fields (`RopeScaling`,
+`SUPPORTED_MODEL_TYPES`, `ACTIVATIONS`, `LAYER_TYPES`, `resolve_dtype`) are in
+:mod:`~artifex.generative_models.models.causal_lm.config_types` and the `config.json` mapping in
+`_hf_config`. Their names stay importable from here.
 """
 
 from __future__ import annotations
@@ -11,206 +16,25 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import jax.numpy as jnp
+from artifex.generative_models.models.causal_lm import _hf_config
+from artifex.generative_models.models.causal_lm._hf_config import (  # noqa: F401  (old imports)
+    _moe_fields,
+    _rope_entry,
+)
+from artifex.generative_models.models.causal_lm.config_types import (  # noqa: F401  (old imports)
+    _DTYPE_NAMES,
+    _DTYPES,
+    _GEMMA3_PATTERN,
+    ACTIVATIONS,
+    LAYER_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    RopeScaling,
+    _require_positive_int,
+    _require_token_id,
+    resolve_dtype,
+)
 
-__all__ = [
-    "ACTIVATIONS",
-    "LAYER_TYPES",
-    "SUPPORTED_MODEL_TYPES",
-    "CausalLMConfig",
-    "RopeScaling",
-    "resolve_dtype",
-]
-
-#: model_type -> Hugging Face architecture class name.
-SUPPORTED_MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-
-#: MLP activations (transformers' names): SiLU, and GELU with its tanh approximation.
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-#: Attention kinds of a layer (transformers' `layer_types`).
-LAYER_TYPES = ("full_attention", "sliding_attention")
-#: Gemma 3's default layer pattern: five sliding-window layers, then one global layer.
-_GEMMA3_PATTERN = 6
-
-_DTYPES = ("float32", "bfloat16")
-_DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def resolve_dtype(dtype: Any) -> jnp.dtype:
-    """Turns "float32" / "bfloat16" / a NumPy or JAX dtype into a supported `jnp.dtype`.
-
-    Args:
-        dtype: The dtype or its name.
-
-    Returns:
-        `jnp.float32` or `jnp.bfloat16` as a `jnp.dtype`.
-
-    Raises:
-        ValueError: If the dtype is not float32 or bfloat16.
-
-    Examples:
-        >>> from artifex.generative_models.models.causal_lm import resolve_dtype
-        >>> resolve_dtype("bfloat16").name
-        'bfloat16'
-    """
-    try:
-        resolved = jnp.dtype(_DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
-    except TypeError as err:
-        msg = f"dtype must be 'float32' or 'bfloat16', got {dtype!r}"
-        raise ValueError(msg) from err
-    if resolved not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        msg = f"dtype must be 'float32' or 'bfloat16', got {dtype!r}"
-        raise ValueError(msg)
-    return resolved
-
-
-def _require_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        msg = f"{name} must be a positive int, got {value!r}"
-        raise ValueError(msg)
-
-
-def _require_token_id(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        msg = f"{name} must be a non-negative int or None, got {value!r}"
-        raise ValueError(msg)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class RopeScaling:
-    """RoPE frequency scaling: Llama 3.1's (`rope_type="llama3"`) or linear (`"linear"`).
-
-    `"llama3"`: inverse frequencies with wavelength `2π/f` longer than
-    `original_max_position_embeddings / low_freq_factor` are divided by `factor`; those shorter
-    than `original_max_position_embeddings / high_freq_factor` are kept; the ones in between are
-    interpolated with `s = (L_orig / wavelen - low) / (high - low)`:
-    `f' = (1 - s) f / factor + s f`. This matches transformers' `_compute_llama3_parameters`.
-
-    `"linear"` (position interpolation; Gemma 3's global layers from 4B up): every inverse
-    frequency is divided by `factor`, `f' = f / factor`, as transformers'
-    `_compute_linear_scaling_rope_parameters`; the other fields stay None.
-
-    Attributes:
-        factor: Scaling factor (8 for Llama 3.1, 32 for Llama 3.2, 8 for Gemma 3 4B).
-        low_freq_factor: Low-frequency boundary factor (1 in Llama 3.1); "llama3" only.
-        high_freq_factor: High-frequency boundary factor (4 in Llama 3.1); "llama3" only.
-        original_max_position_embeddings: Context length of the original pretraining (8192);
-            "llama3" only.
-        rope_type: "llama3" or "linear".
-
-    Raises:
-        ValueError: If a field is out of range, missing for "llama3", set for "linear", or
-            `rope_type` is neither.
-
-    Examples:
-        >>> from artifex.generative_models.models.causal_lm import RopeScaling
-        >>> scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        ...                       original_max_position_embeddings=8192)
-        >>> scaling.to_dict()["rope_type"], RopeScaling.from_dict(scaling.to_dict()) == scaling
-        ('llama3', True)
-        >>> RopeScaling(factor=8.0, rope_type="linear").to_dict()
-        {'rope_type': 'linear', 'factor': 8.0}
-    """
-
-    factor: float
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
-    rope_type: str = "llama3"
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ("llama3", "linear"):
-            msg = (
-                "rope_scaling.rope_type: only 'llama3' and 'linear' are supported, got "
-                f"{self.rope_type!r}"
-            )
-            raise ValueError(msg)
-        value = self.factor
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            msg = f"rope_scaling.factor must be a positive number, got {value!r}"
-            raise ValueError(msg)
-        extra = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        if self.rope_type == "linear":
-            given = [name for name in extra if getattr(self, name) is not None]
-            if given:
-                msg = f"rope_scaling: rope_type 'linear' takes only factor, got {given} too"
-                raise ValueError(msg)
-            return
-        for name in ("low_freq_factor", "high_freq_factor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                msg = f"rope_scaling.{name} must be a positive number, got {value!r}"
-                raise ValueError(msg)
-        if self.high_freq_factor <= self.low_freq_factor:
-            msg = (
-                "rope_scaling.high_freq_factor must be greater than low_freq_factor, got "
-                f"high_freq_factor={self.high_freq_factor}, low_freq_factor={self.low_freq_factor}"
-            )
-            raise ValueError(msg)
-        _require_positive_int(
-            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
-        )
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RopeScaling:
-        """Builds the scaling from a Hugging Face `rope_scaling` / `rope_parameters` mapping.
-
-        Args:
-            d: Mapping with `rope_type` (or the legacy `type`) and `factor`; for "llama3" also
-                `low_freq_factor`, `high_freq_factor` and `original_max_position_embeddings`;
-                other keys (such as `rope_theta`) are ignored.
-
-        Returns:
-            The scaling.
-
-        Raises:
-            ValueError: If the type is neither "llama3" nor "linear", or a key is missing.
-        """
-        rope_type = d.get("rope_type", d.get("type"))
-        if rope_type not in ("llama3", "linear"):
-            msg = (
-                "rope_scaling: only rope_type 'llama3' and 'linear' are supported, got "
-                f"{rope_type!r}"
-            )
-            raise ValueError(msg)
-        keys = ("factor",)
-        if rope_type == "llama3":
-            keys += ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        missing = [k for k in keys if k not in d]
-        if missing:
-            msg = f"rope_scaling: missing keys {missing} for rope_type {rope_type!r}, got {dict(d)}"
-            raise ValueError(msg)
-        if rope_type == "linear":
-            return cls(factor=float(d["factor"]), rope_type="linear")
-        return cls(
-            factor=float(d["factor"]),
-            low_freq_factor=float(d["low_freq_factor"]),
-            high_freq_factor=float(d["high_freq_factor"]),
-            original_max_position_embeddings=int(d["original_max_position_embeddings"]),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Returns the Hugging Face `rope_scaling` dictionary.
-
-        Returns:
-            A JSON-serialisable dict with `rope_type` and the type's parameters.
-        """
-        if self.rope_type == "linear":
-            return {"rope_type": "linear", "factor": self.factor}
-        return {
-            "rope_type": self.rope_type,
-            "factor": self.factor,
-            "low_freq_factor": self.low_freq_factor,
-            "high_freq_factor": self.high_freq_factor,
-            "original_max_position_embeddings": self.original_max_position_embeddings,
-        }
+__all__ = ["CausalLMConfig"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -663,132 +487,7 @@ class CausalLMConfig:
                 does not apply), Qwen3-MoE's dense layers among the sparse ones
                 (`mlp_only_layers`, `decoder_sparse_step` other than 1), or a missing required key.
         """
-        model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            hint = (
-                " (multimodal Gemma 3, Gemma3ForConditionalGeneration; only the text-only "
-                "'gemma3_text' is supported)"
-                if model_type == "gemma3"
-                else ""
-            )
-            msg = (
-                f"model_type: unsupported architecture {model_type!r}{hint}; expected one of "
-                f"{sorted(SUPPORTED_MODEL_TYPES)}"
-            )
-            raise ValueError(msg)
-        for key in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-        ):
-            if key not in d:
-                msg = f"config.json ({model_type}): missing required key {key!r}"
-                raise ValueError(msg)
-        gemma = model_type == "gemma3_text"
-        if gemma:
-            act_key = "hidden_activation" if "hidden_activation" in d else "hidden_act"
-            act = d.get(act_key) or "gelu_pytorch_tanh"
-        else:
-            act_key, act = "hidden_act", d.get("hidden_act", "silu")
-        if act not in ACTIVATIONS:
-            msg = f"{act_key}: only {ACTIVATIONS} are supported, got {act!r}"
-            raise ValueError(msg)
-        if d.get("mlp_bias", False):
-            msg = "mlp_bias: MLP biases are not supported, got True"
-            raise ValueError(msg)
-        if d.get("use_sliding_window", False):
-            msg = "use_sliding_window: sliding-window attention is not supported, got True"
-            raise ValueError(msg)
-        if d.get("pretraining_tp", 1) not in (1, None):
-            msg = f"pretraining_tp: only 1 is supported, got {d.get('pretraining_tp')!r}"
-            raise ValueError(msg)
-
-        family: dict[str, Any] = {}
-        rope_params = d.get("rope_parameters")
-        if gemma:
-            for key in ("use_bidirectional_attention", "attn_logit_softcapping"):
-                if d.get(key):
-                    msg = (
-                        f"{key}: not supported, got {d[key]!r} (transformers' Gemma3ForCausalLM "
-                        "does not apply attn_logit_softcapping; bidirectional attention is for "
-                        "embedding models)"
-                    )
-                    raise ValueError(msg)
-            if isinstance(rope_params, Mapping) and any(t in rope_params for t in LAYER_TYPES):
-                global_d = rope_params.get("full_attention") or {}
-                local_d = rope_params.get("sliding_attention") or {}
-            else:
-                global_d = {"rope_theta": d.get("rope_theta"), **(d.get("rope_scaling") or {})}
-                local_d = {"rope_theta": d.get("rope_local_base_freq")}
-            rope_theta, rope_scaling = _rope_entry(global_d, 1_000_000.0, "rope_parameters")
-            local_theta, local_scaling = _rope_entry(local_d, 10_000.0, "rope_parameters")
-            if local_scaling is not None:
-                msg = (
-                    "rope_parameters['sliding_attention']: RoPE scaling of the sliding-window "
-                    f"layers is not supported, got {dict(local_d)}"
-                )
-                raise ValueError(msg)
-            layer_types = d.get("layer_types")
-            if layer_types is None:
-                pattern = int(d.get("sliding_window_pattern") or _GEMMA3_PATTERN)
-                layer_types = [
-                    "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                    for i in range(int(d["num_hidden_layers"]))
-                ]
-            scalar = d.get("query_pre_attn_scalar", 256)
-            family = {
-                "sliding_window": d.get("sliding_window", 4096),
-                "layer_types": tuple(layer_types),
-                "rope_local_theta": float(local_theta),
-                "query_pre_attn_scalar": None if scalar is None else float(scalar),
-                "final_logit_softcapping": d.get("final_logit_softcapping"),
-            }
-        else:
-            legacy = {"rope_theta": d.get("rope_theta"), **(d.get("rope_scaling") or {})}
-            if isinstance(rope_params, Mapping):
-                legacy = {**legacy, **rope_params}
-            rope_theta, rope_scaling = _rope_entry(legacy, 10_000.0, "rope_scaling")
-            if model_type == "mistral":
-                family = {"sliding_window": d.get("sliding_window")}
-            elif model_type == "qwen3_moe":
-                family = _moe_fields(d)
-
-        num_heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
-        head_dim = d.get("head_dim") or hidden // num_heads
-        dtype_name = d.get("torch_dtype", d.get("dtype"))
-        param_dtype = "bfloat16" if dtype_name == "bfloat16" else "float32"
-        # Qwen2 hard-codes q/k/v biases and Mistral none; the others read attention_bias.
-        attention_bias = model_type == "qwen2" or (
-            model_type != "mistral" and bool(d.get("attention_bias", False))
-        )
-        eos = d.get("eos_token_id")
-        return cls(
-            model_type=model_type,
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
-            attention_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
-            hidden_act=act,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            initializer_range=float(d.get("initializer_range", 0.02)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            pad_token_id=d.get("pad_token_id"),
-            param_dtype=param_dtype,
-            **family,
-        )
+        return _hf_config.from_hf_config(cls, d)
 
     def to_hf_config(self) -> dict[str, Any]:
         """Returns a `config.json` dictionary that transformers reads back.
@@ -799,116 +498,4 @@ class CausalLMConfig:
         Returns:
             A JSON-serialisable dict with `architectures` and `model_type` set.
         """
-        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
-        out: dict[str, Any] = {
-            "architectures": [SUPPORTED_MODEL_TYPES[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": self.hidden_act,
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_dict(),
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_dropout": 0.0,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos,
-            "pad_token_id": self.pad_token_id,
-            "torch_dtype": self.param_dtype,
-            "use_cache": True,
-        }
-        if self.model_type == "llama":
-            out["attention_bias"] = self.attention_bias
-            out["mlp_bias"] = False
-            out["pretraining_tp"] = 1
-        elif self.model_type == "qwen2":
-            out["use_sliding_window"] = False
-            out["sliding_window"] = None
-            out["max_window_layers"] = self.num_layers
-        elif self.model_type == "qwen3":
-            out["attention_bias"] = self.attention_bias
-            out["use_sliding_window"] = False
-            out["sliding_window"] = None
-            out["max_window_layers"] = self.num_layers
-        elif self.model_type == "mistral":
-            out["sliding_window"] = self.sliding_window
-        elif self.model_type == "qwen3_moe":
-            out["attention_bias"] = self.attention_bias
-            out["use_sliding_window"] = False
-            out["sliding_window"] = None
-            out["max_window_layers"] = self.num_layers
-            out["num_experts"] = self.num_experts
-            out["num_experts_per_tok"] = self.num_experts_per_tok
-            out["moe_intermediate_size"] = self.moe_intermediate_size
-            out["norm_topk_prob"] = self.norm_topk_prob
-            out["router_aux_loss_coef"] = self.router_aux_loss_coef
-            out["decoder_sparse_step"] = 1
-            out["mlp_only_layers"] = []
-            out["output_router_logits"] = False
-        else:  # gemma3_text
-            out["hidden_activation"] = out.pop("hidden_act")
-            out["attention_bias"] = self.attention_bias
-            out["rope_local_base_freq"] = self.rope_local_theta
-            out["sliding_window"] = self.sliding_window
-            out["layer_types"] = list(self.layer_types)
-            scalar = self.query_pre_attn_scalar  # transformers' field is an int
-            out["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
-            out["final_logit_softcapping"] = self.final_logit_softcapping
-            out["attn_logit_softcapping"] = None
-            out["use_bidirectional_attention"] = False
-        return out
-
-
-def _moe_fields(d: Mapping[str, Any]) -> dict[str, Any]:
-    """The Qwen3-MoE fields of a `config.json`; refuses dense layers among the sparse ones.
-
-    The expert count is `num_experts` (Hub checkpoints) or `num_local_experts` (transformers 5).
-    """
-    mlp_only = d.get("mlp_only_layers") or []
-    step = d.get("decoder_sparse_step", 1)
-    if mlp_only or step not in (1, None):
-        msg = (
-            "mlp_only_layers / decoder_sparse_step: only models whose every layer is sparse are "
-            f"supported (mlp_only_layers=[], decoder_sparse_step=1), got mlp_only_layers="
-            f"{list(mlp_only)}, decoder_sparse_step={step!r}"
-        )
-        raise ValueError(msg)
-    experts = d.get("num_experts", d.get("num_local_experts"))
-    for key, value in (
-        ("num_experts", experts),
-        ("num_experts_per_tok", d.get("num_experts_per_tok")),
-        ("moe_intermediate_size", d.get("moe_intermediate_size")),
-    ):
-        if value is None:
-            msg = f"config.json (qwen3_moe): missing required key {key!r}"
-            raise ValueError(msg)
-    return {
-        "num_experts": int(experts),
-        "num_experts_per_tok": int(d["num_experts_per_tok"]),
-        "moe_intermediate_size": int(d["moe_intermediate_size"]),
-        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
-        "router_aux_loss_coef": float(d.get("router_aux_loss_coef", 0.001)),
-    }
-
-
-def _rope_entry(
-    d: Mapping[str, Any], default_theta: float, key: str
-) -> tuple[float, RopeScaling | None]:
-    """`(theta, scaling)` of one RoPE parameter mapping (legacy keys merged into it)."""
-    theta = d.get("rope_theta")
-    rope_type = d.get("rope_type", d.get("type", "default"))
-    if rope_type in (None, "default"):
-        scaling = None
-    elif rope_type in ("llama3", "linear"):
-        scaling = RopeScaling.from_dict(d)
-    else:
-        msg = f"{key}: unsupported rope_type {rope_type!r}; supported: 'llama3', 'linear'"
-        raise ValueError(msg)
-    return float(default_theta if theta is None else theta), scaling
+        return _hf_config.to_hf_config(self)
