@@ -16,7 +16,6 @@ LIMIT = 600
 NOT_YET_SPLIT: dict[str, int] = {
     "artifex/generative_models/models/causal_lm/model.py": 1457,
     "artifex/generative_models/training/rl/update/trainer.py": 935,
-    "artifex/generative_models/models/causal_lm/config.py": 914,
     "artifex/generative_models/training/rl/update/state.py": 884,
     "artifex/generative_models/training/rl/rollouts/rollout.py": 835,
     "artifex/generative_models/training/rl/update/optimizer_split.py": 786,
