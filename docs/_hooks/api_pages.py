@@ -129,6 +129,10 @@ GROUPS: tuple[Group, ...] = (
         (
             _LM,
             f"{_LM}.model",
+            f"{_LM}.prompt_passes",
+            f"{_LM}.layer_storage",
+            f"{_LM}.pretrained_io",
+            f"{_LM}.positions",
             f"{_LM}.config",
             f"{_LM}.config_types",
             f"{_LM}.modules",

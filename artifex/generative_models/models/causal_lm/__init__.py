@@ -30,6 +30,7 @@ from artifex.generative_models.models.causal_lm.hf_io import (
     save_pretrained,
     to_hf_tensors,
 )
+from artifex.generative_models.models.causal_lm.layer_storage import LayerStack
 
 # LoRA
 from artifex.generative_models.models.causal_lm.lora import (
@@ -45,10 +46,8 @@ from artifex.generative_models.models.causal_lm.lora import (
 )
 from artifex.generative_models.models.causal_lm.model import (
     CausalLM,
-    LayerStack,
     from_pretrained,
     load_gguf,
-    positions_from_mask,
     resolve_dtype,
 )
 from artifex.generative_models.models.causal_lm.modules import (
@@ -80,6 +79,7 @@ from artifex.generative_models.models.causal_lm.peft_io import (
     read_peft_adapter,
     save_peft_adapter,
 )
+from artifex.generative_models.models.causal_lm.positions import positions_from_mask
 from artifex.generative_models.models.causal_lm.rope import (
     apply_rope,
     rope_cos_sin,
