@@ -14,7 +14,6 @@ LIMIT = 600
 
 # Over the limit, to be split: path -> its line count when listed (a ceiling).
 NOT_YET_SPLIT: dict[str, int] = {
-    "artifex/generative_models/models/causal_lm/model.py": 1457,
     "artifex/generative_models/training/rl/update/trainer.py": 935,
     "artifex/generative_models/training/rl/update/state.py": 884,
     "artifex/generative_models/training/rl/rollouts/rollout.py": 835,
