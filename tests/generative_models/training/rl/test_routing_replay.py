@@ -10,6 +10,8 @@ log-probs on those tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,14 +20,34 @@ import pytest
 from flax import nnx
 
 from artifex.generative_models.inference.sampling import generate
-from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig, from_pretrained
+from artifex.generative_models.models.causal_lm import (
+    CausalLM,
+    CausalLMConfig,
+    Tokenizer,
+    from_pretrained,
+)
 from artifex.generative_models.models.causal_lm.moe import load_balancing_loss
-from artifex.generative_models.training import GRPOConfig, GRPOTrainer
-from artifex.generative_models.training.rl import GRPOBatch, causal_lm_log_probs
+from artifex.generative_models.training import (
+    GRPOConfig,
+    GRPOTrainer,
+    RewardCombiner,
+    RolloutConfig,
+    TrainConfig,
+    train,
+)
+from artifex.generative_models.training.rl import (
+    GRPOBatch,
+    Policy,
+    causal_lm_log_probs,
+    concat_batches,
+    rollout,
+    rollout_batch_like,
+)
 from artifex.generative_models.training.rl.core.routing_replay import (
     routing_replay_log_prob_fn,
     routing_replay_log_probs,
 )
+from tests.test_metrics_doc import ROOT, undocumented
 
 from ...models.causal_lm._helpers import FIXTURES, load_expected
 
@@ -176,3 +198,104 @@ def test_replay_refusals(policy):
         routing_replay_log_probs(dense, batch)
     with pytest.raises(ValueError, match="aux_loss_coef"):
         routing_replay_log_prob_fn(aux_loss_coef=-1.0)
+
+
+# ------------------------------------------------------------------ the GRPOConfig switch
+TOK = Tokenizer.for_characters("0123456789+=")
+ROWS = [{"prompt": "12+34="}, {"prompt": "5+6="}]
+MOE_KEYS = ("moe/routing_agreement", "moe/aux_loss")
+
+
+def _varied(prompts, completions, **columns):
+    return [float(i % 3) for i in range(len(completions))]  # every group has a signal
+
+
+def _trainer(**options):
+    model = from_pretrained(FIXTURES / NAME)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    config = GRPOConfig(num_generations=G, beta=0.0, clip_param=1e-4, **options)
+    return GRPOTrainer(model, optimizer, config)
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_the_config_switch_replays_the_rollouts_routing(replay):
+    """The library's rollout (its sampler's router perturbed, an engine's numerics) and one update.
+
+    With ``routing_replay`` the sampler records the experts, the old log-probs are the trainer's
+    under them ("auto" recomputes) and the update routes alike: its first ratio is 1 (up to a
+    float32 rounding of one token between the forward-only and the gradient program: approx. KL
+    under 1e-12, nothing clipped at 1e-4). Without it "auto" takes the sampler's log-probs, and
+    the trainer's own routing differs from the sampler's on some tokens.
+    """
+    trainer = _trainer(routing_replay=replay, moe_aux_loss_coef=0.001 if replay else 0.0)
+    sampler = _rollout_router(from_pretrained(FIXTURES / NAME))
+    policy = dataclasses.replace(trainer.policy(), model=sampler)  # the trainer's scorer
+    ro = rollout(
+        policy, TOK, ROWS, RewardCombiner([_varied]), RolloutConfig(max_new_tokens=4),
+        key=jax.random.key(0), need_old_log_probs=True,
+    )  # fmt: skip
+    batch = ro.batch
+    if replay:  # (B, P + T, L, k), laid out as rollout_batch_like says
+        like = rollout_batch_like(policy, TOK, ROWS, RolloutConfig(max_new_tokens=4))
+        assert batch.routed_experts.shape == like.routed_experts.shape == (8, 20, 2, 2)
+    else:
+        assert batch.routed_experts is None
+    metrics = trainer.train_step(batch)
+    assert all(np.isfinite(metrics[key]) for key in MOE_KEYS)
+    assert not undocumented(set(metrics), (ROOT / "docs" / "metrics.md").read_text())
+    if replay:
+        assert metrics["approx_kl"] < 1e-12 and metrics["clip_fraction"] == 0.0
+        assert 0.9 < metrics["moe/routing_agreement"] < 1.0  # the router differs from the rollout's
+    else:
+        assert metrics["approx_kl"] > 1e-5 and metrics["clip_fraction"] > 0.0
+        assert metrics["moe/routing_agreement"] == 1.0
+
+
+def test_the_loop_records_routing_and_logs_the_moe_metrics():
+    trainer = _trainer(routing_replay=True)
+    config = TrainConfig(num_steps=1, prompts_per_step=2, progress=False)
+    result = train(trainer, TOK, ROWS, [_varied], config, RolloutConfig(max_new_tokens=4))
+    (metrics,) = result.history
+    assert all(np.isfinite(metrics[key]) for key in MOE_KEYS)
+    assert trainer.num_compilations == 1  # compiled ahead for the batch with routed experts
+
+
+def test_the_config_switch_refusals(policy):
+    with pytest.raises(ValueError, match=r"GRPOConfig\.moe_aux_loss_coef must be a number >= 0"):
+        GRPOConfig(moe_aux_loss_coef=-0.1)
+    with pytest.raises(TypeError, match=r"GRPOConfig\.routing_replay must be a bool"):
+        GRPOConfig(routing_replay=1)
+    with pytest.raises(ValueError, match="which layerwise_update=True does not run"):
+        GRPOConfig(routing_replay=True, remat=True, layerwise_update=True)
+    dense = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(dense, optax.sgd(0.1), wrt=nnx.Param)
+    for options in (dict(routing_replay=True), dict(moe_aux_loss_coef=0.01)):
+        with pytest.raises(ValueError, match=r"needs a mixture-of-experts policy .* 'llama'"):
+            GRPOTrainer(dense, optimizer, GRPOConfig(num_generations=G, **options))
+    optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(ValueError, match="a custom log_prob_fn replaces"):
+        GRPOTrainer(
+            policy, optimizer, GRPOConfig(num_generations=G, routing_replay=True),
+            log_prob_fn=routing_replay_log_prob_fn(),
+        )  # fmt: skip
+    mine = Policy(policy, GRPOConfig(num_generations=G, routing_replay=True))
+    with pytest.raises(ValueError, match=r"a rollout engine .* does not record them"):
+        rollout(mine, TOK, ROWS, RewardCombiner([_varied]), RolloutConfig(), key=jax.random.key(0),
+                engine=object())  # fmt: skip
+    # a user's batch without the recorded experts, refused on the host
+    trainer = _trainer(routing_replay=True)
+    batch, _ = _rollout(policy)
+    with pytest.raises(ValueError, match="needs batches with routed_experts"):
+        trainer.train_step(batch.replace(routed_experts=None))
+    assert trainer.num_compilations == 0
+
+
+def test_dynamic_sampling_pads_the_routed_experts():
+    """Batches of two prompt buckets concatenate; the shorter's experts are left-padded with -1."""
+    short = GRPOBatch.zeros(1, 2, 4, 3).replace(routed_experts=jnp.zeros((2, 7, 2, 2), jnp.int32))
+    wide = GRPOBatch.zeros(1, 2, 8, 3).replace(routed_experts=jnp.ones((2, 11, 2, 2), jnp.int32))
+    both = concat_batches([short, wide]).validate()
+    assert both.routed_experts.shape == (4, 11, 2, 2)
+    np.testing.assert_array_equal(both.routed_experts[:2, :4], -1)
+    np.testing.assert_array_equal(both.routed_experts[:2, 4:], 0)
+    np.testing.assert_array_equal(both.routed_experts[2:], 1)

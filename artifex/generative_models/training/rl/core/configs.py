@@ -31,6 +31,13 @@ since DeepSeekMath. Each variant is a setting, not a new trainer:
 - High-entropy token training (Wang et al., 2025, arXiv:2506.01939): ``top_entropy_quantile=0.2``.
 - REINFORCE++ (arXiv:2501.03262) and pass@k (arXiv:2508.10751) advantages:
   ``advantage_estimator``.
+- Rollout routing replay for mixture-of-experts policies (R3; Ma et al., 2025,
+  arXiv:2510.11370): ``routing_replay=True`` (the rollout records each token's experts, and
+  the update and the old log-probs the trainer scores route the tokens to them, so that the
+  first ratio of an update is 1; ``GRPOTrainer`` refuses it for a model without experts), and
+  ``moe_aux_loss_coef``, the weight of the load-balancing loss's gradient (Fedus et al., 2021,
+  arXiv:2101.03961; e.g. the model config's ``router_aux_loss_coef``); see
+  :mod:`~artifex.generative_models.training.rl.core.routing_replay`.
 - On-policy distillation (GKD, arXiv:2306.13649; Thinking Machines, 2025): a teacher's
   per-token divergence on the student's samples, ``distillation_coeff`` with
   ``distillation_divergence`` and ``jsd_beta``, added to the GRPO loss or alone
@@ -149,21 +156,22 @@ class GRPOConfig:
         scan_layers: Scan the update's decoder layers (faster compile).
         layerwise_update: Per-layer update programs (needs ``remat``).
         optimizer_by_layer: Per-layer optimizer programs (``GRPOTrainer``).
-        update_without_advantage: Apply updates whose advantages are all zero (``False``: skip).
+        update_without_advantage: Apply all-zero-advantage updates (``False``: skip).
         policy_loss_coeff: Policy term weight >= 0 (0: distillation alone).
         distillation_coeff: Teacher divergence weight >= 0.
         distillation_divergence: ``"reverse_kl"``, ``"forward_kl"`` or ``"jsd"``.
         jsd_beta: JSD teacher weight in (0, 1).
+        routing_replay: Replay the rollout's experts in the update (R3, MoE).
+        moe_aux_loss_coef: MoE load-balancing loss weight >= 0.
 
     Raises:
         TypeError: A wrongly typed field.
-        ValueError: A field out of range or inconsistent with another.
+        ValueError: A field out of range or inconsistent.
 
     Examples:
         >>> from artifex.generative_models.training import GRPOConfig
-        >>> config = GRPOConfig(num_generations=4, clip_param_high=0.28, beta=0.0)
-        >>> config.num_generations, config.clip_param, config.clip_param_high
-        (4, 0.2, 0.28)
+        >>> GRPOConfig(num_generations=4, clip_param_high=0.28).epsilon_high
+        0.28
     """
 
     num_generations: int = 4
@@ -214,6 +222,8 @@ class GRPOConfig:
     distillation_coeff: float = 0.0
     distillation_divergence: DistillationDivergence = "reverse_kl"
     jsd_beta: float = 0.5
+    routing_replay: bool = False
+    moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         # Wrong type: TypeError; right type, out of range: ValueError (utils.validation).
@@ -258,6 +268,33 @@ class GRPOConfig:
             raise ValueError(msg)
         self._check_variants()
         self._check_distillation()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        f = "GRPOConfig."
+        check_bool(f + "routing_replay", self.routing_replay)
+        check_float(f + "moe_aux_loss_coef", self.moe_aux_loss_coef, minimum=0.0)
+        options = [
+            f"{name}={getattr(self, name)}"
+            for name, default in (("routing_replay", False), ("moe_aux_loss_coef", 0.0))
+            if getattr(self, name) != default
+        ]
+        if not options:
+            return
+        what = f"GRPOConfig.{' and '.join(options)} {'is' if len(options) == 1 else 'are'}"
+        if self.layerwise_update:
+            msg = (
+                f"{what} for the mixture-of-experts log-probs of the one-program update, which "
+                "layerwise_update=True does not run: set layerwise_update=False"
+            )
+            raise ValueError(msg)
+        if self.distillation_coeff > 0.0 and self.distillation_divergence != "reverse_kl":
+            msg = (
+                f"{what} for the student's sampled-token log-probs; "
+                f"distillation_divergence={self.distillation_divergence!r} computes them from "
+                "the full logits without routing replay or the aux loss: use 'reverse_kl'"
+            )
+            raise ValueError(msg)
 
     def _check_distillation(self) -> None:
         f = "GRPOConfig."

@@ -15,8 +15,11 @@ first update of a batch is exactly 1.
 ``moe/routing_agreement`` (the fraction of (token, layer) pairs whose current router picks the
 recorded experts; 1 without replay) and ``moe/aux_loss`` (the load-balancing loss of
 :func:`~artifex.generative_models.models.causal_lm.moe.load_balancing_loss`).
-:func:`routing_replay_log_prob_fn` is the log-prob function of ``GRPOTrainer(log_prob_fn=...)``;
-with ``aux_loss_coef > 0`` it adds ``aux_loss_coef * aux_loss``'s gradient to the update's.
+:func:`routing_replay_log_prob_fn` (a :class:`RoutingReplayLogProbFn`) is the log-prob function
+of ``GRPOTrainer(log_prob_fn=...)``; with ``aux_loss_coef > 0`` it adds
+``aux_loss_coef * aux_loss``'s gradient to the update's. ``GRPOTrainer`` uses one by itself for
+a mixture-of-experts policy, configured by ``GRPOConfig.routing_replay`` and
+``GRPOConfig.moe_aux_loss_coef``, and logs the two metrics with the update's.
 
 References:
     Ma et al., 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference
@@ -33,12 +36,17 @@ import jax.numpy as jnp
 
 from artifex.generative_models.models.causal_lm.moe import load_balancing_loss, routing_agreement
 from artifex.generative_models.training.rl.core.logprobs import chunked_token_log_probs
-from artifex.generative_models.utils.validation import check_float, check_remat
+from artifex.generative_models.utils.validation import (
+    check_bool,
+    check_float,
+    check_int,
+    check_remat,
+)
 
 if TYPE_CHECKING:
     from artifex.generative_models.training.rl.batch import GRPOBatch
 
-__all__ = ["routing_replay_log_prob_fn", "routing_replay_log_probs"]
+__all__ = ["RoutingReplayLogProbFn", "routing_replay_log_prob_fn", "routing_replay_log_probs"]
 
 
 def _check_model(model: Any) -> None:
@@ -211,6 +219,97 @@ def _with_aux_bwd(residuals, cotangent):
 _with_aux_gradient.defvjp(_with_aux_fwd, _with_aux_bwd)
 
 
+@dataclasses.dataclass(frozen=True)
+class RoutingReplayLogProbFn:
+    """``fn(model, batch) -> (log_probs, entropy)`` of a mixture-of-experts policy, with replay.
+
+    Built by :func:`routing_replay_log_prob_fn` (which checks the options); the fields are its
+    arguments. :meth:`log_probs_and_metrics` also returns the metrics of
+    :func:`routing_replay_log_probs`: the GRPO update calls it (any ``log_prob_fn`` with such
+    a method) and logs them with its own metrics, and calls :meth:`for_microbatches` when it
+    runs in slices.
+
+    Attributes:
+        routing_replay: Route to the recorded experts (False: the routers choose).
+        aux_loss_coef: Weight of the load-balancing loss's gradient (0: none).
+        chunk_size: Rows per logits chunk.
+        temperature: The sampling temperature.
+        remat: Rematerialize the decoder layers (True) or every n-th layer (an int n).
+        scan_layers: Run the decoder layers as one ``lax.scan``.
+        return_metrics: Calling it returns ``(log_probs, entropy, metrics)``.
+
+    Examples:
+        >>> from artifex.generative_models.training.rl.core.routing_replay import (
+        ...     routing_replay_log_prob_fn)
+        >>> fn = routing_replay_log_prob_fn(aux_loss_coef=0.01)
+        >>> type(fn).__name__, fn.for_microbatches(4).aux_loss_coef
+        ('RoutingReplayLogProbFn', 0.0025)
+    """
+
+    routing_replay: bool = True
+    aux_loss_coef: float = 0.0
+    chunk_size: int | None = None
+    temperature: float = 1.0
+    remat: bool | int = False
+    scan_layers: bool = False
+    return_metrics: bool = False
+
+    def log_probs_and_metrics(
+        self, model: Any, batch: GRPOBatch
+    ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """``(log_probs, entropy, metrics)``, the aux loss's gradient attached to the log-probs.
+
+        Args:
+            model: A mixture-of-experts ``CausalLM``.
+            batch: The batch (with ``routing_replay``, its ``routed_experts``).
+
+        Returns:
+            As :func:`routing_replay_log_probs` returns them.
+        """
+        log_probs, entropy, metrics = routing_replay_log_probs(
+            model,
+            batch,
+            routing_replay=self.routing_replay,
+            chunk_size=self.chunk_size,
+            temperature=self.temperature,
+            remat=self.remat,
+            scan_layers=self.scan_layers,
+        )
+        if self.aux_loss_coef > 0:
+            coef = jnp.asarray(self.aux_loss_coef, jnp.float32)
+            log_probs = _with_aux_gradient(log_probs, metrics["moe/aux_loss"], coef)
+        return log_probs, entropy, metrics
+
+    def __call__(self, model: Any, batch: GRPOBatch) -> tuple[jax.Array, ...]:
+        """``(log_probs, entropy)``, or with ``return_metrics`` ``(log_probs, entropy, metrics)``.
+
+        Args:
+            model: A mixture-of-experts ``CausalLM``.
+            batch: The batch.
+
+        Returns:
+            The per-token log-probs and entropies ``(B, T)`` (and the metrics).
+        """
+        log_probs, entropy, metrics = self.log_probs_and_metrics(model, batch)
+        return (log_probs, entropy, metrics) if self.return_metrics else (log_probs, entropy)
+
+    def for_microbatches(self, num_microbatches: int) -> RoutingReplayLogProbFn:
+        """This function for an update run in ``num_microbatches`` slices of the batch.
+
+        The update's loss is the sum of its slices' losses; the load-balancing loss is a mean
+        over a pass, so each slice adds ``aux_loss_coef / num_microbatches`` of its gradient
+        (the slices' mean, as Megatron-LM scales it).
+
+        Args:
+            num_microbatches: The number of slices, >= 1.
+
+        Returns:
+            The function with ``aux_loss_coef / num_microbatches``.
+        """
+        n = check_int("num_microbatches", num_microbatches, minimum=1)
+        return dataclasses.replace(self, aux_loss_coef=self.aux_loss_coef / n)
+
+
 def routing_replay_log_prob_fn(
     *,
     routing_replay: bool = True,
@@ -220,17 +319,19 @@ def routing_replay_log_prob_fn(
     remat: bool | int = False,
     scan_layers: bool = False,
     return_metrics: bool = False,
-) -> Any:
+) -> RoutingReplayLogProbFn:
     """A log-prob function ``fn(model, batch) -> (log_probs, entropy)`` with routing replay.
 
     For ``GRPOTrainer(model, optimizer, config, log_prob_fn=...)`` with a mixture-of-experts
     policy: the update (and ``trainer.compute_log_probs``, the old log-probs) route every token
-    to ``batch.routed_experts`` (see :func:`routing_replay_log_probs`). With
+    to ``batch.routed_experts`` (see :func:`routing_replay_log_probs`), and the update logs
+    ``moe/routing_agreement`` and ``moe/aux_loss``. Without ``log_prob_fn`` the trainer builds
+    one from ``GRPOConfig.routing_replay`` and ``GRPOConfig.moe_aux_loss_coef``. With
     ``aux_loss_coef > 0`` the gradient of ``aux_loss_coef * L_aux`` (the load-balancing loss
     of the pass) is added to the update's gradient; the loss value itself is not changed (the
     gradient is added in the backward pass of the log-probs, as Megatron-LM's
-    ``MoEAuxLossAutoScaler`` does), and with ``n`` microbatches it is added once per
-    microbatch.
+    ``MoEAuxLossAutoScaler`` does), and with ``n`` microbatches each adds ``1 / n`` of it
+    (:meth:`RoutingReplayLogProbFn.for_microbatches`).
 
     Args:
         routing_replay: Route to the recorded experts (False: the routers choose).
@@ -244,34 +345,31 @@ def routing_replay_log_prob_fn(
             :func:`routing_replay_log_probs`.
 
     Returns:
-        The log-prob function.
+        The log-prob function, a :class:`RoutingReplayLogProbFn`.
 
     Raises:
+        TypeError: If ``routing_replay``, ``scan_layers`` or ``return_metrics`` is not a bool.
         ValueError: If ``aux_loss_coef`` is negative or not finite.
 
     Examples:
         >>> from artifex.generative_models.training.rl.core.routing_replay import (
         ...     routing_replay_log_prob_fn)
         >>> fn = routing_replay_log_prob_fn(aux_loss_coef=0.001)
-        >>> callable(fn)
-        True
+        >>> callable(fn), callable(fn.log_probs_and_metrics)
+        (True, True)
     """
-    check_float("aux_loss_coef", aux_loss_coef, minimum=0.0)
-    remat = check_remat("remat", remat)
-
-    def fn(model: Any, batch: GRPOBatch) -> tuple[jax.Array, ...]:
-        log_probs, entropy, metrics = routing_replay_log_probs(
-            model,
-            batch,
-            routing_replay=routing_replay,
-            chunk_size=chunk_size,
-            temperature=temperature,
-            remat=remat,
-            scan_layers=scan_layers,
-        )
-        if aux_loss_coef > 0:
-            coef = jnp.asarray(aux_loss_coef, jnp.float32)
-            log_probs = _with_aux_gradient(log_probs, metrics["moe/aux_loss"], coef)
-        return (log_probs, entropy, metrics) if return_metrics else (log_probs, entropy)
-
-    return fn
+    for name, value in (
+        ("routing_replay", routing_replay),
+        ("scan_layers", scan_layers),
+        ("return_metrics", return_metrics),
+    ):
+        check_bool(name, value)
+    return RoutingReplayLogProbFn(
+        routing_replay=routing_replay,
+        aux_loss_coef=check_float("aux_loss_coef", aux_loss_coef, minimum=0.0),
+        chunk_size=check_int("chunk_size", chunk_size, minimum=1, allow_none=True),
+        temperature=check_float("temperature", temperature, greater_than=0.0),
+        remat=check_remat("remat", remat),
+        scan_layers=scan_layers,
+        return_metrics=return_metrics,
+    )

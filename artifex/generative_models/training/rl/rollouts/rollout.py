@@ -9,8 +9,11 @@ generation ``i % G`` of prompt ``i // G``.
 
 Old log-probs (needed when the policy changes between updates on one generation batch, i.e.
 ``num_iterations > 1`` or several minibatches) come from the sampler when its distribution is
-the one the loss scores (no top-k/top-p truncation, float32 parameters), and are otherwise
-recomputed by the training graph. Reference log-probs are computed once per batch in that case
+the one the loss scores (no top-k/top-p truncation, float32 parameters, no routing replay),
+and are otherwise recomputed by the training graph. With ``GRPOConfig.routing_replay`` a
+mixture-of-experts policy's sampler records each token's experts into
+``GRPOBatch.routed_experts``, which the update and the recomputed old log-probs route to.
+Reference log-probs are computed once per batch in that case
 (``beta > 0``, a frozen reference model or the LoRA-disabled base); with a single update per
 batch the trainer computes them inside its compiled step instead.
 """
@@ -36,6 +39,8 @@ from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.policy import Policy
 from artifex.generative_models.training.rl.rewards import RewardCombiner
+from artifex.generative_models.training.rl.rollouts._processes import _global_prompts
+from artifex.generative_models.training.rl.rollouts._routing import records_routing, routed_like
 from artifex.generative_models.training.rl.rollouts.step_rewards import StepRewards
 from artifex.generative_models.training.rl.rollouts.truncation import mask_truncated_completions
 from artifex.generative_models.training.sharding import (
@@ -388,6 +393,7 @@ def sample_completions(
     temperature: float,
     mesh: Any = None,
     engine: RolloutEngine | None = None,
+    record_routing: bool = False,
 ) -> Completions:
     """Encodes the rows' prompts, samples ``num_generations`` completions each and decodes them.
 
@@ -414,6 +420,8 @@ def sample_completions(
             samples instead of the library's sampler: it is given ``model``'s weights
             (``sync_weights``, a no-op when unchanged) and the encoded prompts; ``None``: the
             library's sampler (``generate``).
+        record_routing: The sampler records the routed experts of a mixture-of-experts model
+            (``output.routed_experts``; not with an ``engine``).
 
     Returns:
         A :class:`Completions`.
@@ -469,7 +477,8 @@ def sample_completions(
         engine.sync_weights(model)
         out = engine.generate(ids, mask, **settings)
     else:
-        out = generate(model, ids, mask, row_groups=config.row_groups, **settings)
+        groups, record = config.row_groups, record_routing
+        out = generate(model, ids, mask, row_groups=groups, record_routing=record, **settings)
     if across:
         # Each process decodes (and the caller scores) only its own rows.
         rows_sharding = jax.sharding.NamedSharding(mesh, batch_partition_spec(mesh))
@@ -521,29 +530,6 @@ def spans_processes(mesh: Any) -> bool:
     return len({d.process_index for d in np.asarray(mesh.devices).flat}) > 1
 
 
-def _global_prompts(
-    ids: np.ndarray, mask: np.ndarray, mesh: Any, pad_id: int | None
-) -> tuple[jax.Array, jax.Array]:
-    """This process's encoded prompts -> global arrays with one agreed width, rows sharded."""
-    from jax.experimental import multihost_utils
-
-    sizes = np.asarray(
-        multihost_utils.process_allgather(np.asarray(ids.shape, np.int64)), np.int64
-    ).reshape(-1, 2)
-    if len(set(sizes[:, 0].tolist())) != 1:
-        msg = (
-            "every process must roll out the same number of prompts, got "
-            f"{sizes[:, 0].tolist()} (by process)"
-        )
-        raise ValueError(msg)
-    width = int(sizes[:, 1].max())
-    if width > ids.shape[1]:
-        extra = width - ids.shape[1]
-        ids = np.pad(ids, ((0, 0), (extra, 0)), constant_values=0 if pad_id is None else pad_id)
-        mask = np.pad(mask, ((0, 0), (extra, 0)))
-    return shard_batch((ids, mask), mesh, process_local=True)
-
-
 def rollout(
     policy: Policy | SupportsPolicy,
     tokenizer: Any,
@@ -572,9 +558,10 @@ def rollout(
         need_old_log_probs: Fill ``old_log_probs`` (and ``ref_log_probs`` when the policy
             has a reference and ``beta > 0``): needed when the policy changes between updates
             on this batch. The sampler's log-probs serve where they are the loss's
-            (``RolloutConfig.old_log_probs``); the rest is the policy's ``score``, or, for a
-            policy without one, left to the caller (the training loop scores them as a stage
-            of its own, ``GRPOTrainer.fill_log_probs``).
+            (``RolloutConfig.old_log_probs``; ``"auto"`` recomputes them under routing
+            replay, so that the first ratio of an update is 1); the rest is the policy's
+            ``score``, or, for a policy without one, left to the caller (the training loop
+            scores them as a stage of its own, ``GRPOTrainer.fill_log_probs``).
         placement: A :class:`~artifex.generative_models.training.placement.RolloutPlacement`
             to sample on a mesh of its own (weights resharded onto it first, the batch moved
             back to the trainer's mesh); ``None`` samples with the trainer's model where it is.
@@ -631,6 +618,7 @@ def rollout(
         msg = "rollout: a rollout placement is for the library's sampler, not for an engine"
         raise ValueError(msg)
     sampler_model, sampler_mesh = policy.model, mesh
+    replay = records_routing(policy, engine)  # GRPOConfig.routing_replay (mixture of experts)
     if placement is not None:  # the sampler on its own mesh: sync the weights onto it
         sampler_model, sampler_mesh = placement.sampler_model(policy.model), placement.mesh
     sampled = sample_completions(
@@ -643,6 +631,7 @@ def rollout(
         temperature=grpo.temperature,
         mesh=sampler_mesh,
         engine=engine,
+        record_routing=replay,
     )
     out = sampled.output
     combined = rewards(sampled.prompts, sampled.completions, group_size=k, **sampled.columns)
@@ -654,6 +643,7 @@ def rollout(
         rewards=_rewards_array(combined.total, mesh),
         group_size=k,
         shared_prompts=True,
+        routed_experts=out.routed_experts if replay else None,
     )
     if grpo.mask_truncated_completions:  # DAPO's overlong filtering (truncation.py)
         batch = mask_truncated_completions(batch, out.truncated)
@@ -674,6 +664,7 @@ def rollout(
             config.old_log_probs == "auto"
             and _sampler_matches_loss(policy, config)
             and (engine is None or type(engine) is SamplerEngine)  # its numbers are the loss's
+            and not replay  # recomputed under the recorded routing: the first ratio is 1
         )
         if use_sampler:
             old = out.log_probs
@@ -775,6 +766,7 @@ def rollout_batch_like(
     k, n = policy.config.num_generations, config.max_new_tokens
     batch = GRPOBatch.zeros(len(rows), k, bucket_length(ids.shape[1]), n)
     batch = batch.replace(shared_prompts=True)
+    batch = routed_like(policy, batch)  # GRPOConfig.routing_replay: the recorded experts
     if _needs_sampler_log_probs(policy.config):
         batch = batch.replace(sampler_log_probs=jnp.zeros((batch.batch_size, n), jnp.float32))
     if need_old_log_probs:

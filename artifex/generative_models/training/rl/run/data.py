@@ -185,6 +185,8 @@ def dataset_fingerprint(dataset: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def concat_batches(batches: Sequence[GRPOBatch]) -> GRPOBatch:
     """Concatenates batches row-wise, left-padding prompts to a common width.
 
+    Recorded routed experts (``routed_experts``) are left-padded alike, with -1.
+
     Args:
         batches: Batches with the same completion width and the same optional fields.
 
@@ -206,15 +208,23 @@ def concat_batches(batches: Sequence[GRPOBatch]) -> GRPOBatch:
     """
     width = max(b.prompt_ids.shape[1] for b in batches)
 
-    def left_pad(x: jax.Array | None) -> jax.Array | None:
-        if x is None or x.shape[1] == width:
+    def left_pad(x: jax.Array | None, extra: int, fill: int = 0) -> jax.Array | None:
+        if x is None or extra == 0:
             return x
-        return jnp.pad(x, ((0, 0), (width - x.shape[1], 0)))
+        pad = [(0, 0), (extra, 0)] + [(0, 0)] * (x.ndim - 2)
+        return jnp.pad(x, pad, constant_values=fill)
 
-    padded = [
-        b.replace(prompt_ids=left_pad(b.prompt_ids), prompt_mask=left_pad(b.prompt_mask))
-        for b in batches
-    ]
+    padded = []
+    for b in batches:
+        extra = width - b.prompt_ids.shape[1]
+        padded.append(
+            b.replace(
+                prompt_ids=left_pad(b.prompt_ids, extra),
+                prompt_mask=left_pad(b.prompt_mask, extra),
+                # (B, P + T, L, k): -1, no expert recorded, on the prompt padding
+                routed_experts=left_pad(b.routed_experts, extra, -1),
+            )
+        )
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *padded)
 
 

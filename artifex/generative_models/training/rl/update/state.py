@@ -347,7 +347,10 @@ def make_grpo_train_step(
         reference_model: The reference policy's module (its values come from
             ``state.reference``). A LoRA policy (``wrt=nnx.LoRAParam``) without one uses
             itself with zeroed adapters.
-        log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
+        log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)`` for custom models; the
+            metrics of one with ``log_probs_and_metrics(model, batch)`` join the update's, and
+            one with ``for_microbatches(n)`` is replaced by its result (e.g.
+            :class:`~artifex.generative_models.training.rl.core.routing_replay.RoutingReplayLogProbFn`).
         num_microbatches: Accumulate gradients over this many equal row slices.
         teacher_model: The distillation teacher's module (its values come from
             ``state.teacher``), for ``GRPOConfig.distillation_coeff > 0``
@@ -424,7 +427,7 @@ def make_grpo_gradients(
         config: The GRPO options.
         wrt: The filter of trainable variables.
         reference_model: The reference policy's module, as for ``make_grpo_train_step``.
-        log_prob_fn: ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
+        log_prob_fn: As for ``make_grpo_train_step``.
         num_microbatches: Accumulate gradients over this many equal row slices.
         teacher_model: The distillation teacher's module, as for ``make_grpo_train_step``.
 
@@ -455,6 +458,8 @@ def make_grpo_gradients(
         ((4, 3), True)
     """
     check_int("num_microbatches", num_microbatches, minimum=1)
+    if callable(getattr(log_prob_fn, "for_microbatches", None)):  # per-pass terms: a mean
+        log_prob_fn = log_prob_fn.for_microbatches(num_microbatches)
     program = _program(model, config, wrt, reference_model, log_prob_fn, teacher_model)
     log_prob = program.log_prob_fn
 
@@ -496,28 +501,18 @@ def make_grpo_gradients(
                 ref = program.reference(state, params)
                 ref_lp, _ = log_prob(ref, mb)
                 mb = mb.replace(ref_log_probs=jax.lax.stop_gradient(ref_lp))
+            policy, term, extra = program.policy(params, frozen), None, {}
             if program.distill is not None:  # the student's log-probs beside the teacher's term
-                log_probs, entropy, term = program.distill(
-                    program.policy(params, frozen), state.teacher, mb
-                )
-                return grpo_objective(
-                    log_probs,
-                    entropy,
-                    mb,
-                    config,
-                    normalizer=normalizer,
-                    advantages=adv,
-                    reward_metrics=False,
-                    entropy_threshold=entropy_threshold,
-                    distillation=term,
-                )
-            if exact_kl:  # the policy's and the reference's transitions in one call
+                log_probs, entropy, term = program.distill(policy, state.teacher, mb)
+            elif exact_kl:  # the policy's and the reference's transitions in one call
                 log_probs, entropy, kl = log_prob.log_probs_and_kl(
-                    program.policy(params, frozen), program.reference(state, params), mb
+                    policy, program.reference(state, params), mb
                 )
+            elif callable(getattr(log_prob, "log_probs_and_metrics", None)):  # its own metrics
+                log_probs, entropy, extra = log_prob.log_probs_and_metrics(policy, mb)
             else:
-                log_probs, entropy = log_prob(program.policy(params, frozen), mb)
-            return grpo_objective(
+                log_probs, entropy = log_prob(policy, mb)
+            loss, metrics = grpo_objective(
                 log_probs,
                 entropy,
                 mb,
@@ -526,8 +521,10 @@ def make_grpo_gradients(
                 advantages=adv,
                 reward_metrics=False,
                 entropy_threshold=entropy_threshold,
+                distillation=term,
                 kl=kl,
             )
+            return loss, {**metrics, **extra}  # e.g. routing replay's moe/ metrics
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if num_microbatches == 1:
@@ -723,9 +720,7 @@ def make_grpo_log_probs(
         ref_lp = None
         if program.needs_reference(state, batch):
             ref_lp, _ = program.log_prob_fn(program.reference(state, state.params), batch)
-        return jax.lax.stop_gradient(lp), (
-            None if ref_lp is None else jax.lax.stop_gradient(ref_lp)
-        )
+        return jax.lax.stop_gradient((lp, ref_lp))
 
     return log_probs
 

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
-from artifex.generative_models.training.rl.core.logprobs import LogProbFn, default_log_prob_fn
+from artifex.generative_models.training.rl.core.logprobs import LogProbFn
 from artifex.generative_models.training.rl.core.objective import (
     as_grpo_batch,
     compute_advantages,
@@ -34,11 +34,7 @@ from artifex.generative_models.training.rl.core.objective import (
     split_microbatches,
 )
 from artifex.generative_models.training.rl.core.policy import Policy
-from artifex.generative_models.training.rl.packing import (
-    pack_batch,
-    packed_log_prob_fn,
-    should_pack,
-)
+from artifex.generative_models.training.rl.packing import pack_batch, should_pack
 from artifex.generative_models.training.rl.update.engines import (
     choose_optimizer_split,
     make_step_engine,
@@ -71,9 +67,11 @@ from artifex.generative_models.training.rl.update.trainer_setup import (
     _replicated_key,
     _uncommitted_key,
     _vocab_size,
+    check_routed_batch,
     check_trainer_inputs,
     host_update_metrics,
     place_models,
+    trainer_log_prob_fn,
 )
 from artifex.generative_models.training.sharding import (
     PartitionRules,
@@ -127,9 +125,11 @@ class GRPOTrainer:
         model: The policy: a causal LM (``hidden_states``/``output_embedding``) or any module
             ``model(observations) -> logits``.
         optimizer: ``nnx.Optimizer(model, tx, wrt=...)`` built on ``model``.
-        config: GRPO options; defaults to ``GRPOConfig()``.
+        config: GRPO options (default ``GRPOConfig()``).
         reference_model: Optional frozen reference policy (same kind of model).
-        log_prob_fn: Optional ``fn(model, batch) -> (log_probs, entropy)`` for custom models.
+        log_prob_fn: Optional ``fn(model, batch) -> (log_probs, entropy)`` for custom models
+            (default:
+            :func:`~artifex.generative_models.training.rl.update.trainer_setup.trainer_log_prob_fn`).
         mesh: Optional ``jax.sharding.Mesh`` (default: the one set with ``jax.set_mesh``).
             The model, reference, teacher and optimizer state are placed on it
             (:func:`~artifex.generative_models.training.sharding.shard_model`,
@@ -138,7 +138,7 @@ class GRPOTrainer:
         partition_rules: :class:`~artifex.generative_models.training.sharding.PartitionRules`
             (or ``(regex, PartitionSpec)`` pairs) for ``mesh``; default ``PartitionRules()``.
         rng: The run's PRNG key (default ``jax.random.key(0)``).
-        packing_threshold: Pack a causal-LM batch (:meth:`maybe_pack`) when more than this
+        packing_threshold: Pack a causal-LM batch (:meth:`maybe_pack`) when over this
             fraction of it is padding; None: never.
         teacher_model: Optional frozen distillation teacher
             (:mod:`~artifex.generative_models.training.rl.core.teacher`), run inside the step.
@@ -215,24 +215,8 @@ class GRPOTrainer:
         self._reference_state = (
             None if reference_model is None else nnx.as_pure(nnx.state(reference_model))
         )
-        self.log_prob_fn = (
-            default_log_prob_fn(
-                model,
-                temperature=config.temperature,
-                remat=config.remat_option,
-                scan_layers=config.scan_layers,
-            )
-            if log_prob_fn is None
-            else log_prob_fn
-        )
-        if log_prob_fn is None and callable(getattr(model, "packed_hidden_states", None)):
-            # Packed batches (maybe_pack) run packed; every other batch as before.
-            self.log_prob_fn = packed_log_prob_fn(
-                self.log_prob_fn,
-                temperature=config.temperature,
-                remat=config.remat_option,
-                scan_layers=config.scan_layers,
-            )
+        # A mixture-of-experts policy's own: routing replay (GRPOConfig.routing_replay).
+        self.log_prob_fn, self._moe_log_probs = trainer_log_prob_fn(model, config, log_prob_fn)
         self._lora_reference = reference_model is None and _is_lora_only(model, self.wrt)
         _, params, frozen = nnx.split(model, self.wrt, ...)
         check_sync_setup(
@@ -628,6 +612,7 @@ class GRPOTrainer:
         """
         batch = as_grpo_batch(batch, self.config).validate()
         _check_token_range(batch, _vocab_size(self.model))
+        check_routed_batch(batch, self.config, moe=self._moe_log_probs)
         if not batch.shared_prompts and batch.prompts_shared_within_groups():
             batch = batch.replace(shared_prompts=True)  # encode each prompt once per group
         if batch.group_size < 2 and batch.advantages is None and batch.group_ids is None:
@@ -871,10 +856,11 @@ class GRPOTrainer:
         """``batch`` packed (``pack_batch``) where ``packing_threshold`` says it pays, else as is.
 
         Packs when the threshold is set, the trainer runs its own causal-LM log-probs (not a
-        custom ``log_prob_fn``, not ``layerwise_update``) and more than that fraction of the
-        batch's positions is padding (``should_pack``). Reads the masks on the host; the
-        packed batch is placed as :meth:`place_batch` places batches. The update's value is
-        the padded batch's, up to rounding; it compiles once per row bucket.
+        custom ``log_prob_fn``, not ``layerwise_update``, not those of a mixture-of-experts
+        policy) and more than that fraction of the batch's positions is padding
+        (``should_pack``). Reads the masks on the host; the packed batch is placed as
+        :meth:`place_batch` places batches. The update's value is the padded batch's, up to
+        rounding; it compiles once per row bucket.
 
         Args:
             batch: A prepared batch.
@@ -887,6 +873,7 @@ class GRPOTrainer:
         if (
             self.packing_threshold is None
             or self._custom_log_prob_fn
+            or self._moe_log_probs  # routing replay reads the padded rows
             or self.config.layerwise_update
             or (
                 self.config.distillation_coeff > 0.0

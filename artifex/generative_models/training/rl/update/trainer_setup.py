@@ -1,9 +1,9 @@
 """The trainer's inputs: checked, placed, and the small array helpers its shell needs.
 
 What ``GRPOTrainer`` does around its compiled step that is not the update itself: the checks
-of its constructor's arguments, placing the models on a mesh, the token-range check of a
-user's batch, the update's metrics on the host, and PRNG keys moved between the host and the
-mesh.
+of its constructor's arguments, the log-prob function it runs, placing the models on a mesh,
+the token-range check of a user's batch, the update's metrics on the host, and PRNG keys moved
+between the host and the mesh.
 """
 
 from __future__ import annotations
@@ -22,12 +22,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
+from artifex.generative_models.training.rl.core.logprobs import LogProbFn, default_log_prob_fn
+from artifex.generative_models.training.rl.core.routing_replay import routing_replay_log_prob_fn
 from artifex.generative_models.training.rl.core.teacher import check_teacher_setup
+from artifex.generative_models.training.rl.packing import packed_log_prob_fn
 from artifex.generative_models.training.rl.update.layerwise import check_layerwise_model
 from artifex.generative_models.training.rl.update.state import NonFiniteUpdateError
 from artifex.generative_models.training.sharding import _path_parts, shard_model, shard_optimizer
 
-__all__ = ["check_trainer_inputs", "host_update_metrics", "place_models"]
+__all__ = [
+    "check_expert_options",
+    "check_routed_batch",
+    "check_trainer_inputs",
+    "host_update_metrics",
+    "place_models",
+    "trainer_log_prob_fn",
+]
 
 logger = logging.getLogger("artifex.generative_models.training.rl.update.trainer")
 
@@ -43,6 +53,155 @@ def _vocab_size(model: Any) -> int | None:
         return int(jnp.shape(model.output_embedding())[-1])
     except Exception:  # an unusual model: skip the check rather than fail
         return None
+
+
+def _is_moe(model: Any) -> bool:
+    """Whether ``model`` is a mixture-of-experts causal LM (``config.is_moe``)."""
+    config = getattr(model, "config", None)
+    return hasattr(model, "hidden_states") and getattr(config, "is_moe", False) is True
+
+
+def _expert_options(config: GRPOConfig) -> list[str]:
+    """The mixture-of-experts options ``config`` sets, as ``name=value`` (empty: none)."""
+    return [
+        f"{name}={getattr(config, name)}"
+        for name, default in (("routing_replay", False), ("moe_aux_loss_coef", 0.0))
+        if getattr(config, name) != default
+    ]
+
+
+def check_expert_options(model: Any, config: GRPOConfig, log_prob_fn: Any = None) -> None:
+    """Raises unless ``GRPOConfig.routing_replay`` / ``moe_aux_loss_coef`` fit the policy.
+
+    They configure the trainer's own log-prob function of a mixture-of-experts policy
+    (:func:`trainer_log_prob_fn`): a model without experts, or a custom ``log_prob_fn`` (which
+    would run instead), is refused when either is set.
+
+    Args:
+        model: The policy.
+        config: The ``GRPOConfig``.
+        log_prob_fn: The trainer's custom log-prob function, or ``None``.
+
+    Raises:
+        ValueError: An option set for a model without experts or with a custom
+            ``log_prob_fn``.
+
+    Examples:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> from artifex.generative_models.training.rl.update.trainer_setup import (
+        ...     check_expert_options)
+        >>> dense = CausalLM(CausalLMConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> check_expert_options(dense, GRPOConfig())  # nothing set: nothing to check
+        >>> check_expert_options(dense, GRPOConfig(routing_replay=True))
+        Traceback (most recent call last):
+            ...
+        ValueError: GRPOConfig.routing_replay=True needs a mixture-of-experts policy ...
+    """
+    options = _expert_options(config)
+    if not options:
+        return
+    what = f"GRPOConfig.{' and '.join(options)}"
+    if not _is_moe(model):
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        msg = (
+            f"{what} needs a mixture-of-experts policy (a CausalLM of model_type "
+            f"'qwen3_moe'), got model_type {kind!r}, which has no experts"
+        )
+        raise ValueError(msg)
+    if log_prob_fn is not None:
+        msg = (
+            f"{what} configures the trainer's own mixture-of-experts log-probs, which a custom "
+            "log_prob_fn replaces: leave log_prob_fn out, or set routing_replay and "
+            "aux_loss_coef on routing_replay_log_prob_fn(...) and keep the config's defaults"
+        )
+        raise ValueError(msg)
+
+
+def trainer_log_prob_fn(
+    model: Any, config: GRPOConfig, log_prob_fn: LogProbFn | None
+) -> tuple[LogProbFn, bool]:
+    """The log-prob function a ``GRPOTrainer`` runs, and whether it is its mixture-of-experts one.
+
+    ``log_prob_fn`` when given. Otherwise the model's
+    :func:`~artifex.generative_models.training.rl.core.logprobs.default_log_prob_fn`: for a
+    causal LM with ``packed_hidden_states`` wrapped in
+    :func:`~artifex.generative_models.training.rl.packing.packed_log_prob_fn` (packed batches
+    run packed), and for a mixture-of-experts causal LM
+    :func:`~artifex.generative_models.training.rl.core.routing_replay.routing_replay_log_prob_fn`
+    with ``GRPOConfig.routing_replay`` and ``moe_aux_loss_coef`` (the update logs
+    ``moe/routing_agreement`` and ``moe/aux_loss``; batches are not packed).
+
+    Args:
+        model: The policy.
+        config: The ``GRPOConfig`` (temperature, rematerialization, scanned layers, the
+            mixture-of-experts options).
+        log_prob_fn: The user's log-prob function, or ``None``.
+
+    Returns:
+        ``(log_prob_fn, moe)``.
+
+    Examples:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+        >>> from artifex.generative_models.training.rl import GRPOConfig
+        >>> from artifex.generative_models.training.rl.update.trainer_setup import (
+        ...     trainer_log_prob_fn)
+        >>> cfg = CausalLMConfig(model_type="qwen3_moe", vocab_size=16, hidden_size=8,
+        ...     intermediate_size=16, num_layers=1, num_heads=2, qk_norm=True, num_experts=4,
+        ...     num_experts_per_tok=2, moe_intermediate_size=6)
+        >>> fn, moe = trainer_log_prob_fn(CausalLM(cfg, rngs=nnx.Rngs(0)),
+        ...                               GRPOConfig(routing_replay=True), None)
+        >>> type(fn).__name__, fn.routing_replay, moe
+        ('RoutingReplayLogProbFn', True, True)
+    """
+    if log_prob_fn is not None:
+        return log_prob_fn, False
+    options = dict(
+        temperature=config.temperature, remat=config.remat_option, scan_layers=config.scan_layers
+    )
+    fn = default_log_prob_fn(model, **options)  # also checks remat against the model
+    if _is_moe(model):
+        replay = routing_replay_log_prob_fn(
+            routing_replay=config.routing_replay, aux_loss_coef=config.moe_aux_loss_coef, **options
+        )
+        return replay, True
+    if callable(getattr(model, "packed_hidden_states", None)):
+        # Packed batches (maybe_pack) run packed; every other batch as before.
+        fn = packed_log_prob_fn(fn, **options)
+    return fn, False
+
+
+def check_routed_batch(batch: GRPOBatch, config: GRPOConfig, *, moe: bool) -> None:
+    """Raises when the trainer replays routing and ``batch`` has no routed experts.
+
+    Args:
+        batch: A user's batch.
+        config: The ``GRPOConfig``.
+        moe: Whether the trainer runs its mixture-of-experts log-probs.
+
+    Raises:
+        ValueError: ``routing_replay`` without ``batch.routed_experts``.
+
+    Examples:
+        >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
+        >>> from artifex.generative_models.training.rl.update.trainer_setup import (
+        ...     check_routed_batch)
+        >>> batch = GRPOBatch.zeros(1, 2, 4, 3)
+        >>> check_routed_batch(batch, GRPOConfig(), moe=True)  # no replay: nothing needed
+        >>> check_routed_batch(batch, GRPOConfig(routing_replay=True), moe=True)
+        Traceback (most recent call last):
+            ...
+        ValueError: GRPOConfig.routing_replay=True needs batches with routed_experts ...
+    """
+    if moe and config.routing_replay and batch.routed_experts is None:
+        msg = (
+            "GRPOConfig.routing_replay=True needs batches with routed_experts (B, P + T, L, k): "
+            "the rollout records them (generate(..., record_routing=True), as the library's "
+            "rollout does for this config)"
+        )
+        raise ValueError(msg)
 
 
 def _check_token_range(batch: GRPOBatch, vocab_size: int | None) -> None:
@@ -144,7 +303,8 @@ def check_trainer_inputs(
         TypeError: An argument of the wrong type, or partition rules without a mesh.
         ValueError: Arguments that do not combine (the policy as its own reference,
             ``layerwise_update`` with a custom ``log_prob_fn`` or a mesh, an optimizer built
-            before ``stack_layers``, a teacher that does not fit).
+            before ``stack_layers``, a teacher that does not fit, ``routing_replay`` or
+            ``moe_aux_loss_coef`` without experts, see :func:`check_expert_options`).
 
     Examples:
         >>> import optax
@@ -189,6 +349,7 @@ def check_trainer_inputs(
         msg = "teacher_partition_rules were given without a mesh; pass mesh= as well"
         raise TypeError(msg)
     check_teacher_setup(model, teacher_model, config, custom_log_prob_fn=log_prob_fn is not None)
+    check_expert_options(model, config, log_prob_fn)
     if config.layerwise_update:
         if log_prob_fn is not None:
             msg = (
