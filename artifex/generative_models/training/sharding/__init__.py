@@ -41,10 +41,6 @@ References:
     Model Parallelism", arXiv:1909.08053. Rajbhandari et al., 2020, "ZeRO: Memory Optimizations
     Toward Training Trillion Parameter Models", arXiv:1910.02054. Xu et al., 2021, "GSPMD:
     General and Scalable Parallelization for ML Computation Graphs", arXiv:2105.04663.
-
-The package's modules: ``mesh`` (the mesh and its axes), ``rules`` (partition rules),
-``states`` (model and optimizer placement), ``batches`` (batch rows on the data axes) and
-``processes`` (several processes); every public name is importable from here.
 """
 
 from __future__ import annotations
