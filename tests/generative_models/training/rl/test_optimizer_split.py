@@ -213,6 +213,28 @@ def _low_threshold(monkeypatch):
     monkeypatch.setattr(engines, "MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER", LAYERS)
 
 
+def test_the_library_splits_the_optimizer_from_eight_layers(monkeypatch):
+    # the library's threshold itself (the fixture above lowers it for this file)
+    from artifex.generative_models.training.rl.update import engines
+    from artifex.generative_models.training.rl.update.optimizer_split import SplitDecisions
+
+    monkeypatch.undo()  # the autouse fixture's patch
+    assert engines.MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER == 8
+    tx = optax.adamw(1e-2)
+    for layers, refused in ((7, True), (8, False)):
+        model = tiny_lm(layers, 0)
+        state = init_train_state(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+        split, reason = engines.choose_optimizer_split(
+            GRPOConfig(num_generations=4, optimizer_by_layer=True),
+            model,
+            None,
+            lambda state=state: state,
+            SplitDecisions(tx),
+        )
+        assert ("fewer than 8 decoder layers" in reason) == refused, reason
+        assert (split is None) == refused, reason
+
+
 def _trainer(optimizer_by_layer, *, tx=None, tied=False, lora=False, layers=LAYERS, **options):
     policy = tiny_lm(layers, 0, tie_word_embeddings=tied)
     reference = tiny_lm(layers, 5, tie_word_embeddings=tied)
