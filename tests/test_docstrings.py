@@ -21,11 +21,10 @@ import importlib
 import inspect
 import re
 import signal
-from collections import defaultdict
 
 import pytest
 
-from tests.test_doc_examples import ROOT, _modules
+from tests.test_doc_examples import ROOT, _modules, public_by_module
 
 MAX_WORDS = 400
 
@@ -57,25 +56,7 @@ def _members(cls: type) -> list[tuple[str, object]]:
     return found
 
 
-def _public_by_module() -> dict[str, dict[str, object]]:
-    """Defining module -> {qualified name -> object} for the public functions and classes."""
-    seen: set[int] = set()
-    found: dict[str, dict[str, object]] = defaultdict(dict)
-    for module_name in _modules():
-        module = importlib.import_module(module_name)
-        for name in getattr(module, "__all__", ()):
-            obj = inspect.unwrap(getattr(module, name))
-            is_code = inspect.isclass(obj) or inspect.isfunction(obj)
-            if not is_code or not getattr(obj, "__module__", "").startswith("artifex"):
-                continue
-            if id(obj) in seen:
-                continue
-            seen.add(id(obj))
-            found[obj.__module__][obj.__qualname__] = obj
-    return found
-
-
-PUBLIC = _public_by_module()
+PUBLIC = public_by_module()
 
 
 def _docstrings() -> dict[str, str]:
