@@ -34,6 +34,11 @@ steps were the same either way). The flag is used only if this JAX accepts it (c
 a subprocess, since XLA aborts on a flag it does not know).
 ``XLA_FLAGS=--xla_cpu_use_fusion_emitters=true python -m pytest ...`` runs the suite with XLA's
 default emitters.
+
+Tests marked ``slow`` run first (in their files' order; the rest keep theirs). pytest-xdist hands
+out the first quarter of the collected tests round robin and the rest on demand, so the long
+tests are shared between the workers at the start and the run ends on short ones, not on one
+worker's long test while the other waits.
 """
 
 from __future__ import annotations
@@ -97,6 +102,10 @@ if _cache != "none":  # in case JAX was imported before this file, by a plugin
     jax.config.update("jax_compilation_cache_dir", _cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow first
 
 
 def pytest_unconfigure(config):
