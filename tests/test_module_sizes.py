@@ -26,7 +26,6 @@ NOT_YET_SPLIT: dict[str, int] = {
     "artifex/generative_models/models/causal_lm/modules.py": 644,
     "artifex/generative_models/training/rl/core/objective.py": 628,
     "artifex/generative_models/models/causal_lm/quantize.py": 627,
-    "artifex/generative_models/training/rl/run/loop.py": 623,
     "artifex/generative_models/inference/flow_sampling.py": 618,
 }
 

@@ -92,6 +92,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_RL}.rollouts.rollout",
             f"{_RL}.rollouts.truncation",
             f"{_RL}.run.loop",
+            f"{_RL}.run.settings",
             f"{_RL}.run.data",
             f"{_RL}.run.steps",
             f"{_RL}.run.checks",
