@@ -106,6 +106,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_RL}.rollouts.environments",
             f"{_RL}.rollouts.tools",
             f"{_GM}.training.logging",
+            f"{_GM}.training.completions",
             f"{_GM}.training.trackers",
         ),
     ),

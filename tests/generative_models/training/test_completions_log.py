@@ -13,7 +13,7 @@ from flax import nnx
 
 from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
-from artifex.generative_models.training.logging import (
+from artifex.generative_models.training.completions import (
     CompletionLog,
     format_completions_table,
 )

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from artifex.generative_models.training import trackers
+from artifex.generative_models.training.completions import CompletionLog
 from artifex.generative_models.training.logging import (
-    CompletionLog,
     MetricLogger,
     TensorBoardWriter,
     completions_as_table,

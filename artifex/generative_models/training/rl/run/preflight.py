@@ -31,11 +31,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from artifex.generative_models.training.checkpointing import CheckpointManager
-from artifex.generative_models.training.logging import (
-    CompletionLog,
-    MetricLogger,
-    is_primary_process,
-)
+from artifex.generative_models.training.completions import CompletionLog
+from artifex.generative_models.training.logging import MetricLogger, is_primary_process
 from artifex.generative_models.training.run_lock import RunLock
 from artifex.generative_models.training.trackers import open_trackers
 from artifex.generative_models.utils.atomic import atomic_write_json

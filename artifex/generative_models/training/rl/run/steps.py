@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.training.logging import CompletionLog
+from artifex.generative_models.training.completions import CompletionLog
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.objective import _reward_metrics, compute_advantages
 from artifex.generative_models.training.rl.rollouts.rollout import spans_processes
@@ -282,7 +282,7 @@ def log_completions(
     Examples:
         >>> import json, os, tempfile
         >>> import jax.numpy as jnp, numpy as np
-        >>> from artifex.generative_models.training.logging import CompletionLog
+        >>> from artifex.generative_models.training.completions import CompletionLog
         >>> from artifex.generative_models.training.rl import GRPOBatch, Rollout
         >>> from artifex.generative_models.training.rl.run.data import GenerationBatch
         >>> from artifex.generative_models.training.rl.run.steps import log_completions
