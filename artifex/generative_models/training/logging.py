@@ -427,3 +427,25 @@ def completions_as_table(
         for record in records
     ]
     return list(columns), rows
+
+
+_MOVED = {"CompletionLog", "format_completions_table"}  # to training.completions
+
+
+def __getattr__(name: str) -> Any:
+    """Old path of the completion log's names: warns and returns them from their new module."""
+    if name in _MOVED:
+        import importlib
+        import warnings
+
+        warnings.warn(
+            f"artifex.generative_models.training.logging.{name} is deprecated; import it from "
+            "artifex.generative_models.training.completions",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(
+            importlib.import_module("artifex.generative_models.training.completions"), name
+        )
+    msg = f"module {__name__!r} has no attribute {name!r}"
+    raise AttributeError(msg)

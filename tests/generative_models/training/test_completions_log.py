@@ -219,3 +219,13 @@ def test_table_keeps_the_end_of_long_prompts():
     assert " ...nWhat is 17 + 25? " in row  # "..." and the last 17 characters ("\\n" is 2)
     assert " 42 42 42 42 42 42... " in row  # a completion keeps its first 17
     assert "system" not in row
+
+
+def test_the_old_path_warns_and_gives_the_same_objects():
+    from artifex.generative_models.training import completions, logging
+
+    for name in ("CompletionLog", "format_completions_table"):
+        with pytest.warns(DeprecationWarning, match=f"logging.{name} is deprecated"):
+            assert getattr(logging, name) is getattr(completions, name)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        logging.nothing  # noqa: B018
