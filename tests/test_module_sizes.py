@@ -21,7 +21,6 @@ NOT_YET_SPLIT: dict[str, int] = {
     "artifex/generative_models/training/rl/core/advantages.py": 733,
     "artifex/generative_models/inference/continuous.py": 722,
     "artifex/generative_models/models/causal_lm/hf_io.py": 698,
-    "artifex/generative_models/models/causal_lm/tokenizer.py": 649,
     "artifex/generative_models/models/causal_lm/modules.py": 644,
     "artifex/generative_models/training/rl/core/objective.py": 628,
     "artifex/generative_models/models/causal_lm/quantize.py": 627,

@@ -9,6 +9,9 @@ from __future__ import annotations
 # Model, cache and building blocks
 from artifex.generative_models.models.causal_lm.cache import KVCache
 
+# Tokenizer
+from artifex.generative_models.models.causal_lm.chat_template import render_chat_template
+
 # Configuration
 from artifex.generative_models.models.causal_lm.config import (
     SUPPORTED_MODEL_TYPES,
@@ -91,9 +94,7 @@ from artifex.generative_models.models.causal_lm.sequence_classification import (
     CausalLMForSequenceClassification,
     last_token_index,
 )
-
-# Tokenizer
-from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer, render_chat_template
+from artifex.generative_models.models.causal_lm.tokenizer import Tokenizer
 
 __all__ = [  # noqa: RUF022 - grouped by topic, sorted within each group
     # Configuration
