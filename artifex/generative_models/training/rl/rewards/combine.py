@@ -117,9 +117,9 @@ def _standardize(per_function: np.ndarray, group_size: int, eps: float) -> np.nd
     """Standardizes each column over its non-NaN entries within groups of ``group_size`` rows.
 
     ``z = (r - mean) / (std + eps)`` with the population std, computed in float32 by
-    :func:`~artifex.generative_models.training.rl.core.advantages.group_stats` (the same statistics
-    as the advantages): exactly 0 where all the group's values of that column are equal; NaN
-    (no reward) stays NaN and is left out of the group's mean and std.
+    :func:`~artifex.generative_models.training.rl.core.group_statistics.group_stats` (the same
+    statistics as the advantages): exactly 0 where all the group's values of that column are
+    equal; NaN (no reward) stays NaN and is left out of the group's mean and std.
     """
     if per_function.shape[0] == 0:
         return per_function.copy()
@@ -156,8 +156,8 @@ def combine_reward_columns(
 
     In both modes ``total_i`` is NaN when every function returned ``None`` for row ``i``.
     The group statistics of ``"normalized"`` mode are those of the advantage stage
-    (:func:`~artifex.generative_models.training.rl.core.advantages.group_stats`, float32, NaN left
-    out); the weighted sum is float64; the result is float32.
+    (:func:`~artifex.generative_models.training.rl.core.group_statistics.group_stats`, float32,
+    NaN left out); the weighted sum is float64; the result is float32.
 
     Args:
         per_function: ``(B, F)`` rewards, NaN where a function gave no reward.

@@ -201,7 +201,8 @@ def reward_signal_diagnosis(rewards: Sequence[float] | Any, group_size: int) -> 
     """One line saying why a generation batch cannot teach the policy anything, or ``None``.
 
     GRPO learns from differences between the rewards of one prompt's completions (groups are
-    tested by :func:`~artifex.generative_models.training.rl.core.advantages.nonconstant_groups`): a
+    tested by
+    :func:`~artifex.generative_models.training.rl.core.group_statistics.nonconstant_groups`): a
     batch whose rewards are all 0, or whose every group of ``group_size`` completions got one
     same reward, has advantages that are all 0 and gives no gradient. The training loop prints
     this line after its first step.
