@@ -21,10 +21,8 @@ NOT_YET_SPLIT: dict[str, int] = {
     "artifex/generative_models/training/rl/core/advantages.py": 733,
     "artifex/generative_models/inference/continuous.py": 722,
     "artifex/generative_models/models/causal_lm/hf_io.py": 698,
-    "artifex/generative_models/models/causal_lm/modules.py": 644,
     "artifex/generative_models/training/rl/core/objective.py": 628,
     "artifex/generative_models/models/causal_lm/quantize.py": 627,
-    "artifex/generative_models/inference/flow_sampling.py": 618,
 }
 
 

@@ -6,6 +6,8 @@ load/save, GGUF import, sequence classification (reward models) and the tokenize
 
 from __future__ import annotations
 
+from artifex.generative_models.models.causal_lm.attention_ops import SharedPrefixMask
+
 # Model, cache and building blocks
 from artifex.generative_models.models.causal_lm.cache import KVCache
 
@@ -60,7 +62,6 @@ from artifex.generative_models.models.causal_lm.modules import (
     Embed,
     Linear,
     RMSNorm,
-    SharedPrefixMask,
 )
 
 # Mixture of experts

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from artifex.generative_models.models.causal_lm.attention_ops import SharedPrefixMask
 from artifex.generative_models.models.causal_lm.cache import KVCache
 from artifex.generative_models.models.causal_lm.config import CausalLMConfig
 from artifex.generative_models.models.causal_lm.layer_storage import LayerStack
-from artifex.generative_models.models.causal_lm.modules import SharedPrefixMask
 from artifex.generative_models.models.causal_lm.moe import RouterTrace
 from artifex.generative_models.models.causal_lm.positions import _inv_freq, _rope_tables
 

@@ -54,6 +54,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from artifex.generative_models.models.causal_lm._decoder_loop import _check_cache, _DecoderLoop
+from artifex.generative_models.models.causal_lm._products import f32_products
 from artifex.generative_models.models.causal_lm.cache import KVCache
 from artifex.generative_models.models.causal_lm.config import CausalLMConfig, resolve_dtype
 from artifex.generative_models.models.causal_lm.gguf import read_gguf
@@ -64,7 +65,6 @@ from artifex.generative_models.models.causal_lm.modules import (
     Embed,
     Linear,
     RMSNorm,
-    f32_products,
 )
 from artifex.generative_models.models.causal_lm.moe import MoEDecoderLayer, RouterTrace
 from artifex.generative_models.models.causal_lm.positions import (  # noqa: F401  (re-exported for old imports)

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from artifex.generative_models.models.causal_lm._products import f32_products
 from artifex.generative_models.models.causal_lm.config import CausalLMConfig
 from artifex.generative_models.models.causal_lm.modules import (
     Attention,
@@ -57,7 +58,6 @@ from artifex.generative_models.models.causal_lm.modules import (
     Linear,
     RMSNorm,
     _normal,
-    f32_products,
 )
 
 __all__ = [

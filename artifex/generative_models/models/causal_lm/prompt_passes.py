@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from artifex.generative_models.models.causal_lm.attention_ops import SharedPrefixMask
 from artifex.generative_models.models.causal_lm.layer_storage import LayerStack
-from artifex.generative_models.models.causal_lm.modules import SharedPrefixMask
 from artifex.generative_models.models.causal_lm.moe import RouterTrace
 from artifex.generative_models.models.causal_lm.positions import positions_from_mask
 from artifex.generative_models.utils.validation import check_remat

@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from artifex.generative_models.models.causal_lm._products import f32_products
 from artifex.generative_models.models.causal_lm.lora import LORA_TARGETS
 from artifex.generative_models.models.causal_lm.model import CausalLM
-from artifex.generative_models.models.causal_lm.modules import Linear, f32_products
+from artifex.generative_models.models.causal_lm.modules import Linear
 
 __all__ = [
     "QTYPES",

@@ -150,7 +150,7 @@ def test_attention_matches_naive_gqa(overrides, seed):
 def test_grouped_attention_on_cache_layout_matches_numpy(n, k, t, keys_transposed):
     """Values (B, K, S, H), keys (B, K, S, H) or as the cache holds them (B, K, H, S);
     decoding (T=1) and prefill shapes."""
-    from artifex.generative_models.models.causal_lm.modules import _grouped_attention
+    from artifex.generative_models.models.causal_lm.attention_ops import grouped_attention
 
     rng = np.random.default_rng(n * 10 + k + t)
     b, s, h = 3, 7, 8
@@ -160,7 +160,7 @@ def test_grouped_attention_on_cache_layout_matches_numpy(n, k, t, keys_transpose
     mask = rng.random((b, t, s)) > 0.4
     mask[2] = False  # row 2 sees nothing
     mask[0, :, 0] = mask[1, :, 0] = True
-    got = _grouped_attention(
+    got = grouped_attention(
         jnp.asarray(q, jnp.float32),
         jnp.asarray(keys.swapaxes(2, 3) if keys_transposed else keys, jnp.float32),
         jnp.asarray(values, jnp.float32),
@@ -188,7 +188,7 @@ def test_grouped_attention_on_cache_layout_matches_numpy(n, k, t, keys_transpose
 def test_matmul_16bit_is_the_float32_product_rounded_once(dtype):
     import jax
 
-    from artifex.generative_models.models.causal_lm.modules import _matmul as matmul
+    from artifex.generative_models.models.causal_lm._products import matmul
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((5, 48)), dtype)
@@ -212,7 +212,7 @@ def test_matmul_16bit_is_the_float32_product_rounded_once(dtype):
 def test_matmul_float32_is_plain_matmul():
     import jax
 
-    from artifex.generative_models.models.causal_lm.modules import _matmul as matmul
+    from artifex.generative_models.models.causal_lm._products import matmul
 
     x = jnp.arange(12.0).reshape(3, 4) / 7
     w = jnp.arange(8.0).reshape(4, 2) / 3
@@ -225,13 +225,13 @@ def test_matmul_float32_is_plain_matmul():
 def test_write_slots_is_dynamic_update_slice(dtype):
     import jax
 
-    from artifex.generative_models.models.causal_lm.modules import _write_slots
+    from artifex.generative_models.models.causal_lm.attention_ops import write_slots
 
     rng = np.random.default_rng(1)
     cache = jnp.asarray(rng.standard_normal((2, 3, 6, 4)), dtype)
     update = jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.float32)  # cast on write
     start = (0, 0, jnp.asarray(3), 0)
-    got = jax.jit(_write_slots)(cache, update, start)
+    got = jax.jit(write_slots)(cache, update, start)
     want = jax.lax.dynamic_update_slice(cache, update.astype(dtype), start)
     assert got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
