@@ -1,7 +1,7 @@
 """``artifex-grpo train`` with a flow model directory: Flow-GRPO from the command line.
 
 A ``--model`` directory written by
-:func:`~artifex.generative_models.models.flow.save_flow_model` (``config.json`` with a flow
+:func:`~artifex.generative_models.flow.save_flow_model` (``config.json`` with a flow
 ``model_type`` and its ``config``) trains with Flow-GRPO through the same loop and the same
 options as a language model: ``--data``/``--eval-data`` rows with a prompt column (captions, or
 class labels), ``--reward MODULE:FUNCTION`` rewards on images
@@ -59,7 +59,7 @@ def is_flow_model_dir(path: str) -> bool:
 
     Returns:
         True for a directory of
-        :func:`~artifex.generative_models.models.flow.save_flow_model`; False for anything
+        :func:`~artifex.generative_models.flow.save_flow_model`; False for anything
         else (a Hugging Face model, a missing or unreadable ``config.json``).
 
     Examples:
@@ -227,9 +227,13 @@ def train_flow_command(
     from flax import nnx
 
     from artifex.cli_checks import check_run_paths, default_checkpoint_dir, interrupted_message
-    from artifex.generative_models.flow import flow_trainer, train_flow
-    from artifex.generative_models.inference.flow_sampling import SDEConfig
-    from artifex.generative_models.models.flow import load_flow_model, save_flow_model
+    from artifex.generative_models.flow import (
+        SDEConfig,
+        flow_trainer,
+        load_flow_model,
+        save_flow_model,
+        train_flow,
+    )
     from artifex.generative_models.training.logging import is_primary_process
     from artifex.generative_models.training.rl import (
         GRPOConfig,

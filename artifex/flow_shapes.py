@@ -1,8 +1,8 @@
 """The compositional shapes task: a text-conditioned flow model and its prompts, on disk.
 
 :func:`prepare_shapes_task` pretrains a
-:class:`~artifex.generative_models.models.flow.TextFlowDiT` with rectified flow matching on
-the procedural captioned shapes (:mod:`~artifex.generative_models.models.flow.shapes`; 32x32,
+:class:`~artifex.generative_models.flow.TextFlowDiT` with rectified flow matching on
+the procedural captioned shapes (:mod:`~artifex.generative_models.flow.shapes`; 32x32,
 drawn with NumPy, nothing downloaded) of the *training* captions only, and writes what a
 Flow-GRPO run reads:
 
@@ -27,7 +27,7 @@ import time
 import numpy as np
 from flax import nnx
 
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
     FlowTrainConfig,
     TextFlowDiT,
     TextFlowDiTConfig,
@@ -58,7 +58,7 @@ class ShapesTaskConfig:
         batch_size: Images per step.
         learning_rate: Peak Adam learning rate.
         layout: ``"grid"`` or ``"free"``
-            (:func:`~artifex.generative_models.models.flow.shapes.draw_scene`).
+            (:func:`~artifex.generative_models.flow.shapes.draw_scene`).
 
     Examples:
         >>> from artifex.flow_shapes import ShapesTaskConfig
@@ -97,7 +97,7 @@ class ShapesTaskConfig:
         """The DiT's config (32x32 RGB, the shapes vocabulary).
 
         Returns:
-            A :class:`~artifex.generative_models.models.flow.TextFlowDiTConfig`.
+            A :class:`~artifex.generative_models.flow.TextFlowDiTConfig`.
         """
         return TextFlowDiTConfig(
             hidden_dim=self.hidden_dim,

@@ -16,11 +16,11 @@ from flax import nnx
 
 from artifex import cli
 from artifex.cli_flow import add_options, is_flow_model_dir, train_flow_command
-from artifex.generative_models.flow import image_reward
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
     TextFlowDiT,
     TextFlowDiTConfig,
     brightness_reward,
+    image_reward,
     load_flow_model,
     save_flow_model,
 )

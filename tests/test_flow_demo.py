@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from artifex.demos.flow import FlowDemoConfig, build_flow_model, run_flow_demo
-from artifex.generative_models.models.flow import FlowDiT, FlowModel
+from artifex.generative_models.flow import FlowDiT, FlowModel
 
 
 @pytest.mark.slow

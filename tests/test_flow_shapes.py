@@ -7,7 +7,7 @@ import json
 import pytest
 
 from artifex.flow_shapes import ShapesTaskConfig, main
-from artifex.generative_models.models.flow import TextFlowDiT, load_flow_model, split_captions
+from artifex.generative_models.flow import TextFlowDiT, load_flow_model, split_captions
 
 
 def _rows(path):

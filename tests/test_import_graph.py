@@ -15,6 +15,11 @@ and nothing inside the package imports it.
 The demos (``artifex.demos``) sit on top of the library: nothing in it imports them except the
 command line (``artifex.cli*``), which runs them, and the deprecated aliases at the demos' old
 paths (``artifex.demo``, ``artifex.demo_tools``, ``artifex.flow_demo``).
+
+Flow-GRPO is one feature package, ``generative_models.flow``, above models, inference and
+training: nothing below it imports it. Its importers in the library are the demos, the command
+line, the top-level flow modules (``artifex.flow_demo``, ``artifex.flow_shapes``) and the
+deprecated modules at its old paths, which are the only modules left at those paths.
 """
 
 from __future__ import annotations
@@ -128,14 +133,10 @@ def test_no_import_cycles_in_the_library():
 def test_layers_import_downward_only():
     graph = import_graph()
     training = "artifex.generative_models.training"
-    # Language models and the text sampler know nothing of training. (The Flow-GRPO image
-    # pieces do: their sampler packs trajectories into a GRPOBatch for the log-prob hook, and
-    # their rewards combine through the reward combiner.)
-    flow = ("models.flow", "inference.flow_sampling")
+    # Models and the samplers know nothing of training (the Flow-GRPO pieces that do live in
+    # the flow package, above training).
     for module, deps in graph.items():
         if module.startswith(("artifex.generative_models.models", "artifex.generative_models.inf")):
-            if any(module.startswith(f"artifex.generative_models.{f}") for f in flow):
-                continue
             assert not {d for d in deps if d.startswith(training)}, module
     # The generic training modules know no RL types.
     for generic in ("sharding", "checkpointing", "logging"):
@@ -150,8 +151,6 @@ RL_LAYERS = {
     "batch": 0,
     "packing": 0,
     "rewards": 1,
-    "flow_batch": 2,
-    "flow_objective": 2,
     "update": 2,
     "rollouts": 2,
     "run": 3,
@@ -160,8 +159,11 @@ SIDE_BY_SIDE = {("update", "rollouts"), ("rollouts", "update")}
 
 
 def rl_part(module: str) -> str | None:
-    """The layer part (``core``, ``update``, ...) of a module inside training.rl, else None."""
-    if not module.startswith(f"{RL}."):
+    """The layer part (``core``, ``update``, ...) of a module inside training.rl, else None.
+
+    The deprecated aliases of the flow modules' old paths in training.rl are in no layer.
+    """
+    if not module.startswith(f"{RL}.") or module in FLOW_ALIASES:
         return None
     return module[len(RL) + 1 :].split(".")[0]
 
@@ -263,3 +265,95 @@ def test_the_demos_package_says_what_it_may_import():
     import importlib
 
     assert "may import" in (importlib.import_module(DEMOS).__doc__ or "")
+
+
+FLOW = "artifex.generative_models.flow"
+_GM = "artifex.generative_models"
+# The deprecated modules at Flow-GRPO's old paths: each re-exports its new module and warns.
+FLOW_ALIASES = {
+    f"{_GM}.models.flow",
+    *(f"{_GM}.models.flow.{m}" for m in ("compositional", "dit", "io", "model", "rewards")),
+    *(f"{_GM}.models.flow.{m}" for m in ("shapes", "text_dit", "training")),
+    f"{_GM}.inference.flow_sampling",
+    f"{RL}.flow_batch",
+    f"{RL}.flow_objective",
+}
+# The old paths: every module under them is an alias.
+FLOW_OLD_PATHS = (f"{_GM}.models.flow", f"{_GM}.inference.flow_sampling", f"{RL}.flow_")
+
+
+def may_import_flow(module: str) -> bool:
+    """Whether a library module may import the flow package: itself, the demos, the CLI, the
+    top-level flow modules and the aliases at the old paths."""
+    return (
+        module == FLOW
+        or module.startswith(f"{FLOW}.")
+        or may_import_demos(module)
+        or module in {"artifex.flow_shapes", "artifex.flow_demo"}
+        or module in FLOW_ALIASES
+    )
+
+
+def flow_importers(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(module, flow module)`` for each import of the flow package from where none may be."""
+    bad = []
+    for module, deps in graph.items():
+        if may_import_flow(module):
+            continue
+        bad += [(module, d) for d in deps if d == FLOW or d.startswith(f"{FLOW}.")]
+    return sorted(bad)
+
+
+def test_the_flow_rule_finds_an_import_of_the_flow_package_from_below():
+    graph = {
+        f"{RL}.rewards.combine": {f"{FLOW}.rewards"},
+        f"{_GM}.inference": {FLOW},
+        "artifex.cli_flow": {FLOW},
+        f"{FLOW}.batch": {f"{RL}.batch", f"{FLOW}.sde"},
+        f"{RL}.flow_batch": {f"{FLOW}.batch"},
+    }
+    assert flow_importers(graph) == [
+        (f"{_GM}.inference", FLOW),
+        (f"{RL}.rewards.combine", f"{FLOW}.rewards"),
+    ]
+
+
+def test_nothing_below_the_flow_package_imports_it_type_only_imports_included():
+    graph = import_graph(type_only=True)
+    assert f"{FLOW}.sampling" in graph[f"{_GM}.inference.flow_sampling"]  # the check sees them
+    assert flow_importers(graph) == []
+
+
+def test_the_flow_package_imports_only_downward():
+    # Its modules may import models, inference, training and utils, and each other.
+    graph = import_graph(type_only=True)
+    above = ("artifex.demos", "artifex.cli", "artifex.flow_", *FLOW_ALIASES)
+    for module, deps in graph.items():
+        if module == FLOW or module.startswith(f"{FLOW}."):
+            assert not {d for d in deps if d.startswith(above)}, module
+
+
+def test_only_the_aliases_are_left_at_the_flow_old_paths():
+    old = {m for m in import_graph() if m.startswith(FLOW_OLD_PATHS)}
+    assert old == FLOW_ALIASES
+    for module in FLOW_ALIASES:
+        path = LIBRARY.parent / (module.replace(".", "/") + ".py")
+        if not path.exists():
+            path = path.with_suffix("") / "__init__.py"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | {
+            a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names
+        }
+        # an alias imports only the new modules (and warnings), defines nothing, warns
+        assert imported - {"warnings"}, module
+        assert all(m == FLOW or m.startswith(f"{FLOW}.") for m in imported - {"warnings"}), module
+        assert not any(
+            isinstance(n, ast.FunctionDef | ast.ClassDef | ast.Assign) for n in tree.body
+        ), module
+        assert "DeprecationWarning" in path.read_text(encoding="utf-8"), module
+
+
+def test_the_flow_package_says_what_it_may_import():
+    import importlib
+
+    assert "may import" in (importlib.import_module(FLOW).__doc__ or "")

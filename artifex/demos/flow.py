@@ -1,8 +1,8 @@
 """The Flow-GRPO demo: GRPO fine-tunes a tiny flow-matching digit generator.
 
 A small class-conditioned diffusion transformer
-(:class:`~artifex.generative_models.models.flow.FlowDiT`; the residual-MLP
-:class:`~artifex.generative_models.models.flow.FlowModel` with ``architecture="mlp"``) is
+(:class:`~artifex.generative_models.flow.FlowDiT`; the residual-MLP
+:class:`~artifex.generative_models.flow.FlowModel` with ``architecture="mlp"``) is
 pretrained briefly with rectified flow matching on scikit-learn's 8x8 digits, so it draws
 recognizable but imperfect digits. GRPO then samples ``K`` images per requested class with the
 Flow-GRPO SDE sampler, scores them with a small digit classifier's confidence in the requested class
@@ -27,23 +27,25 @@ import numpy as np
 import optax
 from flax import nnx
 
-from artifex.generative_models.inference.flow_sampling import FlowSampler, SDEConfig
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
     DigitClassifier,
     FlowDiT,
     FlowDiTConfig,
     FlowModel,
     FlowModelConfig,
+    FlowSampler,
     FlowTrainConfig,
+    SDEConfig,
     brightness_reward,
     classifier_reward,
     combine_image_rewards,
+    flow_log_prob_fn,
     load_digits_images,
+    to_grpo_batch,
     train_classifier,
     train_flow_matching,
 )
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
-from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn, to_grpo_batch
 from artifex.generative_models.training.rl.update.trainer import GRPOTrainer
 from artifex.generative_models.utils.atomic import atomic_write, atomic_write_json
 from artifex.generative_models.utils.validation import check_choice, check_int

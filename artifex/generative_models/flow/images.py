@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from artifex.generative_models.models.flow.compositional import detect_shapes
+from artifex.generative_models.flow.detection import detect_shapes
 from artifex.generative_models.utils.atomic import atomic_write
 from artifex.generative_models.utils.validation import check_int
 
@@ -163,7 +163,7 @@ def describe_shapes(image: Any) -> str:
     Examples:
         >>> import numpy as np
         >>> from artifex.generative_models.flow.images import describe_shapes
-        >>> from artifex.generative_models.models.flow import draw_scene, parse_caption
+        >>> from artifex.generative_models.flow import draw_scene, parse_caption
         >>> img = draw_scene(parse_caption("two red squares left of a blue circle"),
         ...                  np.random.default_rng(0))
         >>> describe_shapes(img)

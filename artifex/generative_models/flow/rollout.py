@@ -3,11 +3,11 @@
 :class:`FlowRollout` is a ``rollout_fn`` of
 :func:`~artifex.generative_models.training.rl.train`: for each dataset row it samples
 ``num_generations`` images with the Flow-GRPO SDE sampler
-(:class:`~artifex.generative_models.inference.flow_sampling.FlowSampler`, with an SDE window
+(:class:`~artifex.generative_models.flow.sampling.FlowSampler`, with an SDE window
 if the settings have one), scores them with the run's reward functions (each row's completion
 is its image ``(H, W, C)``; the other dataset columns are passed as for text) and packs the
 trajectories into the flow ``GRPOBatch``
-(:func:`~artifex.generative_models.training.rl.flow_batch.to_grpo_batch`), whose update runs
+(:func:`~artifex.generative_models.flow.batch.to_grpo_batch`), whose update runs
 the model on the trained steps only. :class:`FlowEvaluator` is an ``evaluate_fn``: the
 deterministic ODE sampler from the same noise at every evaluation, the evaluation reward's
 mean and pass rate, and an image grid (PNG) with a JSONL file of the images' prompts, rewards
@@ -29,11 +29,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from artifex.generative_models.flow.batch import to_grpo_batch
 from artifex.generative_models.flow.images import as_images, image_grid, write_png
-from artifex.generative_models.inference.flow_sampling import FlowSampler, SDEConfig
+from artifex.generative_models.flow.sampling import FlowSampler
+from artifex.generative_models.flow.sde import SDEConfig
 from artifex.generative_models.training.logging import is_primary_process
 from artifex.generative_models.training.rl import Rollout
-from artifex.generative_models.training.rl.flow_batch import to_grpo_batch
 from artifex.generative_models.utils.atomic import atomic_write
 from artifex.generative_models.utils.validation import check_int
 
@@ -60,7 +61,7 @@ def encode_flow_prompts(model: Any, tokenizer: Any, prompts: Sequence[Any]) -> n
     Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.flow.rollout import encode_flow_prompts
-        >>> from artifex.generative_models.models.flow import TextFlowDiT, TextFlowDiTConfig
+        >>> from artifex.generative_models.flow import TextFlowDiT, TextFlowDiTConfig
         >>> model = TextFlowDiT(TextFlowDiTConfig(image_shape=(8, 8, 3), hidden_dim=8,
         ...                     num_blocks=1, num_heads=2, time_features=8), rngs=nnx.Rngs(0))
         >>> encode_flow_prompts(model, None, ["a red square"])[0, :4].tolist()
@@ -180,9 +181,8 @@ class FlowRollout:
     Examples:
         >>> import jax
         >>> from flax import nnx
-        >>> from artifex.generative_models.flow import FlowRollout, compositional
-        >>> from artifex.generative_models.inference import SDEConfig
-        >>> from artifex.generative_models.models.flow import TextFlowDiT, TextFlowDiTConfig
+        >>> from artifex.generative_models.flow import FlowRollout, SDEConfig, compositional
+        >>> from artifex.generative_models.flow import TextFlowDiT, TextFlowDiTConfig
         >>> from artifex.generative_models.training.rl import GRPOConfig, Policy, RewardCombiner
         >>> from artifex.generative_models.training.rl import RolloutConfig
         >>> cfg = TextFlowDiTConfig(hidden_dim=16, num_blocks=1, num_heads=2, time_features=8)
@@ -324,7 +324,7 @@ class FlowEvaluator:
     Examples:
         >>> from flax import nnx
         >>> from artifex.generative_models.flow import FlowEvaluator, compositional
-        >>> from artifex.generative_models.models.flow import TextFlowDiT, TextFlowDiTConfig
+        >>> from artifex.generative_models.flow import TextFlowDiT, TextFlowDiTConfig
         >>> from artifex.generative_models.training.rl import GRPOConfig, Policy, RolloutConfig
         >>> cfg = TextFlowDiTConfig(hidden_dim=16, num_blocks=1, num_heads=2, time_features=8)
         >>> policy = Policy(TextFlowDiT(cfg, rngs=nnx.Rngs(0)), GRPOConfig(num_generations=2))

@@ -1,7 +1,7 @@
 """Flow-GRPO through the main training loop: one call from a flow model to a trained one.
 
 :func:`flow_trainer` builds the ``GRPOTrainer`` of a flow model (its log-prob hook is
-:func:`~artifex.generative_models.training.rl.flow_batch.flow_log_prob_fn`, the closed-form KL
+:func:`~artifex.generative_models.flow.batch.flow_log_prob_fn`, the closed-form KL
 by default); :func:`train_flow` runs :func:`~artifex.generative_models.training.rl.train` with
 the flow rollout and evaluation stages
 (:mod:`~artifex.generative_models.flow.rollout`), so a flow run has what a language-model run
@@ -19,9 +19,10 @@ from typing import Any
 
 from flax import nnx
 
+from artifex.generative_models.flow.batch import flow_log_prob_fn
 from artifex.generative_models.flow.images import describe_shapes
 from artifex.generative_models.flow.rollout import FlowEvaluator, FlowRollout
-from artifex.generative_models.inference.flow_sampling import SDEConfig
+from artifex.generative_models.flow.sde import SDEConfig
 from artifex.generative_models.training.rl import (
     GRPOConfig,
     GRPOTrainer,
@@ -30,7 +31,6 @@ from artifex.generative_models.training.rl import (
     TrainResult,
     train,
 )
-from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn
 from artifex.generative_models.utils.validation import check_int
 
 __all__ = ["eval_steps", "flow_trainer", "train_flow"]
@@ -48,7 +48,7 @@ def flow_trainer(
     """The ``GRPOTrainer`` of a flow model sampled with ``sde``.
 
     Args:
-        model: The velocity network (a model of :mod:`~artifex.generative_models.models.flow`).
+        model: The velocity network (a model of :mod:`~artifex.generative_models.flow`).
         optimizer: Its ``nnx.Optimizer``.
         config: The GRPO settings (``kl_estimator="exact"``: the closed-form per-step KL).
         sde: The sampler settings of the run's rollouts.
@@ -66,9 +66,8 @@ def flow_trainer(
     Examples:
         >>> import optax
         >>> from flax import nnx
-        >>> from artifex.generative_models.flow import flow_trainer
-        >>> from artifex.generative_models.inference import SDEConfig
-        >>> from artifex.generative_models.models.flow import TextFlowDiT, TextFlowDiTConfig
+        >>> from artifex.generative_models.flow import SDEConfig, flow_trainer
+        >>> from artifex.generative_models.flow import TextFlowDiT, TextFlowDiTConfig
         >>> from artifex.generative_models.training.rl import GRPOConfig
         >>> model = TextFlowDiT(TextFlowDiTConfig(hidden_dim=16, num_blocks=1, num_heads=2),
         ...                     rngs=nnx.Rngs(0))
@@ -192,8 +191,7 @@ def train_flow(
         >>> import optax
         >>> from flax import nnx
         >>> from artifex.generative_models.flow import compositional, flow_trainer, train_flow
-        >>> from artifex.generative_models.inference import SDEConfig
-        >>> from artifex.generative_models.models.flow import TextFlowDiT, TextFlowDiTConfig
+        >>> from artifex.generative_models.flow import SDEConfig, TextFlowDiT, TextFlowDiTConfig
         >>> from artifex.generative_models.training.rl import GRPOConfig, TrainConfig
         >>> model = TextFlowDiT(TextFlowDiTConfig(hidden_dim=16, num_blocks=1, num_heads=2,
         ...                                       time_features=8), rngs=nnx.Rngs(0))

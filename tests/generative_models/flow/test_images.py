@@ -8,8 +8,14 @@ import zlib
 import numpy as np
 import pytest
 
-from artifex.generative_models.flow import as_images, describe_shapes, image_grid, write_png
-from artifex.generative_models.models.flow import draw_scene, parse_caption
+from artifex.generative_models.flow import (
+    as_images,
+    describe_shapes,
+    draw_scene,
+    image_grid,
+    parse_caption,
+    write_png,
+)
 
 
 def _grid_reference(images, columns, border):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from artifex.generative_models.flow import compositional, image_reward
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
     brightness_reward,
+    compositional,
     compositional_reward,
+    image_reward,
     make_shapes_dataset,
 )
 from artifex.generative_models.training.rl import RewardCombiner, RewardFunctionError

@@ -11,18 +11,17 @@ from flax import nnx
 
 from artifex.generative_models.flow import (
     FlowEvaluator,
-    FlowRollout,
-    compositional,
-    encode_flow_prompts,
-    image_reward,
-)
-from artifex.generative_models.inference import SDEConfig
-from artifex.generative_models.models.flow import (
     FlowModel,
     FlowModelConfig,
+    FlowRollout,
+    SDEConfig,
     TextFlowDiT,
     TextFlowDiTConfig,
     brightness_reward,
+    compositional,
+    encode_flow_prompts,
+    image_reward,
+    to_grpo_batch,
 )
 from artifex.generative_models.training.rl import (
     GRPOConfig,
@@ -30,7 +29,6 @@ from artifex.generative_models.training.rl import (
     RewardCombiner,
     RolloutConfig,
 )
-from artifex.generative_models.training.rl.flow_batch import to_grpo_batch
 
 CFG = TextFlowDiTConfig(
     image_shape=(8, 8, 3), patch_size=4, hidden_dim=16, num_blocks=1, num_heads=2, time_features=8

@@ -10,9 +10,14 @@ import optax
 import pytest
 from flax import nnx
 
-from artifex.generative_models.flow import compositional, flow_trainer, train_flow
-from artifex.generative_models.inference import SDEConfig
-from artifex.generative_models.models.flow import TextFlowDiT, TextFlowDiTConfig
+from artifex.generative_models.flow import (
+    SDEConfig,
+    TextFlowDiT,
+    TextFlowDiTConfig,
+    compositional,
+    flow_trainer,
+    train_flow,
+)
 from artifex.generative_models.training import IncompatibleCheckpointError
 from artifex.generative_models.training.rl import GRPOConfig, TrainConfig
 

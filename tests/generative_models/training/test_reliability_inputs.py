@@ -124,7 +124,7 @@ def test_sizes_elsewhere_follow_the_one_rule(tmp_path):
     import optax
     from flax import nnx
 
-    from artifex.generative_models.inference.flow_sampling import SDEConfig
+    from artifex.generative_models.flow import SDEConfig
     from artifex.generative_models.training.checkpointing import CheckpointManager
     from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
     from artifex.generative_models.training.rl.state import make_grpo_train_step

@@ -79,7 +79,7 @@ class GRPOBatch:
         conditioning: Further inputs of a non-token policy's log-prob function, a pytree of
             ``(B, ...)`` arrays (its static metadata included): a flow model's prompts and
             sampler settings (``FlowConditioning``, see
-            :mod:`~artifex.generative_models.training.rl.flow_batch`). ``None`` for language
+            :mod:`~artifex.generative_models.flow.batch`). ``None`` for language
             models.
         routed_experts: ``(B, P + T, L, k)`` routed experts of a mixture-of-experts rollout,
             for routing replay.

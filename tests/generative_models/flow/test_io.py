@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
     FlowDiT,
     FlowDiTConfig,
     FlowModel,
@@ -19,7 +19,7 @@ from artifex.generative_models.models.flow import (
     load_flow_model,
     save_flow_model,
 )
-from artifex.generative_models.models.flow import io as flow_io
+from artifex.generative_models.flow import io as flow_io
 
 
 def _perturbed(model: nnx.Module, seed: int) -> nnx.Module:

@@ -10,11 +10,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.generative_models.inference.flow_sampling import FlowSampler, SDEConfig
-from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
+from artifex.generative_models.flow import (
+    FlowModel,
+    FlowModelConfig,
+    FlowSampler,
+    SDEConfig,
+    flow_grpo_objective,
+    flow_log_prob_fn,
+    to_grpo_batch,
+)
 from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn, to_grpo_batch
-from artifex.generative_models.training.rl.flow_objective import flow_grpo_objective
 from artifex.generative_models.training.rl.grpo import grpo_objective
 
 

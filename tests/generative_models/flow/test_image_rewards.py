@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
     DigitClassifier,
     brightness_reward,
     classifier_reward,

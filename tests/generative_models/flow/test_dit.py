@@ -10,18 +10,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.generative_models.inference.flow_sampling import FlowSampler, SDEConfig
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
     FlowDiT,
     FlowDiTConfig,
+    FlowSampler,
     FlowTrainConfig,
+    SDEConfig,
+    flow_log_prob_fn,
     load_digits_images,
     patchify,
     sincos_position_embeddings,
+    to_grpo_batch,
     train_flow_matching,
     unpatchify,
 )
-from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn, to_grpo_batch
 
 # One small shape for the tests that call the network, so they share its compilations.
 _CFG = FlowDiTConfig(

@@ -10,23 +10,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.generative_models.inference.flow_sampling import (
+from artifex.generative_models.flow import (
     MAX_NOISE_LEVEL,
+    FlowDiT,
+    FlowDiTConfig,
+    FlowModel,
+    FlowModelConfig,
     FlowSampler,
     SDEConfig,
     check_prompts,
+    flow_log_prob_fn,
     gaussian_kl,
     gaussian_log_prob,
     sample_flow,
     time_grid,
 )
-from artifex.generative_models.models.flow import (
-    FlowDiT,
-    FlowDiTConfig,
-    FlowModel,
-    FlowModelConfig,
-)
-from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn
 
 D = 16  # 4x4 images
 

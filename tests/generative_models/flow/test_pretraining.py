@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
     FlowModel,
     FlowModelConfig,
     FlowTrainConfig,

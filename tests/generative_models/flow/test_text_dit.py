@@ -10,18 +10,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.generative_models.inference.flow_sampling import FlowSampler, SDEConfig
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
+    FlowSampler,
     FlowTrainConfig,
+    SDEConfig,
     TextFlowDiT,
     TextFlowDiTConfig,
     compositional_reward,
+    flow_log_prob_fn,
     load_flow_model,
     make_shapes_dataset,
     save_flow_model,
+    to_grpo_batch,
     train_flow_matching,
 )
-from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn, to_grpo_batch
 
 _CFG = TextFlowDiTConfig(
     image_shape=(8, 8, 3),

@@ -11,16 +11,19 @@ import optax
 import pytest
 from flax import nnx
 
-from artifex.generative_models.inference.flow_sampling import FlowSampler, SDEConfig, time_grid
-from artifex.generative_models.models.flow import FlowModel, FlowModelConfig
-from artifex.generative_models.training.rl.configs import GRPOConfig
-from artifex.generative_models.training.rl.flow_batch import (
+from artifex.generative_models.flow import (
     FlowConditioning,
+    FlowModel,
+    FlowModelConfig,
+    FlowSampler,
+    SDEConfig,
+    flow_grpo_objective,
     flow_kl,
     flow_log_prob_fn,
+    time_grid,
     to_grpo_batch,
 )
-from artifex.generative_models.training.rl.flow_objective import flow_grpo_objective
+from artifex.generative_models.training.rl.configs import GRPOConfig
 from artifex.generative_models.training.rl.grpo import GRPOTrainer
 
 D = 16  # 4x4 images

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
     SHAPES_VOCABULARY,
     ObjectGroup,
     Scene,
@@ -20,7 +20,7 @@ from artifex.generative_models.models.flow import (
     scene_checks,
     split_captions,
 )
-from artifex.generative_models.models.flow.shapes import COLOURS
+from artifex.generative_models.flow.shapes import COLOURS
 
 
 def test_grammar_round_trips_through_parse_and_tokenizer():

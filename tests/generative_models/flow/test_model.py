@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from artifex.generative_models.models.flow import FlowModel, FlowModelConfig, timestep_features
+from artifex.generative_models.flow import FlowModel, FlowModelConfig, timestep_features
 
 
 @pytest.mark.parametrize("seed", [0, 1])
