@@ -18,11 +18,9 @@ NOT_YET_SPLIT: dict[str, int] = {
     "artifex/generative_models/training/rl/update/state.py": 884,
     "artifex/generative_models/training/rl/rollouts/rollout.py": 835,
     "artifex/generative_models/training/rl/update/optimizer_split.py": 786,
-    "artifex/generative_models/training/rl/core/advantages.py": 733,
     "artifex/generative_models/inference/continuous.py": 722,
     "artifex/generative_models/models/causal_lm/hf_io.py": 698,
     "artifex/generative_models/training/rl/core/objective.py": 628,
-    "artifex/generative_models/models/causal_lm/quantize.py": 627,
 }
 
 

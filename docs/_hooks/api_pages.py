@@ -148,6 +148,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_LM}.rope",
             f"{_LM}.lora",
             f"{_LM}.quantize",
+            f"{_LM}.quantize_weights",
             f"{_LM}.peft_io",
             f"{_LM}.tokenizer",
             f"{_LM}.chat_template",
