@@ -1,9 +1,9 @@
 """Orbax checkpoints of a training state: any pytree of arrays, with a verified JSON record.
 
 The GRPO loop saves its
-:class:`~artifex.generative_models.training.rl.update.state.GRPOTrainState` without the reference
-(the trainable parameters, the policy's other variables, the optimizer state, the step count
-and the PRNG key), and a JSON record with the data position, the configs and the parameter
+:class:`~artifex.generative_models.training.rl.update.train_state.GRPOTrainState` without the
+reference (the trainable parameters, the policy's other variables, the optimizer state, the step
+count and the PRNG key), and a JSON record with the data position, the configs and the parameter
 shapes. A frozen reference is not saved: a resumed run rebuilds it the way the original run did
 (load the same pretrained weights). This module knows no RL types: it saves and restores
 pytrees (PRNG keys are stored as their key data and re-wrapped on restore).

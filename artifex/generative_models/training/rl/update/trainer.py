@@ -104,8 +104,8 @@ class GRPOTrainer:
     A thin shell over the pure
     :func:`~artifex.generative_models.training.rl.update.state.make_grpo_train_step`: it holds the
     model, optimizer and reference, builds their
-    :class:`~artifex.generative_models.training.rl.update.state.GRPOTrainState`, runs the compiled
-    step on it and writes the result back. ``train_step(batch)`` validates the batch on the
+    :class:`~artifex.generative_models.training.rl.update.train_state.GRPOTrainState`, runs the
+    compiled step on it and writes the result back. ``train_step(batch)`` validates the batch on the
     host, then runs one step, compiled once per batch shape: per-token log-probs ->
     advantages -> clipped surrogate + KL + entropy -> gradient -> global-norm clipping ->
     ``optimizer.update``. A step whose loss or gradient is not finite is not applied (the
@@ -266,8 +266,8 @@ class GRPOTrainer:
     def state(self) -> GRPOTrainState:
         """The train state of the model, optimizer, reference and ``rng`` (their own arrays).
 
-        A :class:`~artifex.generative_models.training.rl.update.state.GRPOTrainState`, not a copy:
-        the compiled step reuses its buffers for its outputs (they are donated to XLA).
+        A :class:`~artifex.generative_models.training.rl.update.train_state.GRPOTrainState`, not a
+        copy: the compiled step reuses its buffers for its outputs (they are donated to XLA).
 
         Examples:
             >>> import optax
