@@ -24,9 +24,13 @@ import time
 import optax
 from flax import nnx
 
-from artifex.generative_models.flow import compositional, flow_trainer, train_flow
-from artifex.generative_models.inference import SDEConfig
-from artifex.generative_models.models.flow import load_flow_model
+from artifex.generative_models.flow import (
+    SDEConfig,
+    compositional,
+    flow_trainer,
+    load_flow_model,
+    train_flow,
+)
 from artifex.generative_models.training.rl import GRPOConfig, TrainConfig
 
 

@@ -22,10 +22,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from artifex.generative_models.inference.flow_sampling import FlowSampler, SDEConfig
-from artifex.generative_models.models.flow import FlowDiT, FlowDiTConfig
+from artifex.generative_models.flow import (
+    FlowDiT,
+    FlowDiTConfig,
+    FlowSampler,
+    SDEConfig,
+    flow_log_prob_fn,
+    to_grpo_batch,
+)
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
-from artifex.generative_models.training.rl.flow_batch import flow_log_prob_fn, to_grpo_batch
 from artifex.generative_models.training.rl.update.trainer import GRPOTrainer
 
 

@@ -28,14 +28,16 @@ import optax
 from flax import nnx
 
 from artifex.demos.flow import FlowDemoConfig, build_flow_model
-from artifex.generative_models.flow import flow_trainer, image_reward, train_flow
-from artifex.generative_models.inference import SDEConfig
-from artifex.generative_models.models.flow import (
+from artifex.generative_models.flow import (
     DigitClassifier,
     FlowTrainConfig,
+    SDEConfig,
     classifier_reward,
+    flow_trainer,
+    image_reward,
     load_digits_images,
     train_classifier,
+    train_flow,
     train_flow_matching,
 )
 from artifex.generative_models.training.rl import GRPOConfig, TrainConfig
