@@ -58,6 +58,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_RL}.core.losses",
             f"{_RL}.core.variant_losses",
             f"{_RL}.core.objective",
+            f"{_RL}.core.microbatching",
             f"{_RL}.core.logprobs",
             f"{_RL}.core.routing_replay",
             f"{_RL}.core.distillation",
