@@ -17,7 +17,6 @@ NOT_YET_SPLIT: dict[str, int] = {
     "artifex/generative_models/training/rl/update/trainer.py": 935,
     "artifex/generative_models/training/rl/update/optimizer_split.py": 786,
     "artifex/generative_models/inference/continuous.py": 722,
-    "artifex/generative_models/models/causal_lm/hf_io.py": 698,
 }
 
 

@@ -154,6 +154,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_LM}.tokenizer",
             f"{_LM}.chat_template",
             f"{_LM}.hf_io",
+            f"{_LM}.hf_format",
             f"{_LM}.gguf",
             f"{_LM}.gguf_tensors",
             f"{_LM}.gguf_config",

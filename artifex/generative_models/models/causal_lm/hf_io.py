@@ -19,12 +19,10 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -32,27 +30,31 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from artifex.generative_models.models.causal_lm.config import CausalLMConfig, resolve_dtype
+from artifex.generative_models.models.causal_lm.hf_format import (  # noqa: F401 (old path)
+    IGNORED,
+    INDEX_NAME,
+    SAFE_NAME,
+    PathParts,
+    Rules,
+    as_dtype,
+    hf_tensor_map,
+    param_path_str,
+    read_hf_config,
+    read_json,
+    variables_by_path,
+    weight_files,
+)
 from artifex.generative_models.utils.atomic import commit_file, remove_temp_files, temp_path
 
 __all__ = [
-    "hf_tensor_map",
     "load_hf_weights",
-    "param_path_str",
     "parse_size",
     "place_tensors",
-    "read_hf_config",
     "save_pretrained",
     "to_hf_tensors",
     "write_hf_checkpoint",
 ]
 
-PathParts = tuple[Any, ...]
-Rules = Callable[[str, tuple[int, ...]], PartitionSpec]
-
-_SAFE_NAME = "model.safetensors"
-_INDEX_NAME = "model.safetensors.index.json"
-#: Buffers some old checkpoints carry that are recomputed from the config.
-_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 _SIZE_UNITS = {
     "": 1,
     "B": 1,
@@ -63,168 +65,6 @@ _SIZE_UNITS = {
     "MIB": 2**20,
     "GIB": 2**30,
 }
-
-
-def param_path_str(path: PathParts) -> str:
-    """Joins an NNX state path into the dotted string used by partition rules.
-
-    Args:
-        path: Path parts, e.g. `("layers", 0, "attn", "q_proj", "kernel")`.
-
-    Returns:
-        The dotted path, e.g. `"layers.0.attn.q_proj.kernel"`.
-
-    Examples:
-        >>> from artifex.generative_models.models.causal_lm import param_path_str
-        >>> param_path_str(("layers", 0, "attn", "q_proj", "kernel"))
-        'layers.0.attn.q_proj.kernel'
-    """
-    return ".".join(str(p) for p in path)
-
-
-def hf_tensor_map(config: CausalLMConfig) -> dict[str, tuple[PathParts, bool]]:
-    """Maps every Hugging Face tensor name of `config`'s model to our parameter path.
-
-    Args:
-        config: The architecture.
-
-    Returns:
-        `{hf_name: (path, transpose)}`, where `transpose` is True for linear weights
-        (HF stores (out, in); our kernels are (in, out)). `lm_head.weight` is absent when the
-        embeddings are tied. For Gemma 3, `post_attention_layernorm` is the norm after the
-        attention block (`post_attn_norm`), `pre_feedforward_layernorm` the one before the MLP
-        (`mlp_norm`) and `post_feedforward_layernorm` the one after it (`post_mlp_norm`). For
-        Qwen3-MoE the router `mlp.gate.weight` is `mlp.gate.kernel` and each expert's
-        `mlp.experts.j.{gate,up,down}_proj.weight` is row `j` of the stacked
-        `mlp.experts.{gate,up,down}_proj`: its path ends with the expert index `j`.
-
-    Examples:
-        >>> from artifex.generative_models.models.causal_lm import CausalLMConfig, hf_tensor_map
-        >>> cfg = CausalLMConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
-        ...                      num_layers=1, num_heads=2)
-        >>> mapping = hf_tensor_map(cfg)
-        >>> mapping["model.layers.0.self_attn.q_proj.weight"]
-        (('layers', 0, 'attn', 'q_proj', 'kernel'), True)
-        >>> mapping["model.embed_tokens.weight"]
-        (('embed', 'embedding'), False)
-    """
-    out: dict[str, tuple[PathParts, bool]] = {
-        "model.embed_tokens.weight": (("embed", "embedding"), False),
-        "model.norm.weight": (("final_norm", "scale"), False),
-    }
-    for i in range(config.num_layers):
-        hf = f"model.layers.{i}"
-        ours: PathParts = ("layers", i)
-        out[f"{hf}.input_layernorm.weight"] = ((*ours, "attn_norm", "scale"), False)
-        if config.post_norms:  # Gemma 3: a norm after each block, and one before the MLP
-            for name, norm in (
-                ("post_attention_layernorm", "post_attn_norm"),
-                ("pre_feedforward_layernorm", "mlp_norm"),
-                ("post_feedforward_layernorm", "post_mlp_norm"),
-            ):
-                out[f"{hf}.{name}.weight"] = ((*ours, norm, "scale"), False)
-        else:
-            out[f"{hf}.post_attention_layernorm.weight"] = ((*ours, "mlp_norm", "scale"), False)
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"{hf}.self_attn.{proj}.weight"] = ((*ours, "attn", proj, "kernel"), True)
-        if config.attention_bias:
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                out[f"{hf}.self_attn.{proj}.bias"] = ((*ours, "attn", proj, "bias"), False)
-        if config.attention_out_bias:
-            out[f"{hf}.self_attn.o_proj.bias"] = ((*ours, "attn", "o_proj", "bias"), False)
-        if config.qk_norm:
-            out[f"{hf}.self_attn.q_norm.weight"] = ((*ours, "attn", "q_norm", "scale"), False)
-            out[f"{hf}.self_attn.k_norm.weight"] = ((*ours, "attn", "k_norm", "scale"), False)
-        if config.is_moe:
-            out[f"{hf}.mlp.gate.weight"] = ((*ours, "mlp", "gate", "kernel"), True)
-            for j in range(config.num_experts):
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    path = (*ours, "mlp", "experts", proj, j)
-                    out[f"{hf}.mlp.experts.{j}.{proj}.weight"] = (path, True)
-            continue
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{hf}.mlp.{proj}.weight"] = ((*ours, "mlp", proj, "kernel"), True)
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = (("lm_head", "kernel"), True)
-    return out
-
-
-def _variables(model: nnx.Module) -> dict[PathParts, nnx.Variable]:
-    return {
-        tuple(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)
-    }
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _weight_files(directory: str) -> dict[str, list[str]]:
-    """Returns `{file: [tensor names]}` for the checkpoint in `directory`."""
-    index_path = os.path.join(directory, _INDEX_NAME)
-    single_path = os.path.join(directory, _SAFE_NAME)
-    if os.path.exists(index_path):
-        weight_map = _read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict):
-            msg = f"{index_path}: expected a 'weight_map' object, got {weight_map!r}"
-            raise ValueError(msg)
-        files: dict[str, list[str]] = {}
-        root = os.path.realpath(directory)
-        for name, fname in weight_map.items():
-            full = os.path.realpath(os.path.join(directory, str(fname)))
-            if not isinstance(fname, str) or os.path.dirname(full) != root:
-                msg = (
-                    f"{index_path}: weight_map[{name!r}] = {fname!r} must name a file inside "
-                    f"the model directory {directory!r}"
-                )
-                raise ValueError(msg)
-            files.setdefault(os.path.join(directory, fname), []).append(name)
-        for fname, names in files.items():
-            with safe_open(fname, framework="numpy") as f:
-                keys = set(f.keys())
-            absent = [n for n in names if n not in keys]
-            if absent:
-                msg = f"tensor {absent[0]!r} is listed in {_INDEX_NAME} but missing from {fname}"
-                raise ValueError(msg)
-        return files
-    if os.path.exists(single_path):
-        with safe_open(single_path, framework="numpy") as f:
-            return {single_path: list(f.keys())}
-    msg = f"no {_SAFE_NAME} or {_INDEX_NAME} in {directory!r} (only safetensors are supported)"
-    raise FileNotFoundError(msg)
-
-
-def _as_dtype(x: np.ndarray, dtype: jnp.dtype) -> np.ndarray:
-    target = np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
-    return x if x.dtype == target else x.astype(target)
-
-
-def read_hf_config(path: str | os.PathLike[str]) -> CausalLMConfig:
-    """Reads the `config.json` of a Hugging Face checkpoint directory.
-
-    Args:
-        path: Checkpoint directory.
-
-    Returns:
-        The config (`CausalLMConfig.from_hf_config`).
-
-    Raises:
-        FileNotFoundError: If there is no config.json in `path`.
-        ValueError: For an unsupported model_type or setting (see `CausalLMConfig.from_hf_config`).
-
-    Examples:
-        >>> from artifex.generative_models.models.causal_lm.hf_io import read_hf_config
-        >>> config = read_hf_config("tests/fixtures/qwen2_tiny")  # from the repository root
-        >>> config.model_type, config.num_layers, config.hidden_size
-        ('qwen2', 2, 32)
-    """
-    directory = os.fspath(path)
-    config_path = os.path.join(directory, "config.json")
-    if not os.path.exists(config_path):
-        msg = f"no config.json in {directory!r}"
-        raise FileNotFoundError(msg)
-    return CausalLMConfig.from_hf_config(_read_json(config_path))
 
 
 def place_tensors(
@@ -283,7 +123,7 @@ def place_tensors(
     config: CausalLMConfig = model.config
     dt = resolve_dtype(config.param_dtype)
     mapping = hf_tensor_map(config)
-    variables = _variables(model)
+    variables = variables_by_path(model)
     seen: set[str] = set()
     tied_head: np.ndarray | None = None
     # Stacked expert weights, filled one expert at a time on the host: {path: (array, filled)}.
@@ -307,7 +147,7 @@ def place_tensors(
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 tied_head = x
                 continue
-            if _IGNORED.match(name):
+            if IGNORED.match(name):
                 continue
             msg = f"unexpected tensor {name!r} in {source}"
             raise ValueError(msg)
@@ -321,7 +161,7 @@ def place_tensors(
         if tuple(x.shape) != hf_shape:
             msg = f"tensor {name!r}: expected shape {hf_shape}, got {tuple(x.shape)}"
             raise ValueError(msg)
-        x = _as_dtype(x, dt)
+        x = as_dtype(x, dt)
         if transpose:
             x = np.ascontiguousarray(x.T)
         if expert is None:
@@ -344,7 +184,7 @@ def place_tensors(
     if tied_head is not None:
         embedding = np.asarray(jax.device_get(model.embed.embedding[...]))
         if tied_head.shape != embedding.shape or not np.array_equal(
-            _as_dtype(tied_head, dt), embedding
+            as_dtype(tied_head, dt), embedding
         ):
             msg = (
                 "tensor 'lm_head.weight': config has tie_word_embeddings=True but lm_head.weight "
@@ -397,11 +237,11 @@ def load_hf_weights(
     if rules is not None and mesh is None:
         msg = "from_pretrained: rules were given without a mesh; pass mesh= as well"
         raise TypeError(msg)
-    files = _weight_files(directory)
+    files = weight_files(directory)
     config: CausalLMConfig = model.config
     mapping = hf_tensor_map(config)
     present = {name for names in files.values() for name in names}
-    extra = sorted(n for n in present - set(mapping) if not _IGNORED.match(n))
+    extra = sorted(n for n in present - set(mapping) if not IGNORED.match(n))
     if config.tie_word_embeddings and "lm_head.weight" in extra:
         extra.remove("lm_head.weight")
     if extra:
@@ -419,14 +259,14 @@ def load_hf_weights(
         for fname, names in files.items():
             with safe_open(fname, framework="numpy") as f:
                 for name in names:
-                    if not _IGNORED.match(name):
+                    if not IGNORED.match(name):
                         yield name, f.get_tensor(name)
 
     place_tensors(model, tensors(), mesh=mesh, rules=rules, source=repr(directory))
 
 
 def _lora_paths(model: nnx.Module) -> Iterator[str]:
-    for path, var in _variables(model).items():
+    for path, var in variables_by_path(model).items():
         if isinstance(var, nnx.LoRAParam):
             yield param_path_str(path)
 
@@ -475,7 +315,7 @@ def to_hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
             "a Hugging Face checkpoint"
         )
         raise ValueError(msg)
-    variables = _variables(model)
+    variables = variables_by_path(model)
     stacked = getattr(model, "layers_stacked", False)
     gathered: dict[PathParts, np.ndarray] = {}  # stacked layer weights, read once each
     out: dict[str, np.ndarray] = {}
@@ -648,7 +488,7 @@ def write_hf_checkpoint(
         shards[-1][name] = x
         size += x.nbytes
     names = (
-        [_SAFE_NAME]
+        [SAFE_NAME]
         if len(shards) == 1
         else [f"model-{k:05d}-of-{len(shards):05d}.safetensors" for k in range(1, len(shards) + 1)]
     )
@@ -671,12 +511,12 @@ def write_hf_checkpoint(
                 "metadata": {"total_size": int(sum(x.nbytes for s in shards for x in s.values()))},
                 "weight_map": dict(sorted(weight_map.items())),
             }
-            tmp = temp_path(os.path.join(directory, _INDEX_NAME))
-            written.append((tmp, _INDEX_NAME))
+            tmp = temp_path(os.path.join(directory, INDEX_NAME))
+            written.append((tmp, INDEX_NAME))
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(index, f, indent=2)
                 f.write("\n")
-            files.append(_INDEX_NAME)
+            files.append(INDEX_NAME)
         tmp = temp_path(os.path.join(directory, "config.json"))
         written.append((tmp, "config.json"))
         with open(tmp, "w", encoding="utf-8") as f:
@@ -689,7 +529,7 @@ def write_hf_checkpoint(
         raise
     if len(shards) == 1:  # the old index (if any) would shadow the new single file: drop it
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(directory, _INDEX_NAME))
+            os.remove(os.path.join(directory, INDEX_NAME))
     for tmp, fname in written:
         commit_file(tmp, os.path.join(directory, fname))
     stale = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")

@@ -32,12 +32,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 
 from artifex.generative_models.models.causal_lm.config import CausalLMConfig, resolve_dtype
-from artifex.generative_models.models.causal_lm.hf_io import (
-    _as_dtype,
-    _weight_files,
+from artifex.generative_models.models.causal_lm.hf_format import (
+    as_dtype,
     param_path_str,
-    place_tensors,
+    weight_files,
 )
+from artifex.generative_models.models.causal_lm.hf_io import place_tensors
 from artifex.generative_models.models.causal_lm.model import CausalLM
 from artifex.generative_models.models.causal_lm.modules import Linear
 
@@ -236,7 +236,7 @@ class CausalLMForSequenceClassification(nnx.Module):
         with open(config_path, encoding="utf-8") as f:
             hf_config = json.load(f)
         config = CausalLMConfig.from_hf_config(hf_config)
-        files = _weight_files(directory)
+        files = weight_files(directory)
         score_file = next((f for f, names in files.items() if _SCORE in names), None)
         if score_file is None:
             archs = hf_config.get("architectures")
@@ -274,7 +274,7 @@ class CausalLMForSequenceClassification(nnx.Module):
                             yield name, f.get_tensor(name)
 
         place_tensors(model.model, body_tensors(), mesh=mesh, rules=rules, source=repr(directory))
-        kernel = np.ascontiguousarray(_as_dtype(score, dt).T)
+        kernel = np.ascontiguousarray(as_dtype(score, dt).T)
         if mesh is None:
             arr = jax.device_put(kernel)
         else:

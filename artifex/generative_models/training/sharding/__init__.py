@@ -8,7 +8,7 @@ decides where they live:
   size 1) in GSPMD (``AxisType.Auto``) mode, and ``"expert"`` before ``"tensor"`` for expert
   parallelism of mixture-of-experts models (``make_mesh(expert=n)``, with :data:`MOE_RULES`).
 - :class:`PartitionRules` maps a parameter path (``"layers.0.attn.q_proj.kernel"``, as
-  :func:`~artifex.generative_models.models.causal_lm.hf_io.param_path_str` writes it) and shape
+  :func:`~artifex.generative_models.models.causal_lm.hf_format.param_path_str` writes it) and shape
   to a ``PartitionSpec``: Megatron-style tensor parallelism over ``"tensor"``
   (:data:`CAUSAL_LM_RULES`), plus FSDP (ZeRO-3) sharding of every large parameter over
   ``"fsdp"``.
