@@ -251,6 +251,43 @@ def test_the_config_switch_replays_the_rollouts_routing(replay):
         assert metrics["moe/routing_agreement"] == 1.0
 
 
+def test_microbatches_report_the_whole_batchs_routing_agreement():
+    """With microbatches the agreement is weighted by each one's completion tokens, as one pass.
+
+    The first microbatch replays other experts than its routers pick (low agreement), the second
+    its own (agreement near 1), and their completion tokens differ (7 and 15), so an unweighted
+    mean of the microbatches' agreements would differ from the whole batch's.
+    """
+    trainer = _trainer(routing_replay=True)
+    sampler = _rollout_router(from_pretrained(FIXTURES / NAME))
+    policy = dataclasses.replace(trainer.policy(), model=sampler)
+    ro = rollout(
+        policy, TOK, ROWS, RewardCombiner([_varied]), RolloutConfig(max_new_tokens=4),
+        key=jax.random.key(0), need_old_log_probs=True,
+    )  # fmt: skip
+    lengths = np.array([4, 1, 1, 1, 4, 4, 3, 4])  # 7 and 15 tokens in the two microbatches
+    mask = (np.arange(4)[None, :] < lengths[:, None]).astype(np.float32)
+    experts = np.asarray(ro.batch.routed_experts).copy()  # (B, P + T, L, k)
+    experts[:4] = (experts[:4] + 1) % 8  # the first microbatch replays other experts
+    batch = ro.batch.replace(completion_mask=jnp.asarray(mask), routed_experts=jnp.asarray(experts))
+    whole = routing_replay_log_probs(trainer.model, batch)[2]["moe/routing_agreement"]
+    halves = [
+        routing_replay_log_probs(trainer.model, batch.replace(**{
+            f: getattr(batch, f)[s] for f in (
+                "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "rewards",
+                "routed_experts", "old_log_probs",
+            )
+        }))[2]["moe/routing_agreement"]
+        for s in (slice(0, 4), slice(4, 8))
+    ]  # fmt: skip
+    assert abs(float(halves[0]) - float(halves[1])) > 1e-3  # so the weighting matters
+    metrics = trainer.train_step(batch, num_microbatches=2)
+    np.testing.assert_allclose(metrics["moe/routing_agreement"], float(whole), rtol=1e-6)
+    tokens = mask[:4].sum(), mask[4:].sum()
+    weighted = (float(halves[0]) * tokens[0] + float(halves[1]) * tokens[1]) / sum(tokens)
+    np.testing.assert_allclose(weighted, float(whole), rtol=1e-6)
+
+
 def test_the_loop_records_routing_and_logs_the_moe_metrics():
     trainer = _trainer(routing_replay=True)
     config = TrainConfig(num_steps=1, prompts_per_step=2, progress=False)

@@ -36,6 +36,7 @@ _TOKEN_WEIGHTED = (
     "clip_fraction",
     "high_entropy_fraction",
     "vespo_weight_mean",
+    "moe/routing_agreement",  # over the completion tokens the loss counts
 )
 # Means over other units than the completion tokens, weighted by their own counts.
 _WEIGHTED_BY = {
