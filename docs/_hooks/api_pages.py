@@ -72,6 +72,8 @@ GROUPS: tuple[Group, ...] = (
         (
             f"{_GM}.training",
             f"{_RL}.update.trainer",
+            f"{_RL}.update.trainer_state",
+            f"{_RL}.update.trainer_batches",
             f"{_RL}.update.trainer_setup",
             f"{_RL}.update.microbatches",
             f"{_RL}.update.engines",

@@ -48,7 +48,7 @@ def score_old_log_probs(trainer: GRPOTrainer, batch: GRPOBatch) -> GRPOBatch:
 
     The rollout fills ``old_log_probs`` from the sampler where its numbers are the loss's;
     this stage fills the rest with the trainer's graph
-    (:meth:`~artifex.generative_models.training.rl.update.trainer.GRPOTrainer.fill_log_probs`):
+    (:meth:`~artifex.generative_models.training.rl.update.trainer_batches.TrainerBatches.fill_log_probs`):
     the old log-probs when missing, the reference's when ``beta > 0`` and a reference exists.
 
     Args:

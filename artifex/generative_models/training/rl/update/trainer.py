@@ -8,6 +8,15 @@ runs the compiled update on the state of its ``nnx`` model and optimizer, and ra
 :class:`NonFiniteUpdateError` when a step was rejected. The whole loop drives a trainer
 from above (:func:`~artifex.generative_models.training.rl.run.loop.train`); nothing here
 imports it.
+
+``GRPOTrainer`` gets its methods by concern from two base classes: the train-state methods
+(``state``, ``load_state``, ``store_update``, ``seed_rng``, ``checkpoint_state``,
+``load_checkpoint_state``, ``maybe_sync_reference``) from
+:class:`~artifex.generative_models.training.rl.update.trainer_state.TrainerStateIO`, the batch
+methods (``prepare_batch``, ``place_batch``, ``fill_log_probs``, ``compute_log_probs``,
+``policy``, ``maybe_pack``, ``auto_microbatches``) from
+:class:`~artifex.generative_models.training.rl.update.trainer_batches.TrainerBatches`. This module
+keeps construction, the compiled step and the update itself.
 """
 
 from __future__ import annotations
@@ -18,8 +27,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -33,8 +40,6 @@ from artifex.generative_models.training.rl.core.objective import (
     make_grpo_loss,
     split_microbatches,
 )
-from artifex.generative_models.training.rl.core.policy import Policy
-from artifex.generative_models.training.rl.packing import pack_batch, should_pack
 from artifex.generative_models.training.rl.update.engines import (
     choose_optimizer_split,
     make_step_engine,
@@ -50,34 +55,24 @@ from artifex.generative_models.training.rl.update.optimizer_split import (
 )
 from artifex.generative_models.training.rl.update.ref_sync import (
     check_sync_setup,
-    reference_sync_due,
-    sync_reference,
 )
 from artifex.generative_models.training.rl.update.signals import interrupt_scope
 from artifex.generative_models.training.rl.update.state import (
-    GRPOTrainState,
     NonFiniteUpdateError,
     _is_lora_only,
-    init_train_state,
     make_grpo_log_probs,
-    write_train_state,
 )
+from artifex.generative_models.training.rl.update.trainer_batches import TrainerBatches
 from artifex.generative_models.training.rl.update.trainer_setup import (
-    _check_token_range,
-    _replicated_key,
-    _uncommitted_key,
-    _vocab_size,
-    check_routed_batch,
     check_trainer_inputs,
     host_update_metrics,
     place_models,
     trainer_log_prob_fn,
 )
+from artifex.generative_models.training.rl.update.trainer_state import TrainerStateIO
 from artifex.generative_models.training.sharding import (
     PartitionRules,
     current_mesh,
-    num_data_shards,
-    shard_batch,
 )
 from artifex.generative_models.utils.compile_options import jit
 from artifex.generative_models.utils.host_memory import release_memory_after_compilation
@@ -98,7 +93,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerStateIO, TrainerBatches):
     """Applies GRPO updates to an NNX policy through an ``nnx.Optimizer``.
 
     A thin shell over the pure
@@ -138,8 +133,9 @@ class GRPOTrainer:
         partition_rules: :class:`~artifex.generative_models.training.sharding.PartitionRules`
             (or ``(regex, PartitionSpec)`` pairs) for ``mesh``; default ``PartitionRules()``.
         rng: The run's PRNG key (default ``jax.random.key(0)``).
-        packing_threshold: Pack a causal-LM batch (:meth:`maybe_pack`) when over this
-            fraction of it is padding; None: never.
+        packing_threshold: Pack a causal-LM batch
+            (:meth:`~artifex.generative_models.training.rl.update.trainer_batches.TrainerBatches.maybe_pack`)
+            when over this fraction of it is padding; None: never.
         teacher_model: Optional frozen distillation teacher
             (:mod:`~artifex.generative_models.training.rl.core.teacher`), run inside the step.
         teacher_partition_rules: The teacher's rules on ``mesh`` (default ``partition_rules``).
@@ -262,231 +258,6 @@ class GRPOTrainer:
         """Whether the step can compute reference log-probs itself."""
         return self.reference_model is not None or self._lora_reference
 
-    @property
-    def state(self) -> GRPOTrainState:
-        """The train state of the model, optimizer, reference and ``rng`` (their own arrays).
-
-        A :class:`~artifex.generative_models.training.rl.update.train_state.GRPOTrainState`, not a
-        copy: the compiled step reuses its buffers for its outputs (they are donated to XLA).
-
-        Examples:
-            >>> import optax
-            >>> from flax import nnx
-            >>> from artifex.generative_models.training import GRPOTrainer
-            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-            >>> trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
-            >>> state = trainer.state
-            >>> int(state.step), sorted(state.params), state.reference is None
-            (0, ['bias', 'kernel'], True)
-        """
-        rng = self.rng
-        if self.mesh is not None:  # every leaf of the state on the mesh (one device set)
-            if self._placed_rng is None or self._placed_rng[0] is not rng:
-                self._placed_rng = (rng, _replicated_key(rng, self.mesh))
-            rng = self._placed_rng[1]
-        state = init_train_state(self.model, self.optimizer, rng=rng)
-        state = state.replace(teacher=self._teacher_state)
-        return (
-            state
-            if self._reference_state is None
-            else state.replace(reference=self._reference_state)
-        )
-
-    def load_state(self, state: GRPOTrainState) -> None:
-        """Writes a train state back into the model, optimizer, reference and ``rng``.
-
-        Args:
-            state: A state of this trainer's model (e.g. from the pure step in a user's loop).
-        """
-        write_train_state(state, self.model, self.optimizer, self.reference_model)
-        if self.reference_model is not None:
-            self._reference_state = nnx.as_pure(nnx.state(self.reference_model))
-        self.rng = _uncommitted_key(state.rng)
-
-    def seed_rng(self, seed: int | jax.Array) -> None:
-        """Sets the run's PRNG key (``state.rng``): ``jax.random.key(seed)``, or a key as given.
-
-        The training loop seeds it from ``TrainConfig.seed`` before a run (a resumed run then
-        loads the checkpoint's, which is the same key); step ``k`` samples with
-        ``fold_in(rng, k)``.
-
-        Args:
-            seed: An int seed, or a typed PRNG key (``jax.random.key``).
-
-        Raises:
-            TypeError: ``seed`` is neither an int nor a typed PRNG key.
-
-        Examples:
-            >>> import jax, optax
-            >>> from flax import nnx
-            >>> from artifex.generative_models.training import GRPOTrainer
-            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-            >>> trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param))
-            >>> trainer.seed_rng(7)
-            >>> bool((jax.random.key_data(trainer.state.rng) ==
-            ...       jax.random.key_data(jax.random.key(7))).all())
-            True
-        """
-        if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
-            self.rng = seed
-            return
-        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-            msg = f"seed_rng: seed must be an int or a typed PRNG key, got {seed!r}"
-            raise TypeError(msg)
-        self.rng = jax.random.key(int(seed))
-
-    def checkpoint_state(self) -> GRPOTrainState:
-        """The part of the train state a checkpoint holds: everything but reference and teacher.
-
-        Returns:
-            ``self.state`` with ``reference=None`` and ``teacher=None`` (frozen models are
-            rebuilt, not saved);
-            with ``GRPOConfig.sync_ref_model`` the reference too (it changes in training).
-
-        Examples:
-            >>> import optax
-            >>> from flax import nnx
-            >>> from artifex.generative_models.training import GRPOTrainer
-            >>> from artifex.generative_models.training.rl import GRPOConfig
-            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-            >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(beta=0.04),
-            ...                       reference_model=nnx.clone(model))
-            >>> trainer.state.reference is None, trainer.checkpoint_state().reference is None
-            (False, True)
-        """
-        if self.config.sync_ref_model:
-            return self.state.replace(teacher=None)
-        return self.state.replace(reference=None, teacher=None)
-
-    def load_checkpoint_state(self, state: GRPOTrainState) -> None:
-        """Loads a restored :meth:`checkpoint_state`, keeping the current reference.
-
-        Args:
-            state: The restored state (without a reference; with ``sync_ref_model``, with the
-                synced reference, which replaces the current one).
-        """
-        if state.reference is None:
-            state = state.replace(reference=self.state.reference)
-        if state.teacher is None:
-            state = state.replace(teacher=self._teacher_state)
-        self.load_state(state)
-
-    def maybe_sync_reference(
-        self, state: GRPOTrainState, metrics: Mapping[str, Any]
-    ) -> GRPOTrainState:
-        """TR-DPO's reference sync after an update, when it is due (``sync_ref_model``).
-
-        When the update was applied (``metrics["update_applied"]``) and brought the step count
-        to a multiple of ``ref_model_sync_steps``, the reference becomes
-        ``alpha * policy + (1 - alpha) * reference``
-        (:func:`~artifex.generative_models.training.rl.update.ref_sync.sync_reference`), in the
-        returned state, in this trainer and in ``reference_model``. ``train_step`` and the
-        training loop call it after every update.
-
-        Args:
-            state: The state an update returned.
-            metrics: That update's metrics (the compiled step's, with ``update_applied``).
-
-        Returns:
-            ``state``, with the synced reference when a sync was due.
-        """
-        if not self.config.sync_ref_model or float(metrics["update_applied"]) == 0:
-            return state
-        if not reference_sync_due(state.step, self.config):
-            return state
-        state = sync_reference(state, self.config.ref_model_mixup_alpha)
-        self._reference_state = state.reference
-        nnx.update(self.reference_model, state.reference)
-        return state
-
-    def policy(self) -> Policy:
-        """The rollout stage's view of this trainer: model, config, mesh and scorer.
-
-        Returns:
-            A :class:`~artifex.generative_models.training.rl.core.policy.Policy` whose
-            ``score`` fills old and reference log-probs of library-built batches (no host
-            validation).
-
-        Examples:
-            >>> import optax
-            >>> from flax import nnx
-            >>> from artifex.generative_models.training import GRPOTrainer
-            >>> from artifex.generative_models.training.rl import GRPOConfig
-            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-            >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4))
-            >>> policy = trainer.policy()
-            >>> policy.model is model, policy.config.num_generations, policy.mesh is None
-            (True, 4, True)
-        """
-        return Policy(model=self.model, config=self.config, mesh=self.mesh, score=self._score)
-
-    def place_batch(self, batch: GRPOBatch) -> GRPOBatch:
-        """A library-built batch placed on the trainer's mesh (no validation, no host copy).
-
-        Args:
-            batch: A :class:`GRPOBatch` of arrays.
-
-        Returns:
-            The batch with its rows split over the mesh's data axes; without a mesh, on the
-            device the parameters are committed to (restored or ``device_put`` weights), or
-            the batch itself when they are not committed. Either way every batch the library
-            builds is placed alike, so a compiled step (and one compiled ahead for a zero
-            example) serves them all.
-        """
-        if self.mesh is not None:
-            return shard_batch(batch, self.mesh)
-        # Metadata only: inside the loop's updates these buffers may already be donated.
-        leaf = jax.tree.leaves(self.state.params)[:1]
-        if not leaf or not isinstance(leaf[0], jax.Array) or not leaf[0].committed:
-            return batch
-        devices = leaf[0].sharding.device_set
-        if len(devices) != 1:  # parameters spread over devices without a mesh: leave it be
-            return batch
-        return jax.device_put(batch, next(iter(devices)))
-
-    def _score(self, batch: GRPOBatch) -> GRPOBatch:
-        """:meth:`fill_log_probs` of the placed batch (``Policy.score`` for custom loops)."""
-        return self.fill_log_probs(self.place_batch(batch))
-
-    def fill_log_probs(self, batch: GRPOBatch) -> GRPOBatch:
-        """Fills the missing old and reference log-probs of a prepared, placed batch.
-
-        What :meth:`compute_log_probs` does after its host checks: ``old_log_probs`` (the
-        current policy, scored by the training graph) when the batch has none, and
-        ``ref_log_probs`` when it has none, ``beta > 0`` and the trainer has a reference. One
-        compiled forward pass, no gradient, no host copy. The training loop calls it as its own
-        stage, after the rollout and before the updates on the batch, when several updates
-        share the batch (``mu > 1`` or several minibatches).
-
-        Args:
-            batch: A :class:`GRPOBatch` built by the library or :meth:`prepare_batch`, on the
-                trainer's mesh (:meth:`place_batch`).
-
-        Returns:
-            The batch with those fields set (fields it had are kept).
-
-        Examples:
-            >>> import jax.numpy as jnp, optax
-            >>> from flax import nnx
-            >>> from artifex.generative_models.training import GRPOTrainer
-            >>> from artifex.generative_models.training.rl import GRPOConfig
-            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-            >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2, beta=0.0))
-            >>> batch = trainer.prepare_batch({"observations": jnp.ones((2, 4)),
-            ...     "actions": jnp.array([0, 2]), "rewards": jnp.array([1.0, 0.0])})
-            >>> trainer.fill_log_probs(batch).old_log_probs.shape
-            (2, 1)
-        """
-        log_probs, ref_log_probs = self._log_probs_fn(self.state, batch)
-        if batch.old_log_probs is None:
-            batch = batch.replace(old_log_probs=log_probs)
-        if batch.ref_log_probs is None and ref_log_probs is not None:
-            batch = batch.replace(ref_log_probs=ref_log_probs)
-        return batch
-
     def compiled_step(self, num_microbatches: int = 1) -> Any:
         """The compiled ``grpo_train_step(state, batch) -> (state, metrics)`` of this trainer.
 
@@ -594,133 +365,6 @@ class GRPOTrainer:
         return self._split_decisions(state.params, state.opt_state)[1]
 
     # ----------------------------------------------------------------- the step
-    def prepare_batch(self, batch: GRPOBatch | Mapping[str, Any]) -> GRPOBatch:
-        """Converts and validates a batch on the host (what ``train_step`` does first).
-
-        Args:
-            batch: A :class:`GRPOBatch` or the dict batch form.
-
-        Returns:
-            The validated ``GRPOBatch`` of JAX arrays (with a mesh: rows split over its data
-            axes by :func:`~artifex.generative_models.training.sharding.shard_batch`).
-
-        Raises:
-            ValueError: The batch breaks its contract (see :meth:`GRPOBatch.validate`), its
-                group size is < 2 without precomputed advantages, or (with a mesh) its rows
-                cannot be split evenly over the data shards.
-            TypeError: Wrong batch type or dtypes.
-        """
-        batch = as_grpo_batch(batch, self.config).validate()
-        _check_token_range(batch, _vocab_size(self.model))
-        check_routed_batch(batch, self.config, moe=self._moe_log_probs)
-        if not batch.shared_prompts and batch.prompts_shared_within_groups():
-            batch = batch.replace(shared_prompts=True)  # encode each prompt once per group
-        if batch.group_size < 2 and batch.advantages is None and batch.group_ids is None:
-            msg = f"batch group_size must be >= 2 to compare completions, got {batch.group_size}"
-            raise ValueError(msg)
-        return self.place_batch(batch)
-
-    def compute_log_probs(self, batch: GRPOBatch | Mapping[str, Any]) -> GRPOBatch:
-        """Fills ``old_log_probs`` (current policy) and ``ref_log_probs`` (reference) of a batch.
-
-        Used before ``mu > 1`` optimization iterations on one generation batch: the old
-        log-probs are those of the policy that sampled the batch, scored by the training graph,
-        and the reference log-probs are computed once instead of at every iteration. Fields the
-        batch already has are kept; the reference is only scored when ``beta > 0`` and the
-        trainer has one.
-
-        Args:
-            batch: The batch.
-
-        Returns:
-            The batch with the log-prob fields set (no gradient, one compiled forward pass).
-
-        Examples:
-            >>> import jax, jax.numpy as jnp, optax
-            >>> from flax import nnx
-            >>> from artifex.generative_models.training import GRPOTrainer
-            >>> from artifex.generative_models.training.rl import GRPOConfig
-            >>> model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
-            >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-            >>> trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=4, beta=0.0))
-            >>> actions = jnp.array([0, 1, 2, 0])
-            >>> scored = trainer.compute_log_probs({"observations": jnp.ones((4, 4)),
-            ...     "actions": actions, "rewards": jnp.array([1.0, 0, 0, 1.0])})
-            >>> expected = jax.nn.log_softmax(model(jnp.ones(4)))[actions]  # log p(action)
-            >>> scored.old_log_probs.shape, bool(jnp.allclose(scored.old_log_probs[:, 0], expected))
-            ((4, 1), True)
-        """
-        return self._score(self.prepare_batch(batch))
-
-    def auto_microbatches(self, batch: GRPOBatch) -> int:
-        """The microbatches an update of ``batch`` runs in when ``num_microbatches`` is not given.
-
-        For a causal LM with float32 trainable parameters on one CPU device (no mesh):
-        :func:`auto_num_microbatches` of the batch's shape, the most slices of whole prompt
-        groups of at least :data:`MIN_MICROBATCH_TOKENS` token positions each. The update is
-        the same (advantages and the loss normalizer come from the whole batch); its
-        temporaries, mapped anew by XLA:CPU at every run, are smaller. 1 otherwise: on an
-        accelerator (a pooled allocator and larger matrix products), on a mesh, for a model
-        that is not a causal LM, with a custom ``log_prob_fn`` (it may not treat rows
-        independently), with lower-precision parameters (the slices' gradients would be
-        summed in that precision), with ``layerwise_update`` (already one layer at a time),
-        with ``top_entropy_quantile < 1`` (a further forward pass per slice), for groups of
-        different sizes (``group_ids``) and for rows that are not whole groups. The parameters'
-        device and dtype are read once, at the first call.
-
-        Args:
-            batch: A :class:`GRPOBatch` (only its shapes and static fields are read; a
-                ``jax.eval_shape`` of one will do).
-
-        Returns:
-            The number of microbatches, >= 1, dividing the batch's rows.
-
-        Examples:
-            >>> import optax
-            >>> from flax import nnx
-            >>> from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
-            >>> from artifex.generative_models.training import GRPOTrainer
-            >>> from artifex.generative_models.training.rl import GRPOBatch, GRPOConfig
-            >>> cfg = CausalLMConfig(vocab_size=32, hidden_size=8, intermediate_size=16,
-            ...                      num_layers=1, num_heads=2)
-            >>> model = CausalLM(cfg, rngs=nnx.Rngs(0))
-            >>> trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
-            ...                       GRPOConfig(num_generations=4, beta=0.0))
-            >>> batch = trainer.prepare_batch(GRPOBatch.zeros(8, 4, 32, 96))  # 32 rows
-            >>> batch.shared_prompts, trainer.auto_microbatches(batch)  # on the CPU
-            (True, 4)
-        """
-        if self._auto_eligible is None:
-            leaves = [x for x in jax.tree.leaves(self.params) if hasattr(x, "dtype")]
-            platforms = {d.platform for x in leaves[:1] for d in x.devices()}
-            self._auto_eligible = (
-                bool(leaves)
-                and platforms == {"cpu"}
-                and self.mesh is None
-                and _vocab_size(self.model) is not None
-                and not self._custom_log_prob_fn
-                and all(
-                    x.dtype == jnp.float32 for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)
-                )
-            )
-        if (
-            not self._auto_eligible
-            or self.config.layerwise_update
-            or self.config.top_entropy_quantile < 1.0
-            or batch.group_ids is not None
-            or len(batch.prompt_ids.shape) != 2
-            or len(batch.completion_ids.shape) != 2
-            or batch.batch_size % batch.group_size
-        ):
-            return 1
-        return auto_num_microbatches(
-            batch.batch_size,
-            batch.group_size,
-            int(batch.prompt_ids.shape[1]),
-            int(batch.completion_ids.shape[1]),
-            shared_prompts=batch.shared_prompts,
-        )
-
     def train_step(
         self, batch: GRPOBatch | Mapping[str, Any], *, num_microbatches: int | None = None
     ) -> dict[str, float]:
@@ -733,8 +377,9 @@ class GRPOTrainer:
             num_microbatches: Accumulate gradients over this many equal row slices of the batch
                 inside the compiled step (a ``lax.scan``): the update is the full-batch update
                 (advantages and loss normalization use the whole batch) with less peak memory.
-                ``None`` (the default): :meth:`auto_microbatches` (on the CPU, slices of at
-                least 512 token positions; elsewhere 1).
+                ``None`` (the default):
+                :meth:`~artifex.generative_models.training.rl.update.trainer_batches.TrainerBatches.auto_microbatches`
+                (on the CPU, slices of at least 512 token positions; elsewhere 1).
 
         Returns:
             Metrics as Python floats: those of :func:`grpo_objective` plus ``grad_norm``
@@ -775,11 +420,12 @@ class GRPOTrainer:
         ``train_step`` waits for a compilation still in flight rather than starting a second
         one.
 
-        The example is validated and placed like a real batch (:meth:`prepare_batch`); only
-        its structure, shapes and dtypes matter, and they must be those of the batches to come
-        (for a GRPO rollout: each prompt repeated ``group_size`` times and padded to the
-        sampler's prompt-length bucket, as :meth:`GRPOBatch.zeros` builds it). Otherwise the
-        first ``train_step`` compiles for its own batch (``num_compilations`` counts both).
+        The example is validated and placed like a real batch
+        (:meth:`~artifex.generative_models.training.rl.update.trainer_batches.TrainerBatches.prepare_batch`);
+        only its structure, shapes and dtypes matter, and they must be those of the batches to come
+        (for a GRPO rollout: each prompt repeated ``group_size`` times and padded to the sampler's
+        prompt-length bucket, as :meth:`GRPOBatch.zeros` builds it). Otherwise the first
+        ``train_step`` compiles for its own batch (``num_compilations`` counts both).
 
         Args:
             batch: An example batch (``GRPOBatch.zeros(num_prompts, group_size,
@@ -822,17 +468,20 @@ class GRPOTrainer:
         """One GRPO update on a batch that is already checked (no host validation).
 
         For batches the library built itself (the rollout) or that went through
-        :meth:`prepare_batch`: nothing is copied to the host before the compiled step. The
-        one method the training loop calls per update: it packs the batch where that pays
-        (:meth:`maybe_pack`), runs the compiled step (:meth:`compiled_step`) on :attr:`state`,
-        stores the new state in the model and optimizer (a Ctrl-C arriving meanwhile is
-        delivered after the store), syncs the reference when due and returns the metrics as
-        floats. A rejected update stores the state before it, unchanged.
+        :meth:`~artifex.generative_models.training.rl.update.trainer_batches.TrainerBatches.prepare_batch`:
+        nothing is copied to the host before the compiled step. The one method the training loop
+        calls per update: it packs the batch where that pays
+        (:meth:`~artifex.generative_models.training.rl.update.trainer_batches.TrainerBatches.maybe_pack`),
+        runs the compiled step (:meth:`compiled_step`) on
+        :attr:`~artifex.generative_models.training.rl.update.trainer_state.TrainerStateIO.state`,
+        stores the new state in the model and optimizer (a Ctrl-C arriving meanwhile is delivered
+        after the store), syncs the reference when due and returns the metrics as floats. A rejected
+        update stores the state before it, unchanged.
 
         Args:
             batch: A prepared :class:`GRPOBatch` of arrays (on the trainer's mesh, if any).
             num_microbatches: As for :meth:`train_step` (must divide the rows; ``None``:
-                :meth:`auto_microbatches`).
+                :meth:`~artifex.generative_models.training.rl.update.trainer_batches.TrainerBatches.auto_microbatches`).
 
         Returns:
             The step's metrics as Python floats, as for :meth:`train_step`.
@@ -851,56 +500,6 @@ class GRPOTrainer:
         host = self.host_metrics(metrics, step=state.step)
         self.maybe_sync_reference(state, metrics)
         return host
-
-    def maybe_pack(self, batch: GRPOBatch, num_microbatches: int = 1) -> GRPOBatch:
-        """``batch`` packed (``pack_batch``) where ``packing_threshold`` says it pays, else as is.
-
-        Packs when the threshold is set, the trainer runs its own causal-LM log-probs (not a
-        custom ``log_prob_fn``, not ``layerwise_update``, not those of a mixture-of-experts
-        policy) and more than that fraction of the batch's positions is padding
-        (``should_pack``). Reads the masks on the host; the packed batch is placed as
-        :meth:`place_batch` places batches. The update's value is the padded batch's, up to
-        rounding; it compiles once per row bucket.
-
-        Args:
-            batch: A prepared batch.
-            num_microbatches: The update's microbatches (each slice is packed on its own).
-
-        Returns:
-            A :class:`~artifex.generative_models.training.rl.packing.PackedGRPOBatch`, or
-            ``batch``.
-        """
-        if (
-            self.packing_threshold is None
-            or self._custom_log_prob_fn
-            or self._moe_log_probs  # routing replay reads the padded rows
-            or self.config.layerwise_update
-            or (
-                self.config.distillation_coeff > 0.0
-                and self.config.distillation_divergence != "reverse_kl"
-            )
-            or not callable(getattr(self.model, "packed_hidden_states", None))
-            or not should_pack(batch, self.packing_threshold)
-        ):
-            return batch
-        shards = 1 if self.mesh is None else num_data_shards(self.mesh)
-        return self.place_batch(
-            pack_batch(batch, num_microbatches=num_microbatches, row_multiple=shards)
-        )
-
-    def store_update(self, state: GRPOTrainState) -> None:
-        """Writes what an update changes (parameters, optimizer state, step) into the model.
-
-        The frozen variables, the PRNG key and the reference are only read by the compiled
-        step (their buffers are not donated to XLA), so they need no write-back. A loop that
-        runs several updates on one generation batch calls this once, after the last.
-
-        Args:
-            state: The state the compiled step returned.
-        """
-        nnx.update(self.model, state.params)
-        nnx.update(self.optimizer.opt_state, nnx.state(state.opt_state))
-        self.optimizer.step.set_value(state.step)
 
     def host_metrics(
         self, metrics: Mapping[str, jax.Array], *, step: int | jax.Array
