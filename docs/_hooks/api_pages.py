@@ -86,6 +86,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_RL}.core.teacher",
             f"{_RL}.update.layerwise",
             f"{_RL}.update.optimizer_split",
+            f"{_RL}.update.layer_split",
             f"{_RL}.update.signals",
         ),
     ),
