@@ -336,3 +336,20 @@ def test_dynamic_sampling_pads_the_routed_experts():
     np.testing.assert_array_equal(both.routed_experts[:2, :4], -1)
     np.testing.assert_array_equal(both.routed_experts[:2, 4:], 0)
     np.testing.assert_array_equal(both.routed_experts[2:], 1)
+
+
+def test_a_distillation_teacher_keeps_the_moe_metrics():
+    """With reverse-KL distillation the student's log-probs go through the replay function too:
+    the update reports its routing agreement and aux loss as without a teacher."""
+    model = from_pretrained(FIXTURES / NAME)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    config = GRPOConfig(
+        num_generations=G, beta=0.0, routing_replay=True, distillation_coeff=0.5,
+        distillation_divergence="reverse_kl",
+    )  # fmt: skip
+    trainer = GRPOTrainer(model, optimizer, config, teacher_model=from_pretrained(FIXTURES / NAME))
+    batch, _ = _rollout(trainer.model)
+    metrics = trainer.train_step(batch)
+    assert all(np.isfinite(metrics[key]) for key in MOE_KEYS)
+    assert metrics["moe/routing_agreement"] == 1.0  # the batch's experts are the policy's own
+    assert np.isfinite(metrics["distill/reverse_kl"])

@@ -337,10 +337,34 @@ class DistillationTerms:
             ValueError: No teacher and no ``teacher_log_probs``; ``teacher_log_probs`` or a
                 packed batch given to a full-vocabulary divergence.
         """
+        log_probs, entropy, term, _ = self.with_metrics(policy, teacher_state, batch)
+        return log_probs, entropy, term
+
+    def with_metrics(
+        self, policy: Any, teacher_state: Any, batch: GRPOBatch
+    ) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+        """As calling the terms, plus the metrics of the student's log-prob function.
+
+        A log-prob function with ``log_probs_and_metrics(model, batch)`` (routing replay's)
+        reports metrics of its own (``moe/routing_agreement``, ``moe/aux_loss``); the update
+        adds them to its metrics. Other functions report none (``{}``).
+
+        Args:
+            policy: The student (differentiable).
+            teacher_state: The teacher's variables, or ``None``.
+            batch: The batch.
+
+        Returns:
+            ``(log_probs, entropy, distillation, metrics)``.
+        """
         teacher = self.teacher(teacher_state)
         mask = batch.completion_mask
         if self.divergence == "reverse_kl":
-            log_probs, entropy = self.log_prob_fn(policy, batch)
+            with_metrics = getattr(self.log_prob_fn, "log_probs_and_metrics", None)
+            if callable(with_metrics):
+                log_probs, entropy, metrics = with_metrics(policy, batch)
+            else:
+                (log_probs, entropy), metrics = self.log_prob_fn(policy, batch), {}
             if batch.teacher_log_probs is not None:
                 teacher_lp = batch.teacher_log_probs
             elif teacher is not None:
@@ -354,7 +378,7 @@ class DistillationTerms:
             term = sampled_reverse_kl(
                 log_probs, teacher_lp, mask, old_log_probs=batch.old_log_probs
             )
-            return log_probs, entropy, term
+            return log_probs, entropy, term, metrics
         if batch.teacher_log_probs is not None or teacher is None:
             msg = (
                 f"distillation_divergence={self.divergence!r} compares the teacher's full "
@@ -368,7 +392,7 @@ class DistillationTerms:
                 "pass the padded batch"
             )
             raise ValueError(msg)
-        return self.full_fn(policy, teacher, batch)
+        return (*self.full_fn(policy, teacher, batch), {})
 
 
 def make_distillation_terms(

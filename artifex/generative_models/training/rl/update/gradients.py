@@ -237,7 +237,9 @@ def make_grpo_gradients(
                 mb = mb.replace(ref_log_probs=jax.lax.stop_gradient(ref_lp))
             policy, term, extra = program.policy(params, frozen), None, {}
             if program.distill is not None:  # the student's log-probs beside the teacher's term
-                log_probs, entropy, term = program.distill(policy, state.teacher, mb)
+                log_probs, entropy, term, extra = program.distill.with_metrics(
+                    policy, state.teacher, mb
+                )
             elif exact_kl:  # the policy's and the reference's transitions in one call
                 log_probs, entropy, kl = log_prob.log_probs_and_kl(
                     policy, program.reference(state, params), mb
