@@ -72,6 +72,7 @@ def lr_schedule(kind: str, learning_rate: float, warmup_steps: int, total_steps:
 
 def _train(args: argparse.Namespace) -> int:
     from artifex.cli_checks import check_multi_turn_flags, check_run_paths, default_checkpoint_dir
+    from artifex.generative_models.training.checkpointing import IncompatibleCheckpointError
     from artifex.generative_models.training.logging import is_primary_process
     from artifex.generative_models.training.rl.core.configs import GRPOConfig
     from artifex.generative_models.training.rl.rollouts.rollout import RolloutConfig
@@ -119,8 +120,24 @@ def _train(args: argparse.Namespace) -> int:
             )
     try:
         return _train_held(args, loop, grpo, rollout_config, mesh)
+    except IncompatibleCheckpointError as err:
+        if not default_checkpoints:
+            raise
+        # checkpoints/ and logs/ beside --output are shared by every --output of that folder:
+        # the run refused here may be another output's, which --overwrite would delete.
+        advice = (
+            " (the default checkpoint directory beside --output, shared by every --output in "
+            "its folder: resume with the original settings, or give this run its own "
+            "--checkpoint-dir and --log-dir; --overwrite deletes the checkpoints and logs there)"
+        )
+        text = _first_line(err)[: _MAX_LINE - len(advice)]  # the error line keeps the advice
+        raise _SharedCheckpointsError(text + advice) from err
     finally:
         output_lock.release()
+
+
+class _SharedCheckpointsError(ValueError):
+    """A refused resume from the default checkpoint directory (its message says what to do)."""
 
 
 def _train_held(
@@ -321,12 +338,16 @@ def _load(loader: Any, path: str, *, what: str, **kwargs: Any) -> Any:
         raise ValueError(msg) from err
 
 
+_MAX_LINE = 500  # characters of an error's text in its one line
+
+
 def _first_line(err: BaseException) -> str:
     text = " ".join(line.strip() for line in str(err).strip().splitlines() if line.strip())
-    return text[:500] or type(err).__name__
+    return text[:_MAX_LINE] or type(err).__name__
 
 
 _HINTS = (
+    ("_SharedCheckpointsError", ""),  # the message says what to do
     ("NonFiniteUpdateError", "lower --learning-rate or set --max-grad-norm, then resume"),
     ("RewardFunctionError", "fix the reward function or the dataset columns it reads"),
     (
