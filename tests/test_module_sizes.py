@@ -14,7 +14,6 @@ LIMIT = 600
 
 # Over the limit, to be split: path -> its line count when listed (a ceiling).
 NOT_YET_SPLIT: dict[str, int] = {
-    "artifex/generative_models/inference/continuous.py": 722,
 }
 
 

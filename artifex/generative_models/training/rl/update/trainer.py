@@ -326,7 +326,7 @@ class GRPOTrainer(TrainerStateIO, TrainerBatches):
         Only with ``GRPOConfig.optimizer_by_layer``, for parameters on the CPU (the split
         shortens XLA:CPU's compile time), without a mesh, for models of at least
         ``MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER`` decoder layers, and where
-        :func:`~artifex.generative_models.training.rl.update.optimizer_split.split_by_layer` accepts
+        :func:`~artifex.generative_models.training.rl.update.layer_split.split_by_layer` accepts
         the optimizer's transformation for the trainer's state when the step is first built.
         That chooses the kind of step; the split step then asks again for each state's types
         (a state loaded later with other dtypes, a loop of one's own) and runs the optimizer in
