@@ -45,7 +45,7 @@ ARGS = [
     "--reward",
     "math",
     "--num-steps",
-    "2",
+    "1",
     "--prompts-per-step",
     "4",
     "--num-generations",
@@ -60,7 +60,20 @@ ARGS = [
 
 
 @pytest.mark.parametrize("lora", [None, "all", "q_proj v_proj"])
-def test_train_command_saves_a_loadable_model(tmp_path, model_dir, data_file, lora):
+def test_train_command_saves_a_loadable_model(
+    tmp_path, model_dir, data_file, lora, capsys, monkeypatch
+):
+    # The command asks for the float32 precision notice once the model is loaded (before any
+    # adapters) and prints it on stderr.
+    import artifex.cli_train as cli_train  # the train command looks the notice up there
+
+    seen = []
+
+    def notice(model):
+        seen.append(model)
+        return "note: float32 parameters on a GPU (test)"
+
+    monkeypatch.setattr(cli_train, "float32_precision_notice", notice)
     out = str(tmp_path / "out" / "model")
     extra = [] if lora is None else ["--lora-rank", "2"]
     if lora not in (None, "all"):
@@ -86,6 +99,8 @@ def test_train_command_saves_a_loadable_model(tmp_path, model_dir, data_file, lo
         ]
     )
     assert rc == 0
+    assert len(seen) == 1 and isinstance(seen[0], CausalLM)
+    assert "note: float32 parameters on a GPU (test)" in capsys.readouterr().err
     trained = CausalLM.from_pretrained(out)
     base = CausalLM.from_pretrained(model_dir)
     ids = np.array([[1, 5, 6, 14, 7, 15]], np.int32)
@@ -169,7 +184,8 @@ def test_short_demo_raises_held_out_accuracy(tmp_path):
     code = (
         "import json, sys\n"
         "from artifex.demos.addition import DemoConfig, run_demo\n"
-        "summary = run_demo(DemoConfig(grpo_steps=150, out_dir=sys.argv[1]), verbose=False)\n"
+        "config = DemoConfig(grpo_steps=40, warmup_target=0.45, out_dir=sys.argv[1])\n"
+        "summary = run_demo(config, verbose=False)\n"
         "print('SUMMARY ' + json.dumps(summary))\n"
     )
     proc = subprocess.run(
@@ -179,8 +195,11 @@ def test_short_demo_raises_held_out_accuracy(tmp_path):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SUMMARY ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     summary = json.loads(lines[-1][len("SUMMARY ") :])
-    # The warm-up stops near 35% validation accuracy; 150 GRPO steps lift held-out pass@1 by
-    # about 0.3 (0.33 -> 0.64 with seed 0 on the development machine).
+    # The warm-up stops at the first check with >= 45% validation accuracy (addition is learned
+    # in a sudden jump: 600-900 supervised steps for seeds 0-2). From there 40 GRPO steps lift
+    # held-out pass@1 by 0.19-0.31 (seed 0: 0.45 -> 0.76; seeds 1 and 2: 0.495 -> 0.68, 0.505 ->
+    # 0.76; 2026-11-29). From the demo's 35% the gain comes later for some seeds (seed 1: 0.355
+    # -> 0.425 after 30 steps), so a short run starts from 45%.
     assert summary["held_out_pass@1_after"] > summary["held_out_pass@1_before"] + 0.1
     assert summary["train_reward_last_10_steps"] > summary["train_reward_first_10_steps"]
     assert os.path.getsize(summary["reward_curve"]) > 1000
@@ -258,7 +277,7 @@ def test_a_second_demo_run_in_the_same_directory_trains_afresh(tmp_path):
     # The first run leaves finished checkpoints behind: the second warms up a new model and
     # must train it, not resume the first run's (which left no step to run: an IndexError).
     cfg = DemoConfig(
-        grpo_steps=2,
+        grpo_steps=1,
         prompts_per_step=4,
         num_eval=8,
         warmup_examples=64,
@@ -269,11 +288,11 @@ def test_a_second_demo_run_in_the_same_directory_trains_afresh(tmp_path):
     second = run_demo(cfg, verbose=False)
     for summary in (first, second):
         assert 0.0 <= summary["held_out_pass@1_after"] <= 1.0
-    # The log holds the second run's records only (one run writes 5: evaluations at steps 0,
-    # 1 and 2, training steps 1 and 2), not both runs' appended.
+    # The log holds the second run's records only (one run writes 3: evaluations at steps 0
+    # and 1, training step 1), not both runs' appended.
     with open(os.path.join(tmp_path, "logs", "metrics.jsonl")) as fh:
         steps = [json.loads(line).get("step") for line in fh if line.strip()]
-    assert sorted(steps) == [0, 1, 1, 2, 2], steps
+    assert sorted(steps) == [0, 1, 1], steps
 
 
 @pytest.mark.parametrize(
@@ -314,20 +333,3 @@ def test_float32_precision_notice_reads_jax_setting(model_dir):
         assert float32_precision_notice(model, "gpu") is None
     with jax.default_matmul_precision("tensorfloat32"):
         assert float32_precision_notice(model, "gpu") is not None
-
-
-def test_train_prints_the_precision_notice(tmp_path, model_dir, data_file, capsys, monkeypatch):
-    # The command asks for the notice once the model is loaded and prints it on stderr.
-    import artifex.cli_train as cli_train  # the train command looks the notice up there
-
-    seen = []
-
-    def notice(model):
-        seen.append(model)
-        return "note: float32 parameters on a GPU (test)"
-
-    monkeypatch.setattr(cli_train, "float32_precision_notice", notice)
-    out = str(tmp_path / "out" / "model")
-    assert main(["train", "--model", model_dir, "--data", data_file, "--output", out, *ARGS]) == 0
-    assert len(seen) == 1 and isinstance(seen[0], CausalLM)
-    assert "note: float32 parameters on a GPU (test)" in capsys.readouterr().err
