@@ -325,8 +325,8 @@ def run_demo(config: DemoConfig | None = None, *, verbose: bool = True) -> dict[
     Examples:
         Not run with the other docstring examples: the default settings train the whole demo,
         and settings small enough for a docstring learn nothing. The slow test
-        ``tests/test_cli.py::test_short_demo_raises_held_out_accuracy`` runs a 150-step
-        version and checks the gain.
+        ``tests/test_cli.py::test_short_demo_raises_held_out_accuracy`` runs a 40-step
+        version (warm-up to 45% held-out accuracy) and checks the gain.
 
         >>> from artifex.demos.addition import DemoConfig, run_demo
         >>> summary = run_demo(DemoConfig(out_dir="runs/demo"))  # doctest: +SKIP
