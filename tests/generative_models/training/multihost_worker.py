@@ -1,4 +1,5 @@
-"""One process of the two-process tests (tests/generative_models/training/test_multihost.py).
+"""One process of the two-process tests (tests/generative_models/training/test_multihost.py);
+its one-layer model (``make_model``) is also the one tests/test_cli_multihost.py trains.
 
 Run as ``python -m tests.generative_models.training.multihost_worker MODE OUT --coordinator
 127.0.0.1:PORT --num-processes 2 --process-id I`` with two CPU devices per process
@@ -7,9 +8,9 @@ four devices (``data=2, fsdp=2``) and talk over gloo. Modes:
 
 - ``first``: three ``train_step`` calls on fixed batches, each process feeding its rows
   (``process_row_range`` + ``shard_batch(process_local=True)``); then the whole loop, uninterrupted
-  (3 steps, checkpoints every step, evaluation, logs, ``save_pretrained``); then the same loop on
-  another checkpoint directory, killed with SIGKILL right after its step-2 checkpoint (so the
-  processes exit with -9).
+  (3 steps, checkpoints every step, evaluation, logs, ``save_pretrained``); then the same loop
+  (the same trainer, set back to its initial state) on another checkpoint directory, killed with
+  SIGKILL right after its step-2 checkpoint (so the processes exit with -9).
 - ``resume``: the loop again on the killed run's checkpoint directory (resumes at step 2).
 
 Each process writes the parameters (gathered) to ``OUT/<mode>-p<I>.npz`` and is given its own
@@ -37,17 +38,44 @@ def make_mesh_for_test(devices=None):
     return make_mesh(**STEP_MESH, devices=devices)
 
 
+def make_model(tok, seed=0):
+    """A one-layer Llama-style model for the demo tokenizer (width 32, 4 query / 2 kv heads).
+
+    The demo model's shape with one layer instead of three and half the width: what these tests
+    check (the processes' reductions, checkpoints, logs) does not depend on the depth, and the
+    programs compile in about half the time.
+    """
+    from flax import nnx
+
+    from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
+
+    config = CausalLMConfig.tiny(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=32,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_ids,
+        pad_token_id=tok.pad_id,
+    )
+    return CausalLM(config, rngs=nnx.Rngs(seed))
+
+
 def make_trainer(mesh=None, seed=0):
-    """The tiny demo model (with a reference) and its trainer, built the same in every process."""
+    """The one-layer model (with a reference) and its trainer, built the same in every process."""
     import optax
     from flax import nnx
 
-    from artifex.demos.addition import demo_model, demo_tokenizer
+    from artifex.demos.addition import demo_tokenizer
     from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 
     tok = demo_tokenizer()
-    model = demo_model(tok, seed=seed)
-    ref = demo_model(tok, seed=seed + 100)
+    model = make_model(tok, seed=seed)
+    ref = make_model(tok, seed=seed + 100)
     opt = nnx.Optimizer(
         model, optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), wrt=nnx.Param
     )
@@ -113,11 +141,14 @@ def digit_reward(prompts, completions, **columns):
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
-def run_loop(out: str, name: str, ckpt: str, mesh, kill_after: int | None = None):
-    """The whole loop (3 steps, checkpoint every step, evaluation) on the two-process mesh."""
+def run_loop(out: str, name: str, ckpt: str, mesh, kill_after: int | None = None, trainer=None):
+    """The whole loop (3 steps, checkpoint every step, evaluation) on the two-process mesh.
+
+    ``trainer``: a trainer of ``make_trainer`` to train (default: a new one).
+    """
     import jax
 
-    from artifex.demos.addition import addition_dataset
+    from artifex.demos.addition import addition_dataset, demo_tokenizer
     from artifex.generative_models.training import checkpointing
     from artifex.generative_models.training.rl.loop import TrainConfig, train
     from artifex.generative_models.training.rl.rewards import math_answer_reward
@@ -137,11 +168,14 @@ def run_loop(out: str, name: str, ckpt: str, mesh, kill_after: int | None = None
                 multihost_utils.sync_global_devices("checkpoint saved, about to be killed")
                 if jax.process_index() == 0:
                     time.sleep(1.0)
+                cpu = time.process_time()
+                print(f"[CPU {cpu:6.1f} s] killed after step {step}", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, like a lost host
 
         checkpointing.CheckpointManager.save = save_then_die
     rows, eval_rows = addition_dataset(seed=0, num_eval=6)
-    trainer, tok = make_trainer(mesh)
+    trainer = make_trainer(mesh)[0] if trainer is None else trainer
+    tok = demo_tokenizer()
     config = TrainConfig(
         num_steps=3,
         prompts_per_step=4,
@@ -160,7 +194,7 @@ def run_loop(out: str, name: str, ckpt: str, mesh, kill_after: int | None = None
         trainer,
         tok,
         rows[:64],
-        [math_answer_reward(last_number_fallback=True), digit_reward],
+        [math_answer_reward(last_number_fallback=True, backend="builtin"), digit_reward],
         config,
         RolloutConfig(max_new_tokens=4),
         eval_dataset=eval_rows,
@@ -191,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     import jax
+    import jax.numpy as jnp
 
     def mark(what: str) -> None:
-        print(f"[{time.perf_counter() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+        wall, cpu = time.perf_counter() - t0, time.process_time()
+        print(f"[{wall:6.1f} s, CPU {cpu:6.1f} s] {what}", file=sys.stderr, flush=True)
 
     mark("initialized")
 
@@ -206,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         mark("train steps")
         results.update({f"steps/{k}": v for k, v in flat_params(trainer).items()})
         results["steps/loss"] = np.asarray([h["total_loss"] for h in history])
-        trainer, result = run_loop(args.out, "full", os.path.join(args.out, "ckpt-full"), mesh)
+        trainer = make_trainer(mesh)[0]
+        # A copy of its initial state (the step donates the state's buffers), for the killed run.
+        initial = jax.tree.map(jnp.copy, trainer.state)
+        trainer, result = run_loop(
+            args.out, "full", os.path.join(args.out, "ckpt-full"), mesh, trainer=trainer
+        )
     else:
         trainer, result = run_loop(args.out, "resume", os.path.join(args.out, "ckpt-killed"), mesh)
     mark("loop")
@@ -219,8 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     if primary:
         print(f"{args.mode}: done, start_step={result.start_step}", flush=True)
     if args.mode == "first":
-        # Last: the same loop on its own checkpoint directory, killed after its step-2 save.
-        run_loop(args.out, "killed", os.path.join(args.out, "ckpt-killed"), mesh, kill_after=2)
+        # Last: the same loop on its own checkpoint directory, killed after its step-2 save, from
+        # the same initial state: the same trainer, set back to it, so that its compiled programs
+        # are reused (JAX writes the persistent compilation cache from process 0 only, under
+        # keys of its own, so process 1 would compile a new trainer's programs again).
+        trainer.load_state(initial)
+        ckpt = os.path.join(args.out, "ckpt-killed")
+        run_loop(args.out, "killed", ckpt, mesh, kill_after=2, trainer=trainer)
         msg = "the killed run was not killed"
         raise RuntimeError(msg)
     jax.distributed.shutdown()
