@@ -34,7 +34,6 @@ from artifex.generative_models.training.rl.core import losses
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.logprobs import LogProbFn, default_log_prob_fn
 from artifex.generative_models.training.rl.core.microbatching import (  # noqa: F401 (old path)
-    combine_micro_metrics,
     split_microbatches,
 )
 from artifex.generative_models.training.rl.core.teacher import make_distillation_terms
@@ -544,6 +543,3 @@ def make_grpo_loss(
         return _loss(params, rest_state, teacher, batch)
 
     return grpo_loss
-
-
-_combine_micro_metrics = combine_micro_metrics  # the update layer's old import name

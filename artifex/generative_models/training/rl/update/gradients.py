@@ -26,12 +26,14 @@ from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core import losses
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.logprobs import LogProbFn, default_log_prob_fn
+from artifex.generative_models.training.rl.core.microbatching import (
+    combine_micro_metrics,
+    split_microbatches,
+)
 from artifex.generative_models.training.rl.core.objective import (
-    _combine_micro_metrics,
     _reward_metrics,
     compute_advantages,
     grpo_objective,
-    split_microbatches,
 )
 from artifex.generative_models.training.rl.core.teacher import (
     DistillationTerms,
@@ -276,7 +278,7 @@ def make_grpo_gradients(
             zeros = jax.tree.map(jnp.zeros_like, state.params)
             grads, (micro_loss, micro_metrics) = jax.lax.scan(accumulate, zeros, (micro, micro_adv))
             loss = jnp.sum(micro_loss)
-            metrics = _combine_micro_metrics(micro_metrics)
+            metrics = combine_micro_metrics(micro_metrics)
         if not precomputed:  # a loop that precomputes advantages reports these once per batch
             metrics.update(_reward_metrics(batch, advantages))
         metrics["advantage_signal"] = advantage_signal(advantages, batch.completion_mask)
