@@ -79,19 +79,31 @@ def np_logsoftmax(z):
 
 
 def teacher_forced(model, batch, temperature=1.0):
-    """Float64 log-probs and entropies of each row's completion: one row at a time, unpadded."""
+    """Float64 log-probs and entropies of each row's completion, without packing or padding.
+
+    Each row's real prompt tokens and completion (up to its last counted token) start at
+    position 0, as alone; the rows run in one causal forward, right-filled with token 0 to a
+    common width (a causal model's logits at a position do not depend on the tokens after it),
+    so that the reference compiles once, not once per row length.
+    """
     prompt_ids, prompt_mask = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask)
     completion_ids = np.asarray(batch.completion_ids)
     mask = np.asarray(batch.completion_mask) > 0
     b, t = completion_ids.shape
+    lengths = np.where(mask.any(1), t - np.argmax(mask[:, ::-1], 1), 0)
+    seqs = [
+        np.concatenate([prompt_ids[i][prompt_mask[i] > 0], completion_ids[i, : lengths[i]]])
+        for i in range(b)
+    ]
+    ids = np.zeros((b, prompt_ids.shape[1] + t), np.int32)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = seq
+    logits = np.asarray(model(jnp.asarray(ids)))
     logp, ent = np.zeros((b, t)), np.zeros((b, t))
-    for i in range(b):
-        if not mask[i].any():
+    for i, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+        if n == 0:
             continue
-        n = t - int(np.argmax(mask[i][::-1]))
-        seq = np.concatenate([prompt_ids[i][prompt_mask[i] > 0], completion_ids[i, :n]])
-        logits = np.asarray(model(jnp.asarray(seq[None], jnp.int32)))[0]
-        lp = np_logsoftmax(logits[len(seq) - n - 1 : -1] / temperature)
+        lp = np_logsoftmax(logits[i, len(seq) - n - 1 : len(seq) - 1] / temperature)
         logp[i, :n] = lp[np.arange(n), completion_ids[i, :n]]
         ent[i, :n] = -(np.exp(lp) * lp).sum(-1)
     return logp, ent
@@ -334,9 +346,19 @@ def own_copy(model):
     return copy
 
 
-@pytest.mark.parametrize("micro", [1, 2])
-def test_trainer_update_is_the_padded_update(model, micro):
-    cfg = GRPOConfig(num_generations=4, beta=0.04, loss_aggregation="token_mean")
+# The trainer's update (KL to a reference, token_mean) and the batch both test_trainer_* use.
+TRAINER_CONFIG = GRPOConfig(num_generations=4, beta=0.04, loss_aggregation="token_mean")
+
+
+def trainer_batch() -> GRPOBatch:
+    return ragged_batch(7, t=12)
+
+
+def test_trainer_update_is_the_padded_update(model):
+    """Two microbatches of a packed batch (each packed on its own rows); the unsliced packed
+    update is the loss's (test_loss_gradient_and_metrics_equal_the_padded_update) and the
+    training loop's (test_the_loop_packs_and_trains_as_it_would_padded)."""
+    cfg, micro = TRAINER_CONFIG, 2
     results = []
     for pack in (False, True):
         policy = own_copy(model)
@@ -347,7 +369,7 @@ def test_trainer_update_is_the_padded_update(model, micro):
             reference_model=own_copy(model),
             log_prob_fn=packed_log_prob_fn(),
         )
-        batch = ragged_batch(7, t=12)
+        batch = trainer_batch()
         if pack:
             batch = pack_batch(batch, num_microbatches=micro)
             assert isinstance(batch, PackedGRPOBatch)
@@ -362,7 +384,8 @@ def test_trainer_update_is_the_padded_update(model, micro):
 
 
 def test_trainer_packs_when_padding_is_above_its_threshold(model):
-    cfg = GRPOConfig(num_generations=4, beta=0.0)
+    # the update and batch of test_trainer_update_is_the_padded_update (the programs it compiled)
+    cfg = TRAINER_CONFIG
     results = []
     for threshold in (None, 0.2):
         policy = own_copy(model)
@@ -370,9 +393,10 @@ def test_trainer_packs_when_padding_is_above_its_threshold(model):
             policy,
             nnx.Optimizer(policy, optax.sgd(0.5), wrt=nnx.Param),
             cfg,
+            reference_model=own_copy(model),
             packing_threshold=threshold,
         )
-        batch = ragged_batch(8, t=12)
+        batch = trainer_batch()
         assert padding_fraction(batch) > 0.2
         packed = trainer.maybe_pack(trainer.prepare_batch(batch))
         assert isinstance(packed, PackedGRPOBatch) == (threshold is not None)
@@ -412,8 +436,11 @@ def test_the_loop_packs_and_trains_as_it_would_padded(monkeypatch):
 
     monkeypatch.setattr(GRPOTrainer, "maybe_pack", spy)
     final = []
+    # the demo model's tokens and sizes with one decoder layer (the packed forward's layers are
+    # checked against float64 above): the loop's two runs compile a third less
+    one_layer = demo_model(tok, seed=0).config.replace(num_layers=1)
     for threshold in (None, 0.0):
-        model = demo_model(tok, seed=0)
+        model = CausalLM(one_layer, rngs=nnx.Rngs(0))
         opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
         trainer = GRPOTrainer(
             model, opt, GRPOConfig(num_generations=4, beta=0.0), packing_threshold=threshold

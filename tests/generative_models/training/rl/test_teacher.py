@@ -123,7 +123,7 @@ def _trainer(divergence: str, *, mesh=None, teacher=True, **config) -> GRPOTrain
         student,
         nnx.Optimizer(student, optax.adam(1e-3), wrt=nnx.Param),
         cfg,
-        reference_model=CausalLM(CausalLMConfig.tiny(**STUDENT), rngs=nnx.Rngs(0)),
+        reference_model=CausalLM(CausalLMConfig.tiny(**STUDENT), rngs=nnx.Rngs(2)),  # KL > 0
         teacher_model=CausalLM(CausalLMConfig.tiny(**TEACHER), rngs=nnx.Rngs(1))
         if teacher
         else None,
@@ -135,29 +135,44 @@ def _params(trainer: GRPOTrainer) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
 
 
-@pytest.mark.parametrize("divergence", DIVERGENCES)
-def test_microbatches_and_a_mesh_give_the_unsliced_update(divergence):
-    """GRPO + KL + distillation from a larger teacher: 1, 2 and 4 microbatches, and 2 devices."""
-    batch = _batch()
+@pytest.fixture(scope="module")
+def unsliced():
+    """``unsliced(divergence)``: the metrics and parameters after ``_trainer(divergence)``'s
+    update of ``_batch()`` in one piece, run once per module: the update the tests of
+    microbatches, a mesh, batch teacher log-probs and packing compare theirs to."""
     runs = {}
-    for name, kwargs, micro in (
-        ("whole", {}, 1),
-        ("two", {}, 2),
-        ("four", {}, 4),
-        ("mesh", {"mesh": make_mesh(data=2, devices=jax.devices()[:2])}, 2),
-    ):
-        trainer = _trainer(divergence, **kwargs)
-        metrics = trainer.train_step(batch, num_microbatches=micro)
-        runs[name] = (metrics, _params(trainer))
-    metrics, params = runs["whole"]
+
+    def run(divergence: str) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+        if divergence not in runs:
+            trainer = _trainer(divergence)
+            metrics = trainer.train_step(_batch(), num_microbatches=1)
+            runs[divergence] = (jax.tree.map(np.asarray, metrics), _params(trainer))
+        return runs[divergence]
+
+    return run
+
+
+# "forward_kl" runs the same code path as "jsd" (the teacher's full distribution through
+# causal_lm_distillation; only the per-token formula differs, and test_one_update_matches_numpy
+# and test_full_divergences_against_a_float64_forward check it): "reverse_kl" (the teacher's
+# sampled log-probs) and "jsd" cover both ways a microbatch or a shard reaches the teacher.
+@pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
+def test_microbatches_and_a_mesh_give_the_unsliced_update(unsliced, divergence):
+    """GRPO + KL + distillation from a larger teacher: 4 microbatches, each split over 2
+    devices, give the update of the whole batch on one.
+
+    The microbatches are the same scan of slices with or without a mesh (the mesh only places
+    each slice's rows), so one sliced and sharded run checks both against the unsliced one.
+    """
+    metrics, params = unsliced(divergence)
     assert metrics[f"distill/{divergence}"] > 0 or divergence == "reverse_kl"
-    assert metrics["grad_norm"] > 0 and metrics["kl"] >= 0 and metrics["advantage_std"] > 0
-    for name in ("two", "four", "mesh"):
-        other, other_params = runs[name]
-        for key in ("total_loss", "policy_loss", "entropy", f"distill/{divergence}", "grad_norm"):
-            np.testing.assert_allclose(other[key], metrics[key], rtol=2e-4, atol=2e-6, err_msg=name)
-        for a, b in zip(other_params, params, strict=True):
-            np.testing.assert_allclose(a, b, atol=2e-6, err_msg=name)
+    assert metrics["grad_norm"] > 0 and metrics["kl"] > 0 and metrics["advantage_std"] > 0
+    sliced = _trainer(divergence, mesh=make_mesh(data=2, devices=jax.devices()[:2]))
+    other = sliced.train_step(_batch(), num_microbatches=4)
+    for key in ("total_loss", "policy_loss", "entropy", "kl", f"distill/{divergence}", "grad_norm"):
+        np.testing.assert_allclose(other[key], metrics[key], rtol=2e-4, atol=2e-6, err_msg=key)
+    for a, b in zip(_params(sliced), params, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-6)
 
 
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
@@ -183,15 +198,15 @@ def test_full_divergences_against_a_float64_forward(divergence):
     np.testing.assert_allclose(got, np_divergence(*logits, divergence, 0.4), atol=2e-5)
 
 
-def test_batch_teacher_log_probs_replace_the_teacher_pass():
-    batch = _batch(2)
-    with_teacher = _trainer("reverse_kl")
+def test_batch_teacher_log_probs_replace_the_teacher_pass(unsliced):
+    batch = _batch()
+    with_teacher = _trainer("reverse_kl")  # its teacher's log-probs; its update: unsliced's
     teacher = with_teacher.teacher_model
     scorer = make_distillation_terms(
         with_teacher.model, teacher, with_teacher.config
     ).teacher_log_prob_fn
     teacher_lp, _ = scorer(teacher, batch)
-    expected = with_teacher.train_step(batch)
+    expected, expected_params = unsliced("reverse_kl")
 
     given = _trainer("reverse_kl", teacher=False)
     with pytest.raises(ValueError, match="teacher_log_probs"):
@@ -199,21 +214,20 @@ def test_batch_teacher_log_probs_replace_the_teacher_pass():
     got = given.train_step(batch.replace(teacher_log_probs=np.asarray(teacher_lp)))
     for key in ("total_loss", "distill/reverse_kl", "grad_norm"):
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6)
-    for a, b in zip(_params(given), _params(with_teacher), strict=True):
+    for a, b in zip(_params(given), expected_params, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
     with pytest.raises(ValueError, match="teacher_log_probs must be log-probabilities"):
         given.train_step(batch.replace(teacher_log_probs=np.ones((8, 6), np.float32)))
 
 
-def test_packed_batches_give_the_padded_update():
-    batch = _batch(3)
-    padded = _trainer("reverse_kl", beta=0.0)
-    packed = _trainer("reverse_kl", beta=0.0)
+def test_packed_batches_give_the_padded_update(unsliced):
+    batch = _batch()
+    expected, _ = unsliced("reverse_kl")  # padded
+    packed = _trainer("reverse_kl")
     packed.packing_threshold = 0.0
     assert type(packed.maybe_pack(packed.prepare_batch(batch))).__name__ == "PackedGRPOBatch"
-    expected = padded.train_step(batch)
     got = packed.train_step(batch)
-    for key in ("total_loss", "distill/reverse_kl", "entropy", "grad_norm"):
+    for key in ("total_loss", "distill/reverse_kl", "entropy", "kl", "grad_norm"):
         np.testing.assert_allclose(got[key], expected[key], rtol=2e-4, atol=2e-6)
     full = _trainer("jsd", beta=0.0)
     full.packing_threshold = 0.0
@@ -243,15 +257,15 @@ def test_the_pure_step_and_checkpoints_hold_the_teacher_beside_the_state():
     assert trainer.state.teacher is not None
 
 
-def test_make_grpo_loss_reads_the_teacher():
-    trainer = _trainer("jsd", beta=0.0)
-    batch = trainer.prepare_batch(_batch(5))
+def test_make_grpo_loss_reads_the_teacher(unsliced):
+    trainer = _trainer("jsd")
+    batch = trainer.compute_log_probs(_batch())  # with the reference's log-probs (the KL term)
     (loss, metrics), grads = jax.value_and_grad(trainer.grpo_loss, has_aux=True)(
         trainer.params, batch
     )
-    assert float(metrics["distill/jsd"]) > 0 and np.isfinite(float(loss))
-    assert float(optax.global_norm(grads)) > 0
-    step_metrics = trainer.train_step(batch, num_microbatches=1)
+    assert float(metrics["distill/jsd"]) > 0 and float(metrics["kl"]) > 0
+    assert np.isfinite(float(loss)) and float(optax.global_norm(grads)) > 0
+    step_metrics, _ = unsliced("jsd")  # the update of _batch() by a trainer built as this one
     np.testing.assert_allclose(step_metrics["total_loss"], float(loss), rtol=1e-5)
 
 
@@ -291,7 +305,9 @@ def test_the_command_distills_from_a_teacher_directory(tmp_path, capsys):
     from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
 
     tok = demo_tokenizer()
-    demo_model(tok).save_pretrained(str(tmp_path / "student"))
+    # the demo model's tokens and sizes with one decoder layer; a teacher wider and deeper
+    one_layer = demo_model(tok).config.replace(num_layers=1)
+    CausalLM(one_layer, rngs=nnx.Rngs(0)).save_pretrained(str(tmp_path / "student"))
     tok.save_pretrained(str(tmp_path / "student"))
     wide = dict(vocab_size=tok.vocab_size, hidden_size=96, intermediate_size=128, num_layers=2)
     CausalLM(CausalLMConfig.tiny(**wide), rngs=nnx.Rngs(3)).save_pretrained(str(tmp_path / "big"))
@@ -302,7 +318,7 @@ def test_the_command_distills_from_a_teacher_directory(tmp_path, capsys):
     common += ["--reward", "math", "--num-steps", "1", "--prompts-per-step", "2"]
     common += ["--num-generations", "2", "--max-new-tokens", "3", "--progress", "false"]
     common += ["--checkpoint-dir", "none", "--log-dir", str(tmp_path / "logs")]
-    common += ["--output", str(tmp_path / "out")]
+    common += ["--output", str(tmp_path / "out"), "--beta", "0"]  # no reference: distillation
     teacher = ["--teacher-model", str(tmp_path / "big")]
     distill = ["--distillation-coeff", "1.0", "--distillation-divergence", "jsd"]
     distill += ["--jsd-beta", "0.3", "--policy-loss-coeff", "0"]
