@@ -34,15 +34,15 @@ from artifex.demos.addition import demo_model
 from artifex.generative_models.models.causal_lm import CausalLM, Tokenizer
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.rewards import math_answer_reward
-from artifex.generative_models.training.rl.rollouts._chat_segments import _appended_text
 from artifex.generative_models.training.rl.rollouts.multiturn import (
     MultiTurnConfig,
     MultiTurnRollout,
     ToolEnvironment,
     run_episodes,
 )
+from artifex.generative_models.training.rl.rollouts.multiturn.chat_segments import appended_text
+from artifex.generative_models.training.rl.rollouts.multiturn.tools import tool_schema
 from artifex.generative_models.training.rl.rollouts.rollout import Policy, RolloutConfig
-from artifex.generative_models.training.rl.rollouts.tools import tool_schema
 from artifex.generative_models.training.rl.run.loop import TrainConfig, train
 from artifex.generative_models.training.rl.update.trainer import GRPOTrainer
 from artifex.generative_models.utils.atomic import atomic_write_json
@@ -238,7 +238,7 @@ def tool_warmup_rows(
             obs = [{"role": "tool", "name": "multiply", "content": row["answer"]}]
             pieces += [
                 (call, True),
-                (_appended_text(tokenizer, history, obs, schemas, call), False),
+                (appended_text(tokenizer, history, obs, schemas, call), False),
             ]
         pieces.append((row["answer"] + eos, True))
         out.append(pieces)

@@ -179,9 +179,7 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | N
         fh.write(text)
 
 
-def remove_temp_files(
-    directory: str | os.PathLike[str], *, target: str | None = None
-) -> list[str]:
+def remove_temp_files(directory: str | os.PathLike[str], *, target: str | None = None) -> list[str]:
     """Deletes the temporaries that killed atomic writes left in ``directory``.
 
     Only temporaries whose writer process is no longer running on this machine are removed

@@ -63,6 +63,13 @@ from artifex.generative_models.training.rl.rollouts.multiturn import (
     run_episodes,
     turn_step_rewards,
 )
+from artifex.generative_models.training.rl.rollouts.multiturn.tools import (
+    ToolCall,
+    ToolResult,
+    ToolRunner,
+    parse_tool_calls,
+    tool_schema,
+)
 from artifex.generative_models.training.rl.rollouts.rollout import (
     Completions,
     Policy,
@@ -72,13 +79,6 @@ from artifex.generative_models.training.rl.rollouts.rollout import (
     rollout,
     rollout_batch_like,
     sample_completions,
-)
-from artifex.generative_models.training.rl.rollouts.tools import (
-    ToolCall,
-    ToolResult,
-    ToolRunner,
-    parse_tool_calls,
-    tool_schema,
 )
 from artifex.generative_models.training.rl.run.loop import (
     DataIterator,
@@ -288,18 +288,24 @@ def _alias_moved_modules() -> None:
         "reward_scale": "rollouts.reward_scale",
         "rollout": "rollouts.rollout",
         "step_rewards": "rollouts.step_rewards",
-        "tools": "rollouts.tools",
+        "tools": "rollouts.multiturn.tools",
         "truncation": "rollouts.truncation",
         "evaluation_metrics": "run.evaluation_metrics",
         "loop": "run.loop",
         "preflight": "run.preflight",
+        # multi-turn, gathered into rollouts/multiturn/
+        "rollouts.episodes": "rollouts.multiturn.episodes",
+        "rollouts.environments": "rollouts.multiturn.environments",
+        "rollouts.tools": "rollouts.multiturn.tools",
+        "rollouts._chat_segments": "rollouts.multiturn.chat_segments",
     }
-    package = sys.modules[__name__]
     for old, new in moved.items():
         module = importlib.import_module(f"{__name__}.{new}")
         sys.modules.setdefault(f"{__name__}.{old}", module)
-        if old not in vars(package):  # a function of the same name (rollout) keeps its name
-            setattr(package, old, module)
+        parent_name, _, attr = f"{__name__}.{old}".rpartition(".")
+        parent = sys.modules[parent_name]
+        if attr not in vars(parent):  # a function of the same name (rollout) keeps its name
+            setattr(parent, attr, module)
 
 
 _alias_moved_modules()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from artifex.generative_models.models.causal_lm import Tokenizer
-from artifex.generative_models.training.rl.rollouts._chat_segments import _appended_text
+from artifex.generative_models.training.rl.rollouts.multiturn.chat_segments import appended_text
 from artifex.generative_models.training.rl.tools import (
     ToolCall,
     ToolRunner,
@@ -110,7 +110,7 @@ def test_appended_text_continues_the_transformers_rendering(
     schemas = [tool_schema(t) for t in TOOLS]
     prompt = tok.apply_chat_template(conv[:1], True, tokenize=False, tools=schemas)
     generated = conv[1]["content"] + ending
-    appended = _appended_text(tok, conv[:2], conv[2:], schemas, generated)
+    appended = appended_text(tok, conv[:2], conv[2:], schemas, generated)
     assert prompt + generated + appended == expected["renders"]["raw_tool_call/gen=True"]["text"]
 
 

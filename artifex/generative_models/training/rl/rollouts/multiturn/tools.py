@@ -250,8 +250,8 @@ def live_tool_threads() -> int:
         The count, over every :class:`ToolRunner`.
 
     Examples:
-        >>> from artifex.generative_models.training.rl.rollouts.tools import live_tool_threads
-        >>> live_tool_threads() >= 0
+        >>> from artifex.generative_models.training.rl.rollouts.multiturn import tools
+        >>> tools.live_tool_threads() >= 0
         True
     """
     with _LIVE_LOCK:

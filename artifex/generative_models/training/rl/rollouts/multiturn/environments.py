@@ -2,7 +2,8 @@
 
 An :class:`Environment` gives a dataset row's opening messages and answers each model turn
 with observation messages, an optional reward and whether the episode is over
-(:func:`~artifex.generative_models.training.rl.rollouts.multiturn.run_episodes` drives it).
+(:func:`~artifex.generative_models.training.rl.rollouts.multiturn.episodes.run_episodes`
+drives it).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from artifex.generative_models.training.rl.rollouts.tools import (
+from artifex.generative_models.training.rl.rollouts.multiturn.tools import (
     DEFAULT_MAX_TOOL_THREADS,
     ToolRunner,
     parse_tool_calls,

@@ -1,7 +1,7 @@
 """Chat-template text of multi-turn episodes: what the template appends between turns.
 
 The appended text is found from the chat template itself (see
-:mod:`~artifex.generative_models.training.rl.rollouts.multiturn`); these helpers render,
+:mod:`~artifex.generative_models.training.rl.rollouts.multiturn.rollout`); these helpers render,
 diff and encode it.
 """
 
@@ -12,7 +12,7 @@ import re
 import secrets
 from typing import Any
 
-from artifex.generative_models.training.rl.rollouts.environments import Message
+from artifex.generative_models.training.rl.rollouts.multiturn.environments import Message
 
 _SENTINEL = "\x00ARTIFEX-ASSISTANT-CONTENT\x00"
 
@@ -111,7 +111,7 @@ def _appended_segments(
     return merged
 
 
-def _appended_text(
+def appended_text(
     tokenizer: Any, history: list[Message], obs: list[Message], tools: Any, generated: str
 ) -> str:
     """Text to append after the model's turn ``generated`` (which ends ``history``)."""

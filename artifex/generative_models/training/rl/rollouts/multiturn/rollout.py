@@ -39,12 +39,12 @@ import numpy as np
 
 from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
-from artifex.generative_models.training.rl.rollouts.environments import (
+from artifex.generative_models.training.rl.rollouts.multiturn.environments import (
     Environment,
     ToolEnvironment,
     environment_reward,
 )
-from artifex.generative_models.training.rl.rollouts.episodes import (
+from artifex.generative_models.training.rl.rollouts.multiturn.episodes import (
     Episodes,
     MultiTurnConfig,
     run_episodes,

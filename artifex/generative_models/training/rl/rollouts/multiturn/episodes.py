@@ -1,7 +1,7 @@
 """Multi-turn episodes: their settings, the episode runner and its per-turn rewards.
 
 :func:`run_episodes` runs ``G`` episodes per dataset row with the KV cache carried across turns
-(see :mod:`~artifex.generative_models.training.rl.rollouts.multiturn` for the layout of the
+(see :mod:`~artifex.generative_models.training.rl.rollouts.multiturn.rollout` for the layout of the
 batch they become).
 """
 
@@ -24,18 +24,18 @@ from artifex.generative_models.inference.sampling import (
     bucket_length,
 )
 from artifex.generative_models.inference.stop_strings import stop_string_table
-from artifex.generative_models.training.rl.rollouts._chat_segments import (
+from artifex.generative_models.training.rl.rollouts.multiturn.chat_segments import (
     _appended_segments,
     _check_plain_encoding,
     _encode_segments,
     _render,
     _truncated,
 )
-from artifex.generative_models.training.rl.rollouts.environments import (
+from artifex.generative_models.training.rl.rollouts.multiturn.environments import (
     Environment,
     Message,
 )
-from artifex.generative_models.training.rl.rollouts.tools import (
+from artifex.generative_models.training.rl.rollouts.multiturn.tools import (
     live_tool_threads,
 )
 from artifex.generative_models.utils.validation import (
@@ -197,7 +197,7 @@ class Episodes:
 
         ``multiturn/tool_threads_alive`` is read when this is called: the tool threads alive in
         the process
-        (:func:`~artifex.generative_models.training.rl.rollouts.tools.live_tool_threads`),
+        (:func:`~artifex.generative_models.training.rl.rollouts.multiturn.tools.live_tool_threads`),
         which grows while hung tools are abandoned.
 
         Returns:
