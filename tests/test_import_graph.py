@@ -8,9 +8,9 @@ the one above it). ``from pkg import name`` is an edge to the submodule ``pkg.na
 is one, else to ``pkg`` (its ``__init__``).
 
 The layers of ``training.rl``, bottom to top (each sub-package's ``__init__`` says the same):
-``core`` (with ``batch`` and ``packing``) -> ``rewards`` -> ``update`` and ``rollouts`` (side by
-side: neither imports the other) -> ``run``; the package's own ``__init__`` re-exports them all,
-and nothing inside the package imports it.
+``core`` (the batch types ``core.batch`` and ``core.packing`` included) -> ``rewards`` ->
+``update`` and ``rollouts`` (side by side: neither imports the other) -> ``run``; the
+package's own ``__init__`` re-exports them all, and nothing inside the package imports it.
 
 The demos (``artifex.demos``) sit on top of the library: nothing in it imports them except the
 command line (``artifex.cli*``), which runs them, and the deprecated aliases at the demos' old
@@ -119,7 +119,7 @@ def test_the_graph_sees_function_level_imports():
 def test_the_type_only_graph_sees_type_checking_imports():
     # core/logprobs.py imports GRPOBatch for its annotations only.
     module = "artifex.generative_models.training.rl.core.logprobs"
-    batch = "artifex.generative_models.training.rl.batch"
+    batch = "artifex.generative_models.training.rl.core.batch"
     assert batch not in import_graph()[module]
     assert batch in import_graph(type_only=True)[module]
 
@@ -148,8 +148,6 @@ RL = "artifex.generative_models.training.rl"
 # Layer of each part of training.rl; a module may import its own layer and those below it.
 RL_LAYERS = {
     "core": 0,
-    "batch": 0,
-    "packing": 0,
     "rewards": 1,
     "update": 2,
     "rollouts": 2,

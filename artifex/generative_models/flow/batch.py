@@ -46,7 +46,7 @@ from artifex.generative_models.flow.sde import (
     sde_transition,
     time_grid,
 )
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.utils.validation import check_int
 
 __all__ = [

@@ -23,7 +23,7 @@ import jax
 
 from artifex.generative_models.flow.batch import flow_log_prob_fn
 from artifex.generative_models.flow.sde import SDEConfig
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.objective import grpo_objective
 

@@ -4,7 +4,6 @@ The numeric core (advantages, losses, log-probs) is a set of pure functions; the
 the model, optimizer and step and calls them.
 """
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.advantages import (
     GroupStats,
     advantages_from_config,
@@ -14,6 +13,7 @@ from artifex.generative_models.training.rl.core.advantages import (
     segment_advantages,
     segment_stats,
 )
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.logprobs import (
     auto_chunk_size,
@@ -213,10 +213,9 @@ from artifex.generative_models.training.rl.core.losses import (
     sapo_surrogate,
     vespo_weights,
 )
-from artifex.generative_models.training.rl.core.teacher import make_distillation_terms
 
 # Packed updates: a batch's sequences in rows without padding.
-from artifex.generative_models.training.rl.packing import (
+from artifex.generative_models.training.rl.core.packing import (
     DEFAULT_PACKING_THRESHOLD,
     PackedGRPOBatch,
     PackedLayout,
@@ -227,6 +226,7 @@ from artifex.generative_models.training.rl.packing import (
     row_bucket,
     should_pack,
 )
+from artifex.generative_models.training.rl.core.teacher import make_distillation_terms
 
 # Training options around the loss (see docs/algorithm.md).
 from artifex.generative_models.training.rl.rollouts.truncation import mask_truncated_completions
@@ -271,6 +271,8 @@ def _alias_moved_modules() -> None:
 
     moved = {
         "advantages": "core.advantages",
+        "batch": "core.batch",
+        "packing": "core.packing",
         "compat": "core.compat",
         "configs": "core.configs",
         "distillation": "core.distillation",

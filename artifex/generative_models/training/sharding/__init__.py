@@ -14,7 +14,7 @@ decides where they live:
   ``"fsdp"``.
 - :func:`shard_model` and :func:`shard_optimizer` place a model and its ``nnx.Optimizer`` state
   (Adam's ``mu``/``nu`` follow their parameter; scalars are replicated).
-- :func:`shard_batch` splits a :class:`~artifex.generative_models.training.rl.batch.GRPOBatch`
+- :func:`shard_batch` splits a :class:`~artifex.generative_models.training.rl.core.batch.GRPOBatch`
   (or any pytree of row-major arrays) along its rows over ``("data", "fsdp")`` together.
 
 Tensor parallelism (Shoeybi et al., 2019): for a block ``y = (\sigma(x W_1)) W_2`` the first

@@ -7,7 +7,7 @@ Besides a ``GRPOBatch``, the trainer accepts a plain dict::
 (plus an optional ``advantages``). A single-step categorical policy ``model(observations) ->
 logits`` is a completion of length 1: ``prompt_ids`` holds the observations and each action is
 one completion token. :func:`dict_batch_fields` does that conversion; the pytree itself is built
-by :meth:`~artifex.generative_models.training.rl.batch.GRPOBatch.from_dict` (which calls it),
+by :meth:`~artifex.generative_models.training.rl.core.batch.GRPOBatch.from_dict` (which calls it),
 so this module knows nothing of the batch class and imports nothing from the rest of the
 package.
 """

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from artifex.generative_models.utils.validation import check_remat
 
 if TYPE_CHECKING:
-    from artifex.generative_models.training.rl.batch import GRPOBatch
+    from artifex.generative_models.training.rl.core.batch import GRPOBatch
 
 __all__ = [
     "LogProbFn",

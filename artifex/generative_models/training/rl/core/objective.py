@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core import advantages as adv_lib
 from artifex.generative_models.training.rl.core import losses
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.logprobs import LogProbFn, default_log_prob_fn
 from artifex.generative_models.training.rl.core.microbatching import (  # noqa: F401 (old path)

@@ -44,7 +44,7 @@ from artifex.generative_models.utils.validation import (
 )
 
 if TYPE_CHECKING:
-    from artifex.generative_models.training.rl.batch import GRPOBatch
+    from artifex.generative_models.training.rl.core.batch import GRPOBatch
 
 __all__ = ["RoutingReplayLogProbFn", "routing_replay_log_prob_fn", "routing_replay_log_probs"]
 

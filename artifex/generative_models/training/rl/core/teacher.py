@@ -41,11 +41,11 @@ from artifex.generative_models.training.rl.core.logprobs import (
     default_log_prob_fn,
     token_log_probs,
 )
-from artifex.generative_models.training.rl.packing import packed_log_prob_fn
+from artifex.generative_models.training.rl.core.packing import packed_log_prob_fn
 from artifex.generative_models.utils.validation import check_remat
 
 if TYPE_CHECKING:
-    from artifex.generative_models.training.rl.batch import GRPOBatch
+    from artifex.generative_models.training.rl.core.batch import GRPOBatch
     from artifex.generative_models.training.rl.core.configs import GRPOConfig
 
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.policy import Policy
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from artifex.generative_models.inference.engines.base import RolloutEngine, SamplerEngine
 from artifex.generative_models.inference.sampling import bucket_length, check_fits_positions
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.policy import Policy
 from artifex.generative_models.training.rl.rewards import RewardCombiner

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 
 __all__ = ["mask_truncated_completions"]
 
@@ -32,7 +32,7 @@ def mask_truncated_completions(batch: GRPOBatch, truncated: Any) -> GRPOBatch:
     """Zeroes the completion mask of the truncated rows of ``batch``.
 
     Args:
-        batch: A :class:`~artifex.generative_models.training.rl.batch.GRPOBatch`.
+        batch: A :class:`~artifex.generative_models.training.rl.core.batch.GRPOBatch`.
         truncated: ``(B,)`` bools, True for a row that reached the length limit without an
             end-of-sequence token (``Rollout.truncated``, the sampler's ``truncated``).
 

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.advantages import nonconstant_groups
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.policy import Policy
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollouts.rollout import (

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from artifex.generative_models.training.completions import CompletionLog
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.objective import _reward_metrics, compute_advantages
 from artifex.generative_models.training.rl.rollouts.rollout import spans_processes
 from artifex.generative_models.training.rl.run.data import GenerationBatch, take_rows

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.update.state import GRPOTrainState
 
 __all__ = ["BackgroundCompiles", "MultiProgramEngine", "StepEngine"]

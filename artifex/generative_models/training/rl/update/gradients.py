@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core import losses
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.logprobs import LogProbFn, default_log_prob_fn
 from artifex.generative_models.training.rl.core.microbatching import (

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
 from artifex.generative_models.training.rl.core import losses
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.logprobs import chunked_token_log_probs
 from artifex.generative_models.training.rl.core.objective import (

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.update.layer_split import (  # noqa: F401  (old imports)
     Group,

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.logprobs import LogProbFn
 from artifex.generative_models.training.rl.update.gradients import (  # noqa: F401  (old imports)

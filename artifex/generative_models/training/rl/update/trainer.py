@@ -30,7 +30,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.logprobs import LogProbFn
 from artifex.generative_models.training.rl.core.objective import (

@@ -20,10 +20,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.objective import as_grpo_batch
+from artifex.generative_models.training.rl.core.packing import pack_batch, should_pack
 from artifex.generative_models.training.rl.core.policy import Policy
-from artifex.generative_models.training.rl.packing import pack_batch, should_pack
 from artifex.generative_models.training.rl.update.microbatches import auto_num_microbatches
 from artifex.generative_models.training.rl.update.trainer_setup import (
     _check_token_range,
@@ -286,7 +286,7 @@ class TrainerBatches:
             num_microbatches: The update's microbatches (each slice is packed on its own).
 
         Returns:
-            A :class:`~artifex.generative_models.training.rl.packing.PackedGRPOBatch`, or
+            A :class:`~artifex.generative_models.training.rl.core.packing.PackedGRPOBatch`, or
             ``batch``.
         """
         if (

@@ -20,12 +20,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.logprobs import LogProbFn, default_log_prob_fn
+from artifex.generative_models.training.rl.core.packing import packed_log_prob_fn
 from artifex.generative_models.training.rl.core.routing_replay import routing_replay_log_prob_fn
 from artifex.generative_models.training.rl.core.teacher import check_teacher_setup
-from artifex.generative_models.training.rl.packing import packed_log_prob_fn
 from artifex.generative_models.training.rl.update.layerwise import check_layerwise_model
 from artifex.generative_models.training.rl.update.state import NonFiniteUpdateError
 from artifex.generative_models.training.sharding import _path_parts, shard_model, shard_optimizer
@@ -127,7 +127,7 @@ def trainer_log_prob_fn(
     ``log_prob_fn`` when given. Otherwise the model's
     :func:`~artifex.generative_models.training.rl.core.logprobs.default_log_prob_fn`: for a
     causal LM with ``packed_hidden_states`` wrapped in
-    :func:`~artifex.generative_models.training.rl.packing.packed_log_prob_fn` (packed batches
+    :func:`~artifex.generative_models.training.rl.core.packing.packed_log_prob_fn` (packed batches
     run packed), and for a mixture-of-experts causal LM
     :func:`~artifex.generative_models.training.rl.core.routing_replay.routing_replay_log_prob_fn`
     with ``GRPOConfig.routing_replay`` and ``moe_aux_loss_coef`` (the update logs

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.rewards import RewardCombiner
 from artifex.generative_models.training.rl.rollouts.multiturn.environments import (
     Environment,

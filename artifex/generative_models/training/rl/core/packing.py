@@ -1,6 +1,6 @@
 r"""Packing a GRPO batch's sequences into rows without padding, for the update.
 
-A :class:`~artifex.generative_models.training.rl.batch.GRPOBatch` pads every completion to the
+A :class:`~artifex.generative_models.training.rl.core.batch.GRPOBatch` pads every completion to the
 longest one; when completion lengths run from tens to thousands of tokens most of the update's
 token positions are padding. :func:`pack_batch` lays the real tokens of a batch out in ``R``
 rows of ``L`` tokens instead, and :func:`packed_causal_lm_log_probs` computes the per-token
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from artifex.generative_models.training.rl.batch import GRPOBatch
+from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.logprobs import (
     LogProbFn,
     causal_lm_log_probs_fn,
