@@ -355,3 +355,59 @@ def test_the_flow_package_says_what_it_may_import():
     import importlib
 
     assert "may import" in (importlib.import_module(FLOW).__doc__ or "")
+
+
+# ------------------------------------------------------------------ private names stay home
+def _package(module: str, is_package: bool) -> str:
+    return module if is_package else module.rsplit(".", 1)[0]
+
+
+def private_imports(sources: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """``(importer, imported)`` for each underscore name (or underscore module) of the library
+    that a module imports from outside the package that holds it.
+
+    The parts a module was split into share their private helpers inside their package (and
+    its sub-packages); another package uses a public name. Aliases at deprecated paths, which
+    re-export whatever the old module had, are left out. ``sources``: module name -> source
+    (a package's module name ends in ``.__init__``); the library's files by default.
+    """
+    if sources is None:
+        sources = {
+            ".".join(p.relative_to(ROOT).with_suffix("").parts): p.read_text(encoding="utf-8")
+            for p in LIBRARY.rglob("*.py")
+        }
+    packages = {m.removesuffix(".__init__") for m in sources if m.endswith(".__init__")}
+    modules = {m.removesuffix(".__init__") for m in sources}
+    found = []
+    for key, source in sources.items():
+        importer = key.removesuffix(".__init__")
+        if importer in FLOW_ALIASES or importer in DEMO_ALIASES:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in modules:
+                continue
+            home = node.module if node.module in packages else node.module.rsplit(".", 1)[0]
+            if importer == home or importer.startswith(home + "."):
+                continue
+            private_module = any(part.startswith("_") for part in node.module.split("."))
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                if private_module or (alias.name.startswith("_") and target not in modules):
+                    found.append((importer, target))
+    return sorted(found)
+
+
+def test_the_private_name_rule_finds_an_import_from_another_package():
+    sources = {
+        "a.__init__": "",
+        "a.x": "def _helper(): ...\ndef public(): ...",
+        "a.y": "from a.x import _helper",  # the same package: allowed
+        "a.sub.z": "from a.x import _helper",  # a sub-package: allowed
+        "b.w": "from a.x import _helper, public\nfrom a._private import thing",
+        "a._private": "thing = 1",
+    }
+    assert private_imports(sources) == [("b.w", "a._private.thing"), ("b.w", "a.x._helper")]
+
+
+def test_no_module_imports_a_private_name_of_another_package():
+    assert private_imports() == []

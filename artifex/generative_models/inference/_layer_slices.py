@@ -59,7 +59,7 @@ def _per_layer_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     return per_layer_graphdef, jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _per_layer_model(model: nnx.Module) -> nnx.Module:
+def per_layer_model(model: nnx.Module) -> nnx.Module:
     """``model``, or for stacked, unrolled layers the same model with one module per layer.
 
     The layers are sliced once (:func:`_per_layer_split`); the other arrays are shared, not

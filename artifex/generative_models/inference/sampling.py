@@ -37,11 +37,11 @@ from artifex.generative_models.inference._kv_decode import (  # noqa: F401  (old
 from artifex.generative_models.inference._layer_slices import (  # noqa: F401  (old imports)
     _PER_LAYER_PLANS,
     _layer_slice,
-    _per_layer_model,
     _per_layer_plan,
     _per_layer_split,
     _runs_stacked_layers_unrolled,
     _sharded_like_stack,
+    per_layer_model,
 )
 from artifex.generative_models.inference.batch_layout import (
     DEFAULT_PROMPT_BUCKETS,

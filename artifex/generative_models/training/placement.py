@@ -68,9 +68,9 @@ class RolloutPlacement:
     """
 
     def __init__(self, mesh: Mesh, rules: PartitionRules | Sequence[tuple[str, Any]] | None = None):
-        from artifex.generative_models.training.sharding import _check_mesh
+        from artifex.generative_models.training.sharding import check_mesh
 
-        _check_mesh(mesh, "RolloutPlacement")
+        check_mesh(mesh, "RolloutPlacement")
         self.mesh = mesh
         self.rules = rules
         self._shardings: Any = None

@@ -59,7 +59,7 @@ from artifex.generative_models.training.sharding.batches import (
 from artifex.generative_models.training.sharding.mesh import (
     DATA_AXES,
     MESH_AXES,
-    _check_mesh,  # noqa: F401
+    check_mesh,  # noqa: F401
     current_mesh,
     make_mesh,
 )
@@ -75,7 +75,7 @@ from artifex.generative_models.training.sharding.rules import (
     _as_rules,  # noqa: F401
 )
 from artifex.generative_models.training.sharding.states import (
-    _path_parts,  # noqa: F401
+    path_parts,  # noqa: F401
     shard_model,
     shard_optimizer,
     state_partition_specs,

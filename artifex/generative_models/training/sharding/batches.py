@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from artifex.generative_models.training.sharding.mesh import DATA_AXES, _check_mesh
+from artifex.generative_models.training.sharding.mesh import DATA_AXES, check_mesh
 from artifex.generative_models.training.sharding.rules import _check_axes
 
 __all__ = [
@@ -189,7 +189,7 @@ def shard_batch(
         >>> [s.data.tolist() for s in batch["rewards"].addressable_shards]
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
     """
-    _check_mesh(mesh, "shard_batch")
+    check_mesh(mesh, "shard_batch")
     shards = num_data_shards(mesh, data_axes)
     spec = batch_partition_spec(mesh, data_axes)
     rows_sharding = NamedSharding(mesh, spec)

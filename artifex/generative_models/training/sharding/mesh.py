@@ -135,7 +135,11 @@ def current_mesh() -> Mesh | None:
     return None if mesh.empty else mesh
 
 
-def _check_mesh(mesh: Any, where: str) -> None:
+def check_mesh(mesh: Any, where: str) -> None:
+    """Raises unless ``mesh`` is a ``jax.sharding.Mesh`` whose axes are all ``AxisType.Auto``.
+
+    ``where`` names the caller in the message (the model code relies on GSPMD propagation).
+    """
     if not isinstance(mesh, Mesh):
         msg = f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}"
         raise TypeError(msg)

@@ -14,7 +14,7 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
-from artifex.generative_models.training.sharding.mesh import _check_mesh
+from artifex.generative_models.training.sharding.mesh import check_mesh
 from artifex.generative_models.utils.validation import check_int
 
 __all__ = [
@@ -266,7 +266,7 @@ class PartitionRules:
             >>> model.layers[0].mlp.up_proj.kernel.sharding.spec
             P('fsdp', 'tensor')
         """
-        _check_mesh(mesh, "PartitionRules.bind")
+        check_mesh(mesh, "PartitionRules.bind")
         self.validate(mesh)
 
         def rules(path: str, shape: tuple[int, ...]) -> PartitionSpec:

@@ -15,7 +15,7 @@ from flax import nnx
 from flax.nnx import spmd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from artifex.generative_models.training.sharding.mesh import _check_mesh
+from artifex.generative_models.training.sharding.mesh import check_mesh
 from artifex.generative_models.training.sharding.rules import PartitionRules, _as_rules
 
 __all__ = [
@@ -26,7 +26,8 @@ __all__ = [
 ]
 
 
-def _path_parts(keypath: tuple[Any, ...]) -> tuple[Any, ...]:
+def path_parts(keypath: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The keys, attribute names and indices of a pytree key path, as plain values."""
     parts = []
     for k in keypath:
         if isinstance(k, jax.tree_util.DictKey):
@@ -56,7 +57,7 @@ def _map_vars(fn: Callable[[tuple[Any, ...], Any, Any], Any], tree: Any) -> Any:
     """Maps ``fn(path_parts, variable_or_array, value)`` over a state; keeps Variable boxes."""
 
     def leaf(keypath: tuple[Any, ...], x: Any) -> Any:
-        parts = _path_parts(keypath)
+        parts = path_parts(keypath)
         if isinstance(x, nnx.Variable):
             return x.replace(fn(parts, x, x.get_value()))
         if hasattr(x, "shape"):
@@ -72,9 +73,9 @@ def _flat_vars(tree: Any) -> list[tuple[tuple[Any, ...], Any, Any]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)
     for keypath, x in flat:
         if isinstance(x, nnx.Variable):
-            out.append((_path_parts(keypath), x, x.get_value()))
+            out.append((path_parts(keypath), x, x.get_value()))
         else:
-            out.append((_path_parts(keypath), None, x))
+            out.append((path_parts(keypath), None, x))
     return out
 
 
@@ -103,7 +104,7 @@ def state_partition_specs(
         >>> specs["kernel"].get_value(), specs["bias"].get_value()
         (P('fsdp', None), P(None,))
     """
-    _check_mesh(mesh, "state_partition_specs")
+    check_mesh(mesh, "state_partition_specs")
     rules = _as_rules(rules).validate(mesh)
     state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
 

@@ -140,7 +140,7 @@ def compute_advantages(batch: GRPOBatch, config: GRPOConfig) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------- the loss
-def _reward_metrics(batch: GRPOBatch, advantages: jax.Array) -> dict[str, jax.Array]:
+def batch_reward_metrics(batch: GRPOBatch, advantages: jax.Array) -> dict[str, jax.Array]:
     """The reward statistics of a batch (``core.advantages.reward_statistics``)."""
     if advantages.ndim == 2:
         adv_mask = jnp.asarray(batch.completion_mask, jnp.float32)
@@ -437,7 +437,7 @@ def grpo_objective(
         **distill,
     }
     if reward_metrics:
-        metrics.update(_reward_metrics(batch, advantages))
+        metrics.update(batch_reward_metrics(batch, advantages))
     metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in metrics.items()}
     return total, metrics
 

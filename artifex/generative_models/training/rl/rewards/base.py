@@ -98,10 +98,10 @@ class RewardFunctionError(RuntimeError):
         self.row = row
 
 
-def _function_name(func: Callable[..., Any]) -> str:
+def callable_name(func: Callable[..., Any]) -> str:
     """The display name of one callable: ``__name__``, the wrapped function, or its type."""
     if isinstance(func, functools.partial):
-        return _function_name(func.func)
+        return callable_name(func.func)
     name = getattr(func, "__name__", None)
     if isinstance(name, str) and name:
         return name
@@ -133,7 +133,7 @@ def reward_names(funcs: Sequence[Callable[..., Any]]) -> list[str]:
     seen: set[str] = set()
     counts: dict[str, int] = {}
     for func in funcs:
-        base = _function_name(func)
+        base = callable_name(func)
         name = base
         counts[base] = counts.get(base, 0) + 1
         suffix = counts[base]

@@ -342,7 +342,8 @@ def normalize_number(answer: str) -> Fraction | None:
     return _parse_number(_clean(answer))
 
 
-def _normalize_text(answer: str) -> str:
+def normalize_answer_text(answer: str) -> str:
+    """An extracted answer as text to compare: cleaned of markup, all whitespace removed."""
     return re.sub(r"\s+", "", _clean(answer))
 
 
@@ -376,7 +377,7 @@ def answers_equal(a: str, b: str) -> bool:
         return x == y
     if x is not None or y is not None:
         return False
-    ta, tb = _normalize_text(a), _normalize_text(b)
+    ta, tb = normalize_answer_text(a), normalize_answer_text(b)
     return bool(ta) and ta == tb
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from artifex.generative_models.training.rl.rewards.base import RewardFunctionError, _function_name
+from artifex.generative_models.training.rl.rewards.base import RewardFunctionError, callable_name
 from artifex.generative_models.utils.validation import check_callable, check_str
 
 __all__ = ["StepRewards", "split_steps", "step_end_tokens"]
@@ -181,7 +181,7 @@ class StepRewards:
     @property
     def name(self) -> str:
         """The function's ``__name__`` (its class name for a callable object without one)."""
-        return _function_name(self.fn)
+        return callable_name(self.fn)
 
     @property
     def fingerprint(self) -> dict[str, str]:

@@ -42,7 +42,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from artifex.generative_models.training.rl.rewards.math import _normalize_text, normalize_number
+from artifex.generative_models.training.rl.rewards.math import (
+    normalize_answer_text,
+    normalize_number,
+)
 from artifex.generative_models.training.rl.rollouts.rollout import (
     Policy,
     RolloutConfig,
@@ -167,7 +170,7 @@ def answer_key(answer: str | None) -> tuple[str, Any] | None:
     number = normalize_number(answer)
     if number is not None:
         return ("number", number)
-    text = _normalize_text(answer)
+    text = normalize_answer_text(answer)
     return ("text", text) if text else None
 
 

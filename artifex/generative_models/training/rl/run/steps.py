@@ -24,7 +24,10 @@ import numpy as np
 
 from artifex.generative_models.training.completions import CompletionLog
 from artifex.generative_models.training.rl.core.batch import GRPOBatch
-from artifex.generative_models.training.rl.core.objective import _reward_metrics, compute_advantages
+from artifex.generative_models.training.rl.core.objective import (
+    batch_reward_metrics,
+    compute_advantages,
+)
 from artifex.generative_models.training.rl.rollouts.rollout import spans_processes
 from artifex.generative_models.training.rl.run.data import GenerationBatch, take_rows
 from artifex.generative_models.training.rl.update.state import NonFiniteUpdateError
@@ -87,7 +90,7 @@ def _advantages(batch: GRPOBatch, config: Any) -> jax.Array:
 @jax.jit
 def _batch_metrics(batch: GRPOBatch) -> dict[str, jax.Array]:
     """Reward and advantage metrics of a whole generation batch (groups contiguous)."""
-    return _reward_metrics(batch, batch.advantages)
+    return batch_reward_metrics(batch, batch.advantages)
 
 
 def add_advantages(batch: GRPOBatch, config: Any) -> tuple[GRPOBatch, dict[str, jax.Array]]:

@@ -31,7 +31,7 @@ from artifex.generative_models.training.rl.core.microbatching import (
     split_microbatches,
 )
 from artifex.generative_models.training.rl.core.objective import (
-    _reward_metrics,
+    batch_reward_metrics,
     compute_advantages,
     grpo_objective,
 )
@@ -280,7 +280,7 @@ def make_grpo_gradients(
             loss = jnp.sum(micro_loss)
             metrics = combine_micro_metrics(micro_metrics)
         if not precomputed:  # a loop that precomputes advantages reports these once per batch
-            metrics.update(_reward_metrics(batch, advantages))
+            metrics.update(batch_reward_metrics(batch, advantages))
         metrics["advantage_signal"] = advantage_signal(advantages, batch.completion_mask)
         return loss, metrics, grads
 

@@ -43,7 +43,7 @@ from artifex.generative_models.training.rl.core.batch import GRPOBatch
 from artifex.generative_models.training.rl.core.configs import GRPOConfig
 from artifex.generative_models.training.rl.core.logprobs import chunked_token_log_probs
 from artifex.generative_models.training.rl.core.objective import (
-    _reward_metrics,
+    batch_reward_metrics,
     compute_advantages,
     grpo_objective,
 )
@@ -342,7 +342,7 @@ class LayerwiseStep(MultiProgramEngine):
             grad = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
             (loss, metrics), (d_params, dh) = grad(params, h)
             if not precomputed:
-                metrics.update(_reward_metrics(batch, advantages))
+                metrics.update(batch_reward_metrics(batch, advantages))
             metrics["advantage_signal"] = advantage_signal(advantages, batch.completion_mask)
             return loss, metrics, d_params, dh
 

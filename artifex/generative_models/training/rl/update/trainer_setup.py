@@ -28,7 +28,7 @@ from artifex.generative_models.training.rl.core.routing_replay import routing_re
 from artifex.generative_models.training.rl.core.teacher import check_teacher_setup
 from artifex.generative_models.training.rl.update.layerwise import check_layerwise_model
 from artifex.generative_models.training.rl.update.state import NonFiniteUpdateError
-from artifex.generative_models.training.sharding import _path_parts, shard_model, shard_optimizer
+from artifex.generative_models.training.sharding import path_parts, shard_model, shard_optimizer
 
 __all__ = [
     "check_expert_options",
@@ -243,7 +243,7 @@ def _holds_per_layer_state(optimizer: nnx.Optimizer) -> bool:
     """Whether the optimizer state has per-layer entries (paths `... layers <int> ...`)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.state(optimizer.opt_state))
     for keypath, _ in leaves:
-        keys = _path_parts(keypath)
+        keys = path_parts(keypath)
         if any(a == "layers" and isinstance(b, int) for a, b in itertools.pairwise(keys)):
             return True
     return False

@@ -20,8 +20,8 @@ import numpy as np
 from artifex.generative_models.inference.multiturn import append_tokens, decode_turn
 from artifex.generative_models.inference.sampling import (
     DEFAULT_PROMPT_BUCKETS,
-    _per_layer_model,
     bucket_length,
+    per_layer_model,
 )
 from artifex.generative_models.inference.stop_strings import stop_string_table
 from artifex.generative_models.training.rl.rollouts.multiturn.chat_segments import (
@@ -378,7 +378,7 @@ def run_episodes(
     rows_n = len(envs)
     slots = width + 2 * config.max_completion_tokens + config.max_new_tokens
     # Layers stored stacked are sliced once for the whole rollout, not at every call below.
-    model = _per_layer_model(model)
+    model = per_layer_model(model)
     cache = model.init_cache(len(rows), slots)
     # The prompts are prefilled at their bucketed width (one compiled program per bucket).
     cache, logits = append_tokens(
