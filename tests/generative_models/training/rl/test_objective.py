@@ -214,3 +214,11 @@ def test_entropy_required_when_coefficient_positive():
         grpo_objective(logp, None, batch, GRPOConfig())
     loss, _ = grpo_objective(logp, None, batch, GRPOConfig(entropy_coeff=0.0))
     assert np.isfinite(float(loss))
+
+
+def test_every_policy_loss_setting_has_its_loss_and_no_other():
+    """The objective picks the policy loss from a table: one entry per accepted setting."""
+    from artifex.generative_models.training.rl.core.configs import _CHOICES
+    from artifex.generative_models.training.rl.core.objective import POLICY_LOSSES
+
+    assert set(POLICY_LOSSES) == set(_CHOICES["policy_loss"])

@@ -157,6 +157,73 @@ def batch_reward_metrics(batch: GRPOBatch, advantages: jax.Array) -> dict[str, j
     )
 
 
+# The policy losses, by ``GRPOConfig.policy_loss``. Each takes the log ratio (at the configured
+# level), the log-probs, advantages, mask, the sampler's importance weights (or None), the batch
+# and the config; it returns the per-token loss, the low and high clip indicators, its own
+# metrics, and the importance weights left for the caller to apply (VESPO consumes them).
+Surrogate = tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array], jax.Array | None]
+
+
+def _clip_loss(log_ratio, log_probs, advantages, mask, is_weights, batch, config) -> Surrogate:
+    pg, low, high = losses.clipped_surrogate(
+        log_ratio,
+        advantages,
+        mask,
+        epsilon_low=config.epsilon_low,
+        epsilon_high=config.epsilon_high,
+        dual_clip=config.dual_clip,
+    )
+    return pg, low, high, {}, is_weights
+
+
+def _cispo_loss(log_ratio, log_probs, advantages, mask, is_weights, batch, config) -> Surrogate:
+    pg, high = losses.cispo_surrogate(
+        log_ratio, log_probs, advantages, mask, max_weight=config.cispo_max_weight
+    )
+    return pg, jnp.zeros_like(mask), high, {}, is_weights
+
+
+def _sapo_loss(log_ratio, log_probs, advantages, mask, is_weights, batch, config) -> Surrogate:
+    pg = losses.sapo_surrogate(
+        log_ratio,
+        advantages,
+        mask,
+        temperature_pos=config.sapo_temperature_pos,
+        temperature_neg=config.sapo_temperature_neg,
+    )
+    zeros = jnp.zeros_like(mask)
+    return pg, zeros, zeros, {}, is_weights
+
+
+def _vespo_loss(log_ratio, log_probs, advantages, mask, is_weights, batch, config) -> Surrogate:
+    """The sampler correction enters the sequence weight, not the loss: no weights are left."""
+    token_log_ratio = losses.log_importance_ratio(
+        log_probs, batch.old_log_probs, mask, level="token"
+    )
+    phi = losses.vespo_weights(
+        token_log_ratio,
+        advantages,
+        mask,
+        sampler_log_weights=None if is_weights is None else jnp.log(is_weights),
+        k_pos=config.vespo_k_pos,
+        lambda_pos=config.vespo_lambda_pos,
+        k_neg=config.vespo_k_neg,
+        lambda_neg=config.vespo_lambda_neg,
+    )
+    adv = jnp.broadcast_to(advantages if advantages.ndim == 2 else advantages[:, None], mask.shape)
+    pg = jnp.where(mask > 0, -phi * adv * log_probs, 0.0)
+    zeros = jnp.zeros_like(mask)
+    return pg, zeros, zeros, {"vespo_weight_mean": losses.masked_mean(phi, mask)}, None
+
+
+POLICY_LOSSES: dict[str, Callable[..., Surrogate]] = {
+    "clip": _clip_loss,
+    "cispo": _cispo_loss,
+    "sapo": _sapo_loss,
+    "vespo": _vespo_loss,
+}
+
+
 def _policy_term(
     log_probs: jax.Array,
     entropy: jax.Array | None,
@@ -170,7 +237,6 @@ def _policy_term(
     log_ratio = losses.log_importance_ratio(
         log_probs, batch.old_log_probs, mask, level=config.importance_sampling_level
     )
-    zeros = jnp.zeros_like(mask)
     metrics: dict[str, jax.Array] = {}
     # The trainer's log-probs of the behavior policy: the old policy, or (on-policy) the current
     # one without gradient, as TRL does.
@@ -191,50 +257,10 @@ def _policy_term(
         )
         metrics.update(_sampler_metrics(train_lp, sampler_lp, is_weights, outside, mask, config))
 
-    if config.policy_loss == "clip":
-        pg, low, high = losses.clipped_surrogate(
-            log_ratio,
-            advantages,
-            mask,
-            epsilon_low=config.epsilon_low,
-            epsilon_high=config.epsilon_high,
-            dual_clip=config.dual_clip,
-        )
-    elif config.policy_loss == "cispo":
-        pg, high = losses.cispo_surrogate(
-            log_ratio, log_probs, advantages, mask, max_weight=config.cispo_max_weight
-        )
-        low = zeros
-    elif config.policy_loss == "sapo":
-        pg = losses.sapo_surrogate(
-            log_ratio,
-            advantages,
-            mask,
-            temperature_pos=config.sapo_temperature_pos,
-            temperature_neg=config.sapo_temperature_neg,
-        )
-        low = high = zeros
-    else:  # "vespo": the sampler correction enters the sequence weight, not the loss
-        token_log_ratio = losses.log_importance_ratio(
-            log_probs, batch.old_log_probs, mask, level="token"
-        )
-        phi = losses.vespo_weights(
-            token_log_ratio,
-            advantages,
-            mask,
-            sampler_log_weights=None if is_weights is None else jnp.log(is_weights),
-            k_pos=config.vespo_k_pos,
-            lambda_pos=config.vespo_lambda_pos,
-            k_neg=config.vespo_k_neg,
-            lambda_neg=config.vespo_lambda_neg,
-        )
-        adv = jnp.broadcast_to(
-            advantages if advantages.ndim == 2 else advantages[:, None], mask.shape
-        )
-        pg = jnp.where(mask > 0, -phi * adv * log_probs, 0.0)
-        low = high = zeros
-        metrics["vespo_weight_mean"] = losses.masked_mean(phi, mask)
-        is_weights = None
+    pg, low, high, surrogate_metrics, is_weights = POLICY_LOSSES[config.policy_loss](
+        log_ratio, log_probs, advantages, mask, is_weights, batch, config
+    )
+    metrics.update(surrogate_metrics)
 
     if config.off_policy_mask_threshold is not None:
         behavior = train_lp if sampler_lp is None else jnp.asarray(sampler_lp, jnp.float32)
