@@ -170,6 +170,11 @@ class LoRAAdapter(nnx.Module):
         return jnp.matmul(z, self.lora_b[...])
 
 
+#: The feed-forward projections; in a mixture-of-experts layer they are the experts' stacked
+#: weights, which take no adapters.
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
 def _targets(model: CausalLM, names: tuple[str, ...]) -> list[Linear]:
     out = []
     for layer in model.layers:
@@ -179,6 +184,20 @@ def _targets(model: CausalLM, names: tuple[str, ...]) -> list[Linear]:
                 if isinstance(proj, Linear):
                     out.append(proj)
     return out
+
+
+def _check_expert_targets(model: CausalLM, names: tuple[str, ...]) -> None:
+    """Refuses feed-forward targets on a model whose layers route tokens to experts."""
+    asked = [n for n in names if n in _MLP_TARGETS]
+    if asked and model.config.is_moe:
+        attention = tuple(n for n in LORA_TARGETS if n not in _MLP_TARGETS)
+        msg = (
+            f"apply_lora: target_modules {asked} are expert projections in this "
+            f"mixture-of-experts model ({model.config.model_type}), stacked weights that take "
+            f"no adapters (only a Linear does); adapt the attention instead: "
+            f"target_modules={attention}"
+        )
+        raise ValueError(msg)
 
 
 def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
@@ -195,7 +214,10 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
         The same model object, now with adapters (`<proj>.lora.lora_a` / `.lora_b`).
 
     Raises:
-        ValueError: If the model already has adapters.
+        ValueError: If the model already has adapters, or if ``target_modules`` names a
+            feed-forward projection (``gate_proj``, ``up_proj``, ``down_proj``) of a model
+            with mixture-of-experts layers (the experts' stacked weights take no adapters;
+            target the attention projections).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -215,10 +237,11 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
     if any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model)):
         msg = "apply_lora: the model already has LoRA adapters"
         raise ValueError(msg)
-    dtype = model.dtype if config.param_dtype is None else resolve_dtype(config.param_dtype)
+    _check_expert_targets(model, config.target_modules)
     stacked = getattr(model, "layers_stacked", False)
     if stacked:  # adapters per layer (the same draws as unstacked), then stacked with them
         model.unstack_layers()
+    dtype = model.dtype if config.param_dtype is None else resolve_dtype(config.param_dtype)
     for proj in _targets(model, config.target_modules):
         proj.lora = LoRAAdapter(
             proj.in_features,

@@ -38,6 +38,7 @@ from artifex.generative_models.models.causal_lm.hf_io import _gathered, _save_fi
 from artifex.generative_models.models.causal_lm.lora import (
     LORA_TARGETS,
     LoRAConfig,
+    _check_expert_targets,
     apply_lora,
 )
 from artifex.generative_models.models.causal_lm.model import CausalLM
@@ -86,7 +87,8 @@ def _adapters(model: CausalLM) -> Iterator[tuple[int, str, Any]]:
     """(layer, projection, adapter) of every adapter of a per-layer model."""
     for i, layer in enumerate(model.layers):
         for proj in LORA_TARGETS:
-            linear = getattr(getattr(layer, _parent(proj)[0]), proj)
+            # a mixture-of-experts layer's feed-forward has no such projection (no adapters)
+            linear = getattr(getattr(layer, _parent(proj)[0]), proj, None)
             if getattr(linear, "lora", None) is not None:
                 yield i, proj, linear.lora
 
@@ -356,7 +358,8 @@ def load_peft_adapter(
 
     Raises:
         FileNotFoundError: If a file is missing.
-        ValueError: Naming the tensor or key, for an adapter that does not fit the model.
+        ValueError: Naming the tensor or key, for an adapter that does not fit the model
+            (an adapter of feed-forward projections, for a mixture-of-experts model).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -379,6 +382,7 @@ def load_peft_adapter(
             f"{model.config.num_layers}"
         )
         raise ValueError(msg)
+    _check_expert_targets(model, config.target_modules)  # a MoE's experts take no adapters
     with _per_layer(model):
         for i, layer in enumerate(model.layers):  # every shape, before the model is changed
             for proj in config.target_modules:
