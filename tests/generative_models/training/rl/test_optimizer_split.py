@@ -202,12 +202,13 @@ def test_only_layers_trainable_has_no_rest_group():
 # ---------------------------------------------------------------- GRPOTrainer with the split
 
 
-LAYERS = 3
+LAYERS = 2
 
 
 @pytest.fixture(autouse=True)
 def _low_threshold(monkeypatch):
-    """The by-layer optimizer from 3 layers (the library: 8): the same programs, smaller."""
+    """The by-layer optimizer from 2 layers (the library: 8): the same programs, smaller (two
+    layer groups run the one layer program, then the rest's)."""
     from artifex.generative_models.training.rl.update import engines
 
     monkeypatch.setattr(engines, "MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER", LAYERS)
@@ -269,23 +270,34 @@ def _assert_same_training(a, b, batch, steps=3, num_microbatches=1, rtol=1e-5, a
             )
 
 
+# Past the defaults, each option changes its own part of the update: the parameter tree (tied
+# embeddings: no output layer in the rest group; LoRA: the adapters alone, with the LoRA base as
+# reference), the gradient program (remat, microbatches), the optimizer's state (injected
+# hyperparameters: state shared by every group) and the clipping (none; a scale below 1). So
+# they share two cases, each option run once (one case per option compiled a pair of update
+# programs each).
 @pytest.mark.parametrize(
     "case",
     [
         {},
-        {"tied": True},
-        {"max_grad_norm": 1e-3},  # the clipping scale below 1
-        {"max_grad_norm": None},
-        {"remat": True, "remat_every": 2},
-        {"tx": optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1)},
-        {"lora": True},
+        {
+            "tied": True,
+            "remat": True,
+            "remat_every": 2,
+            "tx": optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1),
+            "max_grad_norm": None,
+        },
+        # the clipping scale below 1; 2 microbatches of one group each
+        {"lora": True, "max_grad_norm": 1e-3, "num_microbatches": 2},
     ],
-    ids=["adamw", "tied", "clipped", "no_clipping", "remat", "injected", "lora"],
+    ids=["adamw", "tied-remat-injected-no_clipping", "lora-clipped-microbatches"],
 )
 def test_the_trainer_runs_the_optimizer_by_layer_with_the_one_program_values(case):
+    case = dict(case)
+    num_microbatches = case.pop("num_microbatches", 1)
     a, b = _trainer(False, **case), _trainer(True, **case)
     batch = lm_batch(seed=1).replace(ref_log_probs=None)
-    _assert_same_training(a, b, batch)
+    _assert_same_training(a, b, batch, num_microbatches=num_microbatches)
     assert type(b.compiled_step()).__name__ == "SplitOptimizerEngine", b.optimizer_split_reason
     assert type(a.compiled_step()).__name__ == "OneProgramEngine"
     assert a.num_compilations == b.num_compilations == 1
@@ -306,17 +318,15 @@ def test_moments_in_bfloat16_for_float32_parameters_run_by_layer():
     assert len(mu) == len(jax.tree.leaves(b.state.params))
 
 
-def test_microbatches_and_an_unseparable_optimizer():
-    a, b = _trainer(False), _trainer(True)
-    batch = lm_batch(seed=2).replace(ref_log_probs=None)
-    _assert_same_training(a, b, batch, steps=2, num_microbatches=2)
+def test_an_unseparable_optimizer_and_a_shallow_model_run_as_one_program():
+    # (microbatches with the optimizer by layer: the lora case above). The kind of step is
+    # chosen when it is first built, from the model and the optimizer state: no step needs to
+    # run for it.
     global_clip = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
     c = _trainer(True, tx=global_clip)
-    c.train_step(batch)
     assert type(c.compiled_step()).__name__ == "OneProgramEngine"
     assert "reads other groups" in c.optimizer_split_reason
     shallow = _trainer(True, layers=LAYERS - 1)
-    shallow.train_step(batch)
     assert type(shallow.compiled_step()).__name__ == "OneProgramEngine"
     assert f"fewer than {LAYERS} decoder layers" in shallow.optimizer_split_reason
 
@@ -513,16 +523,28 @@ def _run_loop(trainer, tok, **options):
     return train(trainer, tok, data[:8], [text_reward], config, RolloutConfig(max_new_tokens=4))
 
 
+@pytest.fixture(scope="module")
+def loop_expected():
+    """The loop's first step, uninterrupted (read only; shared by both cases below)."""
+    from artifex.generative_models.training.rl.update import engines
+
+    with pytest.MonkeyPatch.context() as patch:  # as _low_threshold, for this module fixture
+        patch.setattr(engines, "MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER", LAYERS)
+        expected, tok = _loop_trainer()
+        assert type(expected.compiled_step()).__name__ == "SplitOptimizerEngine"
+        _run_loop(expected, tok, num_steps=1)
+    return expected
+
+
 @pytest.mark.parametrize("handle_signals", [False, True])
 def test_a_ctrl_c_during_the_loops_per_group_updates_keeps_the_new_state(
-    tmp_path, handle_signals, default_sigint
+    tmp_path, handle_signals, default_sigint, loop_expected
 ):
     # The training loop wraps its updates and the store of their state in an interrupt_scope:
     # the interrupt reaches the caller (KeyboardInterrupt) only once the updated state is in
-    # the model (without the scope: 75 deleted arrays). With the loop's own handler the held
+    # the model (without the scope it held deleted arrays). With the loop's own handler the held
     # signal records a stop: the step finishes, a checkpoint is written, the run returns.
-    expected, tok = _loop_trainer()  # the same first step, uninterrupted
-    _run_loop(expected, tok, num_steps=1)
+    expected = loop_expected  # the same first step, uninterrupted
     t, tok = _loop_trainer()
     step = t.compiled_step()
     assert type(step).__name__ == "SplitOptimizerEngine", t.optimizer_split_reason
@@ -560,8 +582,8 @@ def test_arrays_that_cannot_be_donated_are_refused_before_any_group_runs():
     batch = lm_batch(seed=1).replace(ref_log_probs=None)
     t = _trainer(True)
     shared = t.model.layers[0].attn.q_proj.kernel.value
-    t.model.layers[2].attn.q_proj.kernel.value = shared  # one array in two groups
-    with pytest.raises(ValueError, match=r"group 2, parameters.*same device buffer.*group 0"):
+    t.model.layers[1].attn.q_proj.kernel.value = shared  # one array in two groups
+    with pytest.raises(ValueError, match=r"group 1, parameters.*same device buffer.*group 0"):
         t.train_step(batch)
     assert _deleted(nnx.state(t.model)) == [] and _deleted(nnx.state(t.optimizer)) == []
 

@@ -281,19 +281,24 @@ def test_guarded_update_keeps_no_second_copy_of_the_parameters_and_moments():
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one_program", "optimizer_by_layer"])
-def test_a_batch_without_advantage_signal_moves_nothing_unless_asked(split):
+def test_a_batch_without_advantage_signal_moves_nothing_unless_asked(split, monkeypatch):
     # Every group's rewards equal: every advantage is 0, and only the KL and the entropy bonus
     # (on by default) would move the policy, at Adam's full step size. By default the update is
     # skipped; update_without_advantage=True applies it (the earlier behaviour).
     from artifex.generative_models.training import GRPOTrainer
+    from artifex.generative_models.training.rl.update import engines
+
+    # the optimizer by layer from 2 layers (the library: 8; its threshold is tested in
+    # test_optimizer_split.py): the same programs, smaller
+    monkeypatch.setattr(engines, "MIN_LAYERS_FOR_OPTIMIZER_BY_LAYER", 2)
 
     def trainer(**options):
-        # 8 layers: the optimizer runs layer by layer on the CPU
+        # 2 layers: the optimizer runs layer by layer on the CPU; 1: one program
         cfg = CausalLMConfig(
             vocab_size=32,
             hidden_size=16,
             intermediate_size=32,
-            num_layers=8 if split else 1,
+            num_layers=2 if split else 1,
             num_heads=2,
             num_kv_heads=1,
             max_position_embeddings=32,
@@ -306,8 +311,10 @@ def test_a_batch_without_advantage_signal_moves_nothing_unless_asked(split):
     batch = lm_batch(0)
     flat = jnp.repeat(jnp.asarray([0.0, 1.0]), 4)[: batch.rewards.shape[0]]
     batch = batch.replace(rewards=flat.astype(batch.rewards.dtype))
+    trainers = []
     for options, moves in (({}, False), ({"update_without_advantage": True}, True)):
         t = trainer(**options)
+        trainers.append(t)
         before = jax.tree.map(np.array, nnx.state(t.model, nnx.Param))
         metrics = t.train_step(batch)
         after = jax.tree.map(np.array, nnx.state(t.model, nnx.Param))
@@ -317,9 +324,10 @@ def test_a_batch_without_advantage_signal_moves_nothing_unless_asked(split):
         assert changed is moves, options
         assert int(t.optimizer.step[...]) == int(moves)
         assert (type(t.compiled_step()).__name__ == "SplitOptimizerEngine") is split
-    # One group whose rewards differ is a signal: the update is applied by default.
+    # One group whose rewards differ is a signal: the update is applied by default (by the
+    # first trainer, unchanged by the skipped update: its step count is still 0).
     spread = batch.rewards.at[0].set(5.0)
-    t = trainer()
+    t = trainers[0]
     metrics = t.train_step(batch.replace(rewards=spread))
     assert metrics["advantage_signal"] == 1.0 and int(t.optimizer.step[...]) == 1
 
