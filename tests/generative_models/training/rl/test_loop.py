@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -12,6 +15,7 @@ import pytest
 from flax import nnx
 
 from artifex.demos.addition import addition_dataset, demo_model, demo_tokenizer
+from artifex.generative_models.models.causal_lm import CausalLM
 from artifex.generative_models.training import GRPOConfig, GRPOTrainer
 from artifex.generative_models.training.checkpointing import (
     CheckpointManager,
@@ -29,10 +33,26 @@ REWARD = math_answer_reward(last_number_fallback=True)
 ROLLOUT = RolloutConfig(max_new_tokens=4)
 
 
+def digit_count(prompts, completions, **columns):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+# The untrained model's answers are all wrong: with the answer reward alone every advantage is 0
+# and no update moves anything. Where parameters are compared, this reward differs within groups.
+SIGNAL = [REWARD, digit_count]
+
+
+@functools.cache
+def one_layer():
+    """The demo model's tokens and sizes with one decoder layer: the loop does not depend on the
+    depth, and its programs compile in about two thirds of the time."""
+    return demo_model(demo_tokenizer()).config.replace(num_layers=1)
+
+
 def make_trainer(seed=0, mesh=None, **cfg):
     tok = demo_tokenizer()
-    model = demo_model(tok, seed=seed)
-    ref = demo_model(tok, seed=seed + 100)
+    model = CausalLM(one_layer(), rngs=nnx.Rngs(seed))
+    ref = CausalLM(one_layer(), rngs=nnx.Rngs(seed + 100))
     opt = nnx.Optimizer(
         model, optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3), wrt=nnx.Param
     )
@@ -47,26 +67,39 @@ def params(trainer):
 LOOP = dict(prompts_per_step=4, num_iterations=2, num_minibatches=2, progress=False, seed=3)
 
 
-@pytest.mark.slow
-def test_resume_reaches_the_same_parameters_bitwise(tmp_path):
-    full, tok = make_trainer()
-    train(full, tok, TRAIN, [REWARD], TrainConfig(num_steps=4, **LOOP), ROLLOUT)
+@pytest.fixture(scope="module")
+def one_step_checkpoint(tmp_path_factory):
+    """A run of LOOP's settings checkpointed after its first step: ``(directory, trainer,
+    tokenizer, parameters before, parameters after)``."""
+    ckpt = str(tmp_path_factory.mktemp("loop") / "ckpt")
+    trainer, tok = make_trainer()
+    before = params(trainer)
+    config = TrainConfig(num_steps=1, checkpoint_dir=ckpt, **LOOP)
+    train(trainer, tok, TRAIN, SIGNAL, config, ROLLOUT)
+    return ckpt, trainer, tok, before, params(trainer)
 
-    first, tok = make_trainer()
+
+@pytest.mark.slow
+def test_resume_reaches_the_same_parameters_bitwise(tmp_path, one_step_checkpoint):
+    saved, _, _, initial, after_one = one_step_checkpoint
+    full, tok = make_trainer()
+    train(full, tok, TRAIN, SIGNAL, TrainConfig(num_steps=2, **LOOP), ROLLOUT)
+    # both steps moved the parameters (the comparison below is not of untouched weights)
+    for before, after in ((initial, after_one), (after_one, params(full))):
+        assert any((a != b).any() for a, b in zip(before, after, strict=True))
+
     ckpt = str(tmp_path / "ckpt")
-    train(
-        first, tok, TRAIN, [REWARD], TrainConfig(num_steps=2, checkpoint_dir=ckpt, **LOOP), ROLLOUT
-    )
+    shutil.copytree(saved, ckpt)  # resumed here: the module's checkpoint stays as it was
     resumed, tok = make_trainer()  # a fresh process would start from the same initial model
     result = train(
         resumed,
         tok,
         TRAIN,
-        [REWARD],
-        TrainConfig(num_steps=4, checkpoint_dir=ckpt, **LOOP),
+        SIGNAL,
+        TrainConfig(num_steps=2, checkpoint_dir=ckpt, **LOOP),
         ROLLOUT,
     )
-    assert result.start_step == 2 and len(result.history) == 2
+    assert result.start_step == 1 and len(result.history) == 1
     for a, b in zip(params(full), params(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
     opt_full = jax.tree.leaves(nnx.state(full.optimizer))
@@ -75,17 +108,8 @@ def test_resume_reaches_the_same_parameters_bitwise(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_incompatible_resume_is_an_error_and_writes_nothing(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    trainer, tok = make_trainer()
-    train(
-        trainer,
-        tok,
-        TRAIN,
-        [REWARD],
-        TrainConfig(num_steps=1, checkpoint_dir=ckpt, **LOOP),
-        ROLLOUT,
-    )
+def test_incompatible_resume_is_an_error_and_writes_nothing(one_step_checkpoint):
+    ckpt, trainer, tok, _, _ = one_step_checkpoint
     before = sorted(os.listdir(ckpt))
     other, tok = make_trainer(clip_param=0.1)
     with pytest.raises(IncompatibleCheckpointError, match="clip_param"):
@@ -93,7 +117,7 @@ def test_incompatible_resume_is_an_error_and_writes_nothing(tmp_path):
             other,
             tok,
             TRAIN,
-            [REWARD],
+            SIGNAL,
             TrainConfig(num_steps=3, checkpoint_dir=ckpt, **LOOP),
             ROLLOUT,
         )
@@ -102,36 +126,17 @@ def test_incompatible_resume_is_an_error_and_writes_nothing(tmp_path):
             trainer,
             tok,
             TRAIN,
-            [REWARD],
+            SIGNAL,
             TrainConfig(num_steps=3, checkpoint_dir=ckpt, **{**LOOP, "prompts_per_step": 8}),
             ROLLOUT,
         )
     assert sorted(os.listdir(ckpt)) == before
 
 
-def test_a_resume_may_split_its_updates_differently(tmp_path):
+def test_a_resume_may_split_its_updates_differently(resumed_after_accumulation):
     """``gradient_accumulation_steps`` changes how an update is computed, not its value: a run
     checkpointed with 2 microbatches resumes with the trainer's own choice (``None``)."""
-    ckpt = str(tmp_path / "ckpt")
-    settings = {**LOOP, "num_iterations": 1, "num_minibatches": 1}
-    first, tok = make_trainer()
-    train(
-        first,
-        tok,
-        TRAIN,
-        [REWARD],
-        TrainConfig(num_steps=1, checkpoint_dir=ckpt, gradient_accumulation_steps=2, **settings),
-        ROLLOUT,
-    )
-    resumed, tok = make_trainer()
-    result = train(
-        resumed,
-        tok,
-        TRAIN,
-        [REWARD],
-        TrainConfig(num_steps=2, checkpoint_dir=ckpt, **settings),
-        ROLLOUT,
-    )
+    result, _ = resumed_after_accumulation
     assert result.start_step == 1 and len(result.history) == 1
 
 
@@ -144,7 +149,7 @@ def test_checkpoints_keep_the_last_n(tmp_path):
         TRAIN,
         [REWARD],
         TrainConfig(
-            num_steps=4,
+            num_steps=3,
             checkpoint_dir=ckpt,
             checkpoint_every=1,
             keep_checkpoints=2,
@@ -153,9 +158,9 @@ def test_checkpoints_keep_the_last_n(tmp_path):
         ),
         ROLLOUT,
     )
-    assert CheckpointManager(ckpt).all_steps() == [3, 4]
+    assert CheckpointManager(ckpt).all_steps() == [2, 3]  # the first was removed
     meta = CheckpointManager(ckpt).read_metadata()
-    assert meta["step"] == 4 and meta["data"] == {"epoch": 0, "index": 16}
+    assert meta["step"] == 3 and meta["data"] == {"epoch": 0, "index": 12}
 
 
 def test_logs_jsonl_every_step_and_evaluates(tmp_path):
@@ -356,34 +361,52 @@ def test_the_first_update_compiles_during_the_first_rollout(loop, grpo, update_c
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_resumed_run_compiles_its_first_update_once(tmp_path, update_compiles):
-    """Restored weights are committed to their device; the example batch is placed as the
-    rollout's batches are, so the compiled-ahead program is the one the update runs."""
-    settings = dict(prompts_per_step=4, progress=False, seed=3, checkpoint_dir=str(tmp_path))
+@pytest.fixture(scope="module")
+def resumed_after_accumulation(tmp_path_factory, update_compiles):
+    """One step checkpointed with 2 microbatches, then a second step resumed from it with the
+    trainer's own choice (one): ``(its result, (its num_compilations, its update's
+    compilations))``."""
+    settings = dict(
+        prompts_per_step=4,
+        progress=False,
+        seed=3,
+        checkpoint_dir=str(tmp_path_factory.mktemp("loop") / "ckpt"),
+    )
     first, tok = make_trainer()
-    train(first, tok, TRAIN, [REWARD], TrainConfig(num_steps=1, **settings), ROLLOUT)
+    config = TrainConfig(num_steps=1, gradient_accumulation_steps=2, **settings)
+    train(first, tok, TRAIN, [REWARD], config, ROLLOUT)
     resumed, tok = make_trainer()
     result = update_compiles.during(
         lambda: train(resumed, tok, TRAIN, [REWARD], TrainConfig(num_steps=2, **settings), ROLLOUT)
     )
+    return result, (resumed.num_compilations, update_compiles.count)
+
+
+def test_a_resumed_run_compiles_its_first_update_once(resumed_after_accumulation):
+    """Restored weights are committed to their device; the example batch is placed as the
+    rollout's batches are, so the compiled-ahead program is the one the update runs."""
+    result, compilations = resumed_after_accumulation
     assert result.start_step == 1
-    assert (resumed.num_compilations, update_compiles.count) == (1, 1)
+    assert compilations == (1, 1)
 
 
 @pytest.mark.parametrize(
-    "context",
+    "contexts",
     [
-        lambda: jax.default_matmul_precision("highest"),
-        lambda: jax.default_device(jax.devices()[1]),
-        lambda: jax.set_mesh(make_mesh(data=2, devices=jax.devices()[:2])),
+        # Two thread-local settings in one run (one set of programs to compile instead of two):
+        # an update traced without either one is another program, and shows as a second trace.
+        lambda: [jax.default_matmul_precision("highest"), jax.default_device(jax.devices()[1])],
+        lambda: [jax.set_mesh(make_mesh(data=2, devices=jax.devices()[:2]))],
     ],
-    ids=["matmul-precision", "default-device", "set-mesh"],
+    ids=["matmul-precision-and-default-device", "set-mesh"],
 )
-def test_compile_ahead_traces_under_the_callers_jax_context(context, update_compiles):
+def test_compile_ahead_traces_under_the_callers_jax_context(contexts, update_compiles):
     """Per-thread JAX settings (a ``with`` block around the run) reach the program compiled
     ahead: it is traced in the caller's thread."""
     settings = dict(num_steps=1, prompts_per_step=4, progress=False, seed=3)
-    with context():
+    with contextlib.ExitStack() as stack:
+        for context in contexts():
+            stack.enter_context(context)
         trainer, tok = make_trainer()
         update_compiles.during(
             lambda: train(trainer, tok, TRAIN, [REWARD], TrainConfig(**settings), ROLLOUT)

@@ -404,7 +404,11 @@ def test_objective_is_split_invariant(variant, agg):
 
     want, want_g = jax.value_and_grad(full)(jnp.asarray(logp))
     assert float(jnp.abs(want_g).max()) > 0
-    for n in (2, 4, 8):
+    # One-row slices (8): a term taken over the slice instead of the batch (its rows, tokens,
+    # groups or entropy quantile) shows there. Four-row slices (2): the rows' inputs given to a
+    # slice (its advantages) must line up with its rows, which one row cannot show. Two-row
+    # slices (a split into 4) would add nothing to these two (and a second of eager runs).
+    for n in (2, 8):
         got, got_g = jax.value_and_grad(split)(jnp.asarray(logp), n)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
         np.testing.assert_allclose(got_g, want_g, rtol=2e-5, atol=1e-7)
@@ -521,47 +525,61 @@ TRAINER_VARIANTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def trainer_update():
+    """``(variant, ragged, micro, mesh=None) -> (metrics, parameters)`` after one update of a
+    fresh model; each run once per module (the mesh test compares with a split test's run)."""
+    done = {}
+
+    def update(variant, ragged, micro, mesh=None):
+        key = (variant, ragged, micro, mesh)
+        if key not in done:
+            cfg = GRPOConfig(beta=0.0, clip_param=0.1, **TRAINER_VARIANTS[variant])
+            model = BigramLM(6, 8, nnx.Rngs(0))
+            optimizer = nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param)
+            if mesh is not None:
+                from artifex.generative_models.training.sharding import make_mesh
+
+                mesh = make_mesh(data=mesh)
+            trainer = GRPOTrainer(model, optimizer, cfg, mesh=mesh)
+            metrics = trainer.train_step(trainer_batch(ragged=ragged), num_microbatches=micro)
+            done[key] = (metrics, [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))])
+        return done[key]
+
+    return update
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(TRAINER_VARIANTS))
 @pytest.mark.parametrize("ragged", [False, True])
-def test_trainer_update_does_not_depend_on_the_split(variant, ragged):
-    """GRPOTrainer.train_step with 1, 2, 4 microbatches: the same update and metrics (the
-    entropy quantile, advantages and normalizer come from the whole batch)."""
-    cfg = GRPOConfig(beta=0.0, clip_param=0.1, **TRAINER_VARIANTS[variant])
-    results = []
-    for micro in (1, 2, 4):
-        model = BigramLM(6, 8, nnx.Rngs(0))
-        trainer = GRPOTrainer(model, nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param), cfg)
-        metrics = trainer.train_step(trainer_batch(ragged=ragged), num_microbatches=micro)
-        results.append((metrics, [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]))
-    m1, p1 = results[0]
+def test_trainer_update_does_not_depend_on_the_split(variant, ragged, trainer_update):
+    """GRPOTrainer.train_step with 1 and 4 microbatches: the same update and metrics (the
+    entropy quantile, advantages and normalizer come from the whole batch).
+
+    Four microbatches of 2 rows cut every group (of 4, or of 2 and 3 rows when ragged) and
+    every boundary of a split into 2, so a statistic taken per microbatch instead of over the
+    batch shows here; a run with 2 microbatches (a third program to compile) would add nothing.
+    """
+    m1, p1 = trainer_update(variant, ragged, 1)
     start = [np.asarray(x) for x in jax.tree.leaves(nnx.state(BigramLM(6, 8, nnx.Rngs(0))))]
     assert any(np.abs(a - b).max() > 1e-4 for a, b in zip(p1, start, strict=True))
-    for m, p in results[1:]:
-        for x, y in zip(p1, p, strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
-        assert set(m) == set(m1)
-        for key in m1:
-            np.testing.assert_allclose(m[key], m1[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    m, p = trainer_update(variant, ragged, 4)
+    for x, y in zip(p1, p, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    assert set(m) == set(m1)
+    for key in m1:
+        np.testing.assert_allclose(m[key], m1[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.slow
-def test_trainer_on_a_mesh_matches_single_device_with_variants():
-    from artifex.generative_models.training.sharding import make_mesh
-
-    cfg = GRPOConfig(beta=0.0, clip_param=0.1, **TRAINER_VARIANTS["everything_reinforce_pp"])
-    out = []
-    for mesh in (None, make_mesh(data=8)):
-        model = BigramLM(6, 8, nnx.Rngs(0))
-        trainer = GRPOTrainer(
-            model, nnx.Optimizer(model, optax.sgd(0.5), wrt=nnx.Param), cfg, mesh=mesh
-        )
-        metrics = trainer.train_step(trainer_batch(), num_microbatches=2 if mesh is None else 1)
-        out.append((metrics, [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]))
-    for x, y in zip(out[0][1], out[1][1], strict=True):
+def test_trainer_on_a_mesh_matches_single_device_with_variants(trainer_update):
+    # one row per device; the single-device update is the split test's (one microbatch)
+    one = trainer_update("everything_reinforce_pp", False, 1)
+    mesh = trainer_update("everything_reinforce_pp", False, 1, mesh=8)
+    for x, y in zip(one[1], mesh[1], strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
-    for key in out[0][0]:
-        np.testing.assert_allclose(out[0][0][key], out[1][0][key], rtol=1e-5, atol=1e-6)
+    for key in one[0]:
+        np.testing.assert_allclose(one[0][key], mesh[0][key], rtol=1e-5, atol=1e-6)
 
 
 class Bf16BigramLM(BigramLM):
