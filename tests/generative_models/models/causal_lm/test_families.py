@@ -11,6 +11,7 @@ safetensors out and in, and checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -59,6 +60,21 @@ def model(name):
     return from_pretrained(FIXTURES / name)
 
 
+@functools.partial(nnx.jit, static_argnames=("temperature", "group"))
+def _scored(m, ids, completion, mask, temperature=1.0, group=None):
+    """`causal_lm_log_probs` as one program (run eagerly it compiles dozens of small ones)."""
+    return causal_lm_log_probs(
+        m, ids, completion, prompt_mask=mask, temperature=temperature, shared_prompt_group=group
+    )[0]
+
+
+@nnx.jit
+def _packed_scored(m, packed):
+    from artifex.generative_models.training.rl import packed_causal_lm_log_probs
+
+    return packed_causal_lm_log_probs(m, packed)[0]
+
+
 def _real_max_err(got, want, mask):
     real = np.asarray(mask).astype(bool)
     return float(np.abs(np.asarray(got) - want)[real].max())
@@ -89,7 +105,8 @@ def test_the_window_decides_what_later_tokens_see(name, model):
     e = load_expected(name)
     ids, mask = jnp.asarray(e["input_ids"]), jnp.asarray(e["attention_mask"])
     config = model.config
-    wide = CausalLM(config.replace(sliding_window=64), rngs=nnx.Rngs(0))
+    # Built abstract (no random initialization to throw away), then given the model's weights.
+    wide = nnx.eval_shape(lambda: CausalLM(config.replace(sliding_window=64), rngs=nnx.Rngs(0)))
     nnx.update(wide, nnx.state(model))
     windowed, full = np.asarray(_fwd(model, ids, mask)), np.asarray(_fwd(wide, ids, mask))
     w = config.sliding_window
@@ -156,13 +173,15 @@ def test_kv_cache_decoding_matches_the_full_forward_and_transformers(name, model
     def decode(m, ids, mask, new):
         cache = m.init_cache(b, p + steps)
         hidden, cache = m.hidden_states(ids, mask, cache=cache)
-        outs = [m.logits_from_hidden(hidden[:, -1])]
-        for i in range(steps - 1):
+
+        def step(cache, token):  # one token per step; a scan compiles the step once
             hidden, cache = m.hidden_states(
-                new[:, i : i + 1], jnp.ones((b, 1), jnp.int32), cache=cache
+                token[:, None], jnp.ones((b, 1), jnp.int32), cache=cache
             )
-            outs.append(m.logits_from_hidden(hidden[:, -1]))
-        return jnp.stack(outs)
+            return cache, m.logits_from_hidden(hidden[:, -1])
+
+        _, rest = jax.lax.scan(step, cache, new[:, : steps - 1].T)
+        return jnp.concatenate([m.logits_from_hidden(hidden[:, -1])[None], rest])
 
     decoded = np.asarray(decode(model, ids, mask, new))  # (steps, B, V)
     assert float(np.abs(decoded - e["generate_logits"]).max()) <= TOL
@@ -197,22 +216,38 @@ def _np_log_softmax(z):
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampler_log_probs_equal_teacher_forcing(name, model, temperature):
-    """Sampled past the window: the sampler's log-probs are those of one full forward pass."""
-    e = load_expected(name)
-    ids, mask = e["input_ids"], e["attention_mask"]
-    g, n = 3, 10
-    out = generate(
+G, N = 3, 10  # completions per prompt and their length: sampled past the window
+
+
+def _sample(model, seed, temperature=1.0):
+    e = load_expected(model_name(model))
+    return generate(
         model,
-        ids,
-        mask,
-        key=jax.random.key(7),
-        num_generations=g,
-        max_new_tokens=n,
+        e["input_ids"],
+        e["attention_mask"],
+        key=jax.random.key(seed),
+        num_generations=G,
+        max_new_tokens=N,
         temperature=temperature,
         eos_ids=(),
     )
+
+
+@pytest.fixture(scope="module")
+def rollout(model):
+    """One sampled rollout per family: the sampler test checks its log-probs and the GRPO and
+    LoRA updates train on it (one sampling program per family, not one per test)."""
+    return _sample(model, 7)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_log_probs_equal_teacher_forcing(name, model, rollout, temperature):
+    """Sampled past the window: the sampler's log-probs are those of one full forward pass."""
+    e = load_expected(name)
+    ids, mask = e["input_ids"], e["attention_mask"]
+    g = G
+    # temperature is an argument of the sampler's program, not part of it: 0.7 reuses it
+    out = rollout if temperature == 1.0 else _sample(model, 7, temperature)
     completion = np.asarray(out.completion_ids)
     rep_ids, rep_mask = np.repeat(ids, g, 0), np.repeat(mask, g, 0)
     seq = np.concatenate([rep_ids, completion], 1)
@@ -224,41 +259,29 @@ def test_sampler_log_probs_equal_teacher_forcing(name, model, temperature):
     np.testing.assert_allclose(np.asarray(out.log_probs), want, atol=TOL)
     # the GRPO update's scoring: per row, and the shared-prefix pass (one prompt, G completions)
     for group in (None, g):
-        got, _ = causal_lm_log_probs(
+        got = _scored(
             model,
             jnp.asarray(rep_ids),
             jnp.asarray(completion),
-            prompt_mask=jnp.asarray(rep_mask),
+            jnp.asarray(rep_mask),
             temperature=temperature,
-            shared_prompt_group=group,
+            group=group,
         )
         np.testing.assert_allclose(np.asarray(got), want, atol=TOL)
     assert len({tuple(r) for r in completion[:g]}) > 1  # sampling happened
 
 
-def _rollout_batch(model, seed=0, g=4):
-    e = load_expected(model_name(model))
-    ids, mask = e["input_ids"][:2], e["attention_mask"][:2]
-    out = generate(
-        model,
-        ids,
-        mask,
-        key=jax.random.key(seed),
-        num_generations=g,
-        max_new_tokens=6,
-        temperature=1.0,
-        eos_ids=(),
-    )
-    rewards = np.random.default_rng(seed).normal(size=ids.shape[0] * g).astype(np.float32)
-    batch = GRPOBatch(
+def _grpo_batch(out, seed=0):
+    """A GRPO batch of a sampler output, with random rewards."""
+    rewards = np.random.default_rng(seed).normal(size=out.completion_ids.shape[0])
+    return GRPOBatch(
         prompt_ids=out.prompt_ids,
         prompt_mask=out.prompt_mask,
         completion_ids=out.completion_ids,
         completion_mask=out.completion_mask,
-        rewards=jnp.asarray(rewards),
-        group_size=g,
+        rewards=jnp.asarray(rewards, jnp.float32),
+        group_size=G,
     )
-    return batch, out.log_probs
 
 
 def model_name(model):
@@ -278,13 +301,13 @@ def _trainer(name, **config):
     return m, GRPOTrainer(m, tx, GRPOConfig(**config))
 
 
-def test_grpo_update_and_checkpoint_resume(name, tmp_path):
+def test_grpo_update_and_checkpoint_resume(name, rollout, tmp_path):
     policy, trainer = _trainer(name, beta=0.0)
-    batch, sampler_log_probs = _rollout_batch(policy)
+    batch = _grpo_batch(rollout)  # sampled from the weights the policy starts from
     scored = trainer.compute_log_probs(batch)
     np.testing.assert_allclose(
         np.asarray(scored.old_log_probs) * np.asarray(batch.completion_mask),
-        np.asarray(sampler_log_probs),
+        np.asarray(rollout.log_probs),
         atol=TOL,
     )
     before = _params(policy)
@@ -303,13 +326,13 @@ def test_grpo_update_and_checkpoint_resume(name, tmp_path):
     _, fresh = _trainer(name, beta=0.0)
     record = manager.restore(fresh, fingerprint=fingerprint)
     assert record["step"] == 1
-    batch2, _ = _rollout_batch(policy, seed=1)
+    batch2 = _grpo_batch(_sample(policy, 1), seed=1)  # sampled from the updated policy
     m1, m2 = trainer.train_step(batch2), fresh.train_step(batch2)
     assert m1 == m2
     manager.close()
 
 
-def test_lora_update_merge_and_export(name, tmp_path):
+def test_lora_update_merge_and_export(name, rollout, tmp_path):
     base = from_pretrained(FIXTURES / name)
     e = load_expected(name)
     ids, mask = jnp.asarray(e["input_ids"]), jnp.asarray(e["attention_mask"])
@@ -321,14 +344,19 @@ def test_lora_update_merge_and_export(name, tmp_path):
         model, nnx.Optimizer(model, optax.adam(5e-2), wrt=nnx.LoRAParam), GRPOConfig(beta=0.1)
     )
     assert trainer.has_reference
-    batch, _ = _rollout_batch(model)
+    # The adapters start at B = 0 (the output is the base's, checked above): the base's rollout
+    # is the one this model samples.
+    batch = _grpo_batch(rollout)
     for _ in range(2):
         metrics = trainer.train_step(batch)
     assert np.isfinite(metrics["policy_loss"]) and metrics["kl"] > 0.0
     adapted = np.asarray(_fwd(model, ids, mask))
     assert np.abs(adapted - plain).max() > 1e-4
     merged = merge_lora(model)
-    np.testing.assert_allclose(np.asarray(_fwd(merged, ids, mask)), adapted, atol=1e-5)
+    # float32 rounding of W + BA, which grows with the logits (Gemma's reach 6): measured up to
+    # 1.4e-5 (8.2e-6 on the smaller batch this test used to sample for itself), while the
+    # adapters move the logits by up to 5 (median 0.7); 1e-4 is the change asserted above.
+    np.testing.assert_allclose(np.asarray(_fwd(merged, ids, mask)), adapted, atol=1e-4)
     merged.save_pretrained(tmp_path)
     again = from_pretrained(tmp_path)
     np.testing.assert_array_equal(
@@ -338,7 +366,7 @@ def test_lora_update_merge_and_export(name, tmp_path):
 
 def test_packed_log_probs_equal_the_padded_batch(name, model):
     """Packed rows count the window in positions: the padded batch's log-probs, both layouts."""
-    from artifex.generative_models.training.rl import pack_batch, packed_causal_lm_log_probs
+    from artifex.generative_models.training.rl import pack_batch
 
     e = load_expected(name)
     g, t = 2, 9
@@ -352,10 +380,8 @@ def test_packed_log_probs_equal_the_padded_batch(name, model):
         rewards=jnp.zeros(3 * g),
         group_size=g,
     )
-    padded, _ = causal_lm_log_probs(
-        model, batch.prompt_ids, batch.completion_ids, prompt_mask=batch.prompt_mask
-    )
+    padded = _scored(model, batch.prompt_ids, batch.completion_ids, batch.prompt_mask)
     keep = np.asarray(batch.completion_mask)
     for width in (None, 40):  # 40: several units per row
-        packed, _ = packed_causal_lm_log_probs(model, pack_batch(batch, row_length=width))
+        packed = _packed_scored(model, pack_batch(batch, row_length=width))
         np.testing.assert_allclose(np.asarray(packed) * keep, np.asarray(padded) * keep, atol=TOL)

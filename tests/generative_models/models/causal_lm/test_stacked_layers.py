@@ -133,22 +133,34 @@ def test_generate_draws_the_same_tokens(scan):
     assert stacked.layers_stacked  # the sampler slices a traced copy, not the model
 
 
-@pytest.mark.parametrize("remat", [False, True, 2])
-@pytest.mark.parametrize("scan", [False, True])
-def test_gradients_equal_per_layer(remat, scan):
-    if scan and remat == 2:
-        pytest.skip("a scan rematerializes all its layers or none")
+def _gradient_loss(remat: bool | int):
     ids, mask = _ids()
 
     def loss(model):
         h, _ = model.hidden_states(ids, mask, remat=remat)
         return jnp.mean(model.logits_from_hidden(h) ** 2)
 
-    per_layer, stacked = _pair("qwen3_qk_norm")
+    return loss
+
+
+@pytest.fixture(scope="module")
+def per_layer_gradients():
+    """The per-layer model's gradients, without rematerialization: it changes what the backward
+    pass keeps, not its values, so these are what every stacked run must give. (The program is
+    test_scan_layers' unrolled one, found in the compilation cache when that ran first.)"""
+    per_layer, _ = _pair("qwen3_qk_norm")
+    return nnx.state(jax.jit(nnx.grad(_gradient_loss(False)))(per_layer))
+
+
+@pytest.mark.parametrize("remat", [False, True, 2])
+@pytest.mark.parametrize("scan", [False, True])
+def test_gradients_equal_per_layer(remat, scan, per_layer_gradients):
+    if scan and remat == 2:
+        pytest.skip("a scan rematerializes all its layers or none")
+    _, stacked = _pair("qwen3_qk_norm")
     stacked.scan_layers = scan
-    expected = nnx.state(nnx.grad(loss)(per_layer))
-    got = nnx.state(jax.jit(nnx.grad(loss))(stacked))
-    _assert_states_equal(expected, got, rtol=1e-4, atol=1e-7)
+    got = nnx.state(jax.jit(nnx.grad(_gradient_loss(remat)))(stacked))
+    _assert_states_equal(per_layer_gradients, got, rtol=1e-4, atol=1e-7)
 
 
 def _batch(ids: jax.Array, mask: jax.Array) -> GRPOBatch:
@@ -163,23 +175,32 @@ def _batch(ids: jax.Array, mask: jax.Array) -> GRPOBatch:
     )
 
 
+def _two_grpo_steps(stacked: bool, options: dict) -> tuple[list[dict], nnx.State]:
+    policy, reference = _pair()[int(stacked)], _pair(seed=7)[int(stacked)]
+    # SGD: the parameters move by the gradient itself (AdamW's first step is about
+    # lr * sign(g), which turns float32 rounding in a gradient of ~1e-8 into a full step).
+    optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
+    config = GRPOConfig(num_generations=2, beta=0.04, **options)
+    trainer = GRPOTrainer(policy, optimizer, config, reference_model=reference)
+    ids, mask = _ids(b=2, t=5)
+    metrics = [trainer.train_step(_batch(ids, mask)) for _ in range(2)]
+    assert trainer.num_compilations == 1
+    return metrics, nnx.state(policy, nnx.Param)
+
+
+@pytest.fixture(scope="module")
+def per_layer_grpo_steps():
+    """The per-layer model's two steps, run plainly: scanning and rematerializing change how
+    an update runs, not its values, so this one update is what every stacked run must give
+    (one per-layer update compiled, not one per option)."""
+    return _two_grpo_steps(stacked=False, options={})
+
+
 @pytest.mark.parametrize(
     "options", [{"scan_layers": True, "remat": True}, {"remat": True, "remat_every": 2}, {}]
 )
-def test_grpo_steps_equal_per_layer(options):
-    ids, mask = _ids(b=2, t=5)
-    batch = _batch(ids, mask)
-    results = []
-    for stacked in (False, True):
-        policy, reference = _pair()[int(stacked)], _pair(seed=7)[int(stacked)]
-        # SGD: the parameters move by the gradient itself (AdamW's first step is about
-        # lr * sign(g), which turns float32 rounding in a gradient of ~1e-8 into a full step).
-        optimizer = nnx.Optimizer(policy, optax.sgd(0.1), wrt=nnx.Param)
-        config = GRPOConfig(num_generations=2, beta=0.04, **options)
-        trainer = GRPOTrainer(policy, optimizer, config, reference_model=reference)
-        metrics = [trainer.train_step(batch) for _ in range(2)]
-        assert trainer.num_compilations == 1
-        results.append((metrics, nnx.state(policy, nnx.Param)))
+def test_grpo_steps_equal_per_layer(options, per_layer_grpo_steps):
+    results = [per_layer_grpo_steps, _two_grpo_steps(stacked=True, options=options)]
     for step in range(2):
         for key in ("total_loss", "kl", "grad_norm"):
             np.testing.assert_allclose(
@@ -258,11 +279,18 @@ def test_partition_specs_shard_a_stack_as_one_layer():
 
 
 def test_checkpoint_of_a_stacked_trainer_round_trips():
-    ids, mask = _ids(b=2, t=5)
     _, policy = _pair()
     optimizer = nnx.Optimizer(policy, optax.adamw(1e-2), wrt=nnx.Param)
     trainer = GRPOTrainer(policy, optimizer, GRPOConfig(num_generations=2, beta=0.0))
-    trainer.train_step(_batch(ids, mask))
+
+    # One AdamW update, of made-up gradients, changes what a step changes (parameters, moments,
+    # step count) without compiling a GRPO step of its own (stacked steps are tested above).
+    @nnx.jit
+    def update(optimizer, model):
+        optimizer.update(model, jax.tree.map(jnp.sin, nnx.state(model, nnx.Param)))
+
+    update(optimizer, policy)
+    assert int(optimizer.step[...]) == 1
 
     def arrays(state):  # what the update changes: parameters, AdamW moments, step
         return [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state, state.step))]
