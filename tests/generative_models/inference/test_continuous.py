@@ -14,13 +14,17 @@ from artifex.generative_models.inference import continuous, generate, generate_c
 from artifex.generative_models.inference.continuous import slot_buckets, width_bucket
 from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
 
+CONFIG = CausalLMConfig.tiny(
+    vocab_size=64, hidden_size=64, intermediate_size=128, max_position_embeddings=64
+)
+
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = CausalLMConfig.tiny(
-        vocab_size=64, hidden_size=64, intermediate_size=128, max_position_embeddings=64
-    )
-    return CausalLM(cfg, rngs=nnx.Rngs(0))
+    # One layer: what these tests check (refills, budgets, stops, sampling, programs) does not
+    # depend on the depth; each layer's cache is checked with two layers in
+    # test_scanned_and_stacked_layers_match_generate and test_on_a_mesh_matches_unsharded_greedy.
+    return CausalLM(CONFIG.replace(num_layers=1), rngs=nnx.Rngs(0))
 
 
 def prompts():
@@ -65,40 +69,35 @@ def assert_same_output(got, want, atol=1e-5):
     np.testing.assert_allclose(got.log_probs, want.log_probs, atol=atol)
 
 
+# Greedy settings of two tests: their first ``generate`` run is one compiled program.
+GREEDY = dict(key=jax.random.key(0), max_new_tokens=12, temperature=0.0)
+
+
 # ------------------------------------------------------------------ against generate
 @pytest.mark.parametrize("num_slots,steps", [(3, 4), (8, 32)])
 def test_greedy_equals_generate_with_refills(model, num_slots, steps):
     ids, mask = prompts()
-    greedy = generate(
-        model, ids, mask, key=jax.random.key(0), max_new_tokens=12, temperature=0.0, eos_ids=()
-    )
-    # Two EOS ids the greedy rows emit at different steps: rows end at different lengths.
+    greedy = generate(model, ids, mask, eos_ids=(), **GREEDY)
+    # Two EOS ids the greedy rows emit at different steps: rows end at different lengths, and
+    # the last prompt's rows (without either) run on after the others, so slots are compacted.
     toks = np.asarray(greedy.completion_ids)
-    eos = (int(toks[0, 2]), int(toks[2, 6]))
-    kw = dict(
-        key=jax.random.key(0), num_generations=2, max_new_tokens=12, temperature=0.0, eos_ids=eos
-    )
+    eos = (int(toks[0, 3]), int(toks[1, 4]))
+    kw = dict(GREEDY, num_generations=2, eos_ids=eos)
     want = generate(model, ids, mask, **kw)
     got = generate_continuous(model, ids, mask, num_slots=num_slots, steps_per_call=steps, **kw)
     assert len(set(np.asarray(want.lengths).tolist())) > 2  # ragged
     assert_same_output(got, want)
 
 
+# Sampled settings shared by two tests (the temperature is not part of a program).
+SAMPLED = dict(key=jax.random.key(3), num_generations=3, max_new_tokens=10, num_slots=5,
+               steps_per_call=3)  # fmt: skip
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_log_probs_equal_teacher_forced(model, temperature):
     ids, mask = prompts()
-    out = generate_continuous(
-        model,
-        ids,
-        mask,
-        key=jax.random.key(3),
-        num_generations=3,
-        max_new_tokens=10,
-        temperature=temperature,
-        eos_ids=(),
-        num_slots=5,
-        steps_per_call=3,
-    )
+    out = generate_continuous(model, ids, mask, temperature=temperature, eos_ids=(), **SAMPLED)
     want = teacher_forced(
         model, np.repeat(ids, 3, 0), np.repeat(mask, 3, 0), out.completion_ids, temperature
     )
@@ -121,7 +120,8 @@ def test_output_does_not_depend_on_slots_or_call_length(model):
     assert not np.array_equal(np.asarray(a.completion_ids), np.asarray(d.completion_ids))
 
 
-def test_scanned_and_stacked_layers_match_generate(model):
+def test_scanned_and_stacked_layers_match_generate():
+    model = CausalLM(CONFIG, rngs=nnx.Rngs(0))  # two layers
     ids, mask = prompts()
     kw = dict(key=jax.random.key(0), num_generations=2, max_new_tokens=6, temperature=0.0)
     want = generate(model, ids, mask, **kw)
@@ -179,40 +179,45 @@ def test_first_two_tokens_follow_the_model_distribution():
 # ------------------------------------------------------------------ ends and budgets
 def test_per_request_budgets_and_stop_sequences(model):
     ids, mask = prompts()
-    kw = dict(key=jax.random.key(0), max_new_tokens=10, temperature=0.0, eos_ids=())
+    # `full`: the first greedy run of test_greedy_equals_generate_with_refills (its program).
+    kw = dict(GREEDY, eos_ids=())
     full = np.asarray(generate(model, ids, mask, **kw).completion_ids)
-    budgets = np.array([3, 10, 1, 7])
-    out = generate_continuous(
-        model, ids, mask, max_new_tokens_per_request=budgets, num_slots=2, **kw
+    # A stop sequence taken from row 1's greedy tokens ends row 1 right after it, and the
+    # budgets end the others first. One run: a budget and a stop sequence are separate parts of
+    # a decoding step (each row ends at whichever comes first), so it shows both.
+    stop = (int(full[1, 3]), int(full[1, 4]))
+    hits = np.array(
+        [
+            next((t + 1 for t in range(1, 12) if tuple(full[r, t - 1 : t + 1]) == stop), 12)
+            for r in range(4)
+        ]
     )
-    lengths = np.asarray(out.lengths)
-    np.testing.assert_array_equal(lengths, budgets)
-    np.testing.assert_array_equal(np.asarray(out.truncated), True)
-    for r, n in enumerate(budgets):
+    budgets = np.array([3, 10, 1, 7])
+    assert hits[1] <= 5 < budgets[1] and hits[2] > budgets[2]  # the stop ends row 1
+    out = generate_continuous(
+        model, ids, mask, max_new_tokens_per_request=budgets, stop_sequences=[stop],
+        num_slots=3, **kw,
+    )  # fmt: skip
+    lengths = np.minimum(budgets, hits)
+    np.testing.assert_array_equal(np.asarray(out.lengths), lengths)
+    np.testing.assert_array_equal(np.asarray(out.truncated), budgets < hits)
+    for r, n in enumerate(lengths):
         np.testing.assert_array_equal(np.asarray(out.completion_ids)[r, :n], full[r, :n])
         assert not np.asarray(out.completion_mask)[r, n:].any()
-    # A stop sequence taken from row 1's greedy tokens ends row 1 right after it.
-    stop = (int(full[1, 3]), int(full[1, 4]))
-    hits = [
-        next((t + 1 for t in range(1, 10) if tuple(full[r, t - 1 : t + 1]) == stop), 10)
-        for r in range(4)
-    ]
-    out = generate_continuous(model, ids, mask, stop_sequences=[stop], num_slots=3, **kw)
-    np.testing.assert_array_equal(np.asarray(out.lengths), hits)
-    assert hits[1] <= 5
-    np.testing.assert_array_equal(np.asarray(out.truncated), np.array(hits) == 10)
 
 
 def test_stop_table_ends_like_an_eos_id(model):
     ids, mask = prompts()
-    kw = dict(key=jax.random.key(2), num_generations=2, max_new_tokens=8, pad_id=0)
-    full = generate_continuous(model, ids, mask, eos_ids=(), num_slots=3, **kw).completion_ids
+    # SAMPLED's settings: `full` is test_log_probs_equal_teacher_forced[1.0]'s output, by the
+    # programs that test compiled; only the table's and the EOS id's runs compile their own.
+    kw = dict(SAMPLED, temperature=1.0, pad_id=0)
+    full = generate_continuous(model, ids, mask, eos_ids=(), **kw).completion_ids
     token = int(np.asarray(full)[0, 2])
     table = np.zeros((2, 64), np.int32)
     table[0, token] = 1  # state 1 (the last) is the match state
     table[1, :] = 1
-    a = generate_continuous(model, ids, mask, eos_ids=(), stop_table=table, num_slots=3, **kw)
-    b = generate_continuous(model, ids, mask, eos_ids=(token,), num_slots=3, **kw)
+    a = generate_continuous(model, ids, mask, eos_ids=(), stop_table=table, **kw)
+    b = generate_continuous(model, ids, mask, eos_ids=(token,), **kw)
     assert_same_output(a, b)
     assert int(np.asarray(a.lengths)[0]) <= 3
 

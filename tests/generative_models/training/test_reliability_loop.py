@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import jax
@@ -28,6 +29,7 @@ from artifex.generative_models.training.rl.loop import (
 )
 from artifex.generative_models.training.rl.rewards import math_answer_reward
 from artifex.generative_models.training.rl.rollout import RolloutConfig
+from tests.spread_reward import text_reward
 
 TRAIN, _ = addition_dataset(seed=0, num_eval=4)
 TRAIN = TRAIN[:32]
@@ -57,23 +59,46 @@ def run(trainer, tok, rewards=(REWARD,), dataset=TRAIN, **cfg):
     return train(trainer, tok, dataset, list(rewards), TrainConfig(**{**LOOP, **cfg}), ROLLOUT)
 
 
-# ------------------------------------------------------------------ pre-flight checks
-def test_resume_off_into_a_directory_with_checkpoints_is_refused_before_any_step(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
+EVALS = [{"prompt": "1+2=", "answer": "3"}]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished two-step run: checkpoints of steps 1 and 2, its logs (evaluations included).
+
+    Tests that need an earlier run's output copy it (``earlier_run``) instead of training one.
+    """
+    root = tmp_path_factory.mktemp("finished")
     trainer, tok = make_trainer()
-    run(trainer, tok, num_steps=1, checkpoint_dir=ckpt)
+    kw = {"checkpoint_dir": str(root / "ckpt"), "log_dir": str(root / "logs")}
+    config = TrainConfig(**{**LOOP, "num_steps": 2, "checkpoint_every": 1,
+                            "log_completions_every": 1, **kw})  # fmt: skip
+    train(trainer, tok, TRAIN, [REWARD], config, ROLLOUT, eval_dataset=EVALS)
+    return root
+
+
+def earlier_run(finished_run, tmp_path):
+    """A copy of ``finished_run``: its checkpoint directory and its log directory."""
+    shutil.copytree(finished_run, tmp_path / "run")
+    return str(tmp_path / "run" / "ckpt"), str(tmp_path / "run" / "logs")
+
+
+# ------------------------------------------------------------------ pre-flight checks
+def test_resume_off_into_a_directory_with_checkpoints_is_refused_before_any_step(
+    finished_run, tmp_path
+):
+    ckpt, _ = earlier_run(finished_run, tmp_path)
     other, tok = make_trainer(seed=1)
     before = leaves(other)
     with pytest.raises(FileExistsError, match=r"already holds checkpoints.*--overwrite"):
-        run(other, tok, num_steps=2, checkpoint_dir=ckpt, resume=False)
+        # rewards that differ within groups: a step, had one run, would change the parameters
+        run(other, tok, rewards=(text_reward,), num_steps=2, checkpoint_dir=ckpt, resume=False)
     for x, y in zip(before, leaves(other), strict=True):  # nothing trained
         np.testing.assert_array_equal(x, y)
 
 
-def test_overwrite_starts_over_and_writes_its_own_checkpoints(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    trainer, tok = make_trainer()
-    run(trainer, tok, num_steps=2, checkpoint_dir=ckpt, checkpoint_every=1)
+def test_overwrite_starts_over_and_writes_its_own_checkpoints(finished_run, tmp_path):
+    ckpt, _ = earlier_run(finished_run, tmp_path)  # checkpoints of steps 1 and 2
     other, tok = make_trainer(seed=1)
     result = run(other, tok, num_steps=1, checkpoint_dir=ckpt, overwrite=True)
     assert result.start_step == 0
@@ -87,17 +112,15 @@ def test_overwrite_starts_over_and_writes_its_own_checkpoints(tmp_path):
     manager.close()
 
 
-def test_overwrite_starts_the_logs_over_too(tmp_path):
+def test_overwrite_starts_the_logs_over_too(finished_run, tmp_path):
     # The old run's records (its step-0 evaluation included) must not stay beside the new run's.
-    logs, ckpt = str(tmp_path / "logs"), str(tmp_path / "ckpt")
-    evals = [{"prompt": "1+2=", "answer": "3"}]
-    trainer, tok = make_trainer()
-    kw = {"checkpoint_dir": ckpt, "log_dir": logs, "log_completions_every": 1}
-    train(trainer, tok, TRAIN, [REWARD], TrainConfig(**{**LOOP, "num_steps": 2, **kw}), ROLLOUT,
-          eval_dataset=evals)  # fmt: skip
+    ckpt, logs = earlier_run(finished_run, tmp_path)  # two steps, logged and evaluated
+    with open(os.path.join(logs, "completions.jsonl")) as fh:
+        assert {json.loads(line)["step"] for line in fh} == {1, 2}
     other, tok = make_trainer(seed=1)
+    kw = {"checkpoint_dir": ckpt, "log_dir": logs, "log_completions_every": 1}
     config = TrainConfig(**{**LOOP, "num_steps": 1, "overwrite": True, **kw})
-    train(other, tok, TRAIN, [REWARD], config, ROLLOUT, eval_dataset=evals)
+    train(other, tok, TRAIN, [REWARD], config, ROLLOUT, eval_dataset=EVALS)
     with open(os.path.join(logs, "metrics.jsonl")) as fh:
         steps = [json.loads(line)["step"] for line in fh]
     assert steps == [0, 1, 1]  # evaluation before, step 1, evaluation after: the new run only
@@ -135,24 +158,22 @@ def test_boolean_settings_must_be_booleans():
 
 
 # ------------------------------------------------------------------ the dataset fingerprint
-def test_resume_on_other_data_of_the_same_size_is_refused_unless_allowed(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    trainer, tok = make_trainer()
-    run(trainer, tok, num_steps=1, checkpoint_dir=ckpt)
+def test_resume_on_other_data_of_the_same_size_is_refused_unless_allowed(finished_run, tmp_path):
+    ckpt, _ = earlier_run(finished_run, tmp_path)  # checkpoints of steps 1 and 2, on TRAIN
     other_data = [dict(r, answer=str(r["answer"]) + "0") for r in TRAIN]
     assert len(other_data) == len(TRAIN)
     resumed, tok = make_trainer()
     with pytest.raises(IncompatibleCheckpointError, match=r"dataset\.sha256"):
-        run(resumed, tok, dataset=other_data, num_steps=2, checkpoint_dir=ckpt)
+        run(resumed, tok, dataset=other_data, num_steps=3, checkpoint_dir=ckpt)
     result = run(
         resumed,
         tok,
         dataset=other_data,
-        num_steps=2,
+        num_steps=2,  # resumed at its last step: checked and restored, nothing to train
         checkpoint_dir=ckpt,
         allow_dataset_change=True,
     )
-    assert result.start_step == 1
+    assert result.start_step == 2 and result.history == []
 
 
 def test_dataset_fingerprint_sees_content_and_size():
@@ -170,8 +191,6 @@ def test_loop_never_checkpoints_a_non_finite_update_and_names_the_step(tmp_path)
     tx = optax.sgd(lambda count: jnp.where(count >= 1, 1e39, 1e-3))
     trainer, tok = make_trainer(tx=tx)
     # rewards that differ within groups: a batch of zero advantages would not be applied
-    from tests.spread_reward import text_reward
-
     with pytest.raises(NonFiniteUpdateError, match=r"training step 2 .*updated parameters"):
         run(
             trainer,
@@ -192,7 +211,7 @@ def test_loop_never_checkpoints_a_non_finite_update_and_names_the_step(tmp_path)
 
 
 # ------------------------------------------------------------------ preemption
-def signal_at_step(sig, step, prompts_per_step=LOOP["prompts_per_step"]):
+def signal_at_step(sig, step, base=REWARD):
     """A reward function that sends ``sig`` to this process during step ``step``'s rewards."""
     calls = []
 
@@ -200,41 +219,48 @@ def signal_at_step(sig, step, prompts_per_step=LOOP["prompts_per_step"]):
         calls.append(1)
         if len(calls) == step:
             os.kill(os.getpid(), sig)
-        return REWARD(prompts, completions, **kw)
+        return base(prompts, completions, **kw)
 
-    reward.__name__ = REWARD.__name__  # the same reward (a resume compares the names)
+    reward.__name__ = base.__name__  # the same reward (a resume compares the names)
     return reward
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_mid_run_saves_and_resume_is_bitwise_equal(tmp_path, sig):
-    loop = dict(num_iterations=2, num_minibatches=2)
+def test_signal_mid_run_saves_and_resume_is_bitwise_equal(tmp_path):
+    # SIGTERM during step 2, then SIGINT during step 3 of the resumed run: each run finishes
+    # the step in flight, saves it and puts the previous handler back, and the last resume ends
+    # where an uninterrupted run does, bit for bit. One chain for both signals (one handler
+    # serves both; the chain also resumes a resumed run) instead of a run per signal. Rewards
+    # that differ within groups: every step trains (all-zero advantages would skip updates).
+    loop = dict(num_iterations=2, num_minibatches=2, rewards=(text_reward,))
     full, tok = make_trainer()
+    before = leaves(full)
     run(full, tok, num_steps=4, **loop)
+    assert not all(np.array_equal(a, b) for a, b in zip(before, leaves(full), strict=True))
 
     ckpt = str(tmp_path / "ckpt")
     logs = str(tmp_path / "logs")
+    kw = dict(num_steps=4, checkpoint_dir=ckpt, log_dir=logs, **loop)
     first, tok = make_trainer()
-    result = run(
-        first,
-        tok,
-        rewards=[signal_at_step(sig, 2)],
-        num_steps=4,
-        checkpoint_dir=ckpt,
-        log_dir=logs,
-        **loop,
-    )
-    assert result.interrupted == signal.Signals(sig).name
+    result = run(first, tok, **kw | {"rewards": [signal_at_step(signal.SIGTERM, 2, text_reward)]})
+    assert result.interrupted == "SIGTERM"
     assert len(result.history) == 2  # the step in flight finished
     assert CheckpointManager(ckpt).all_steps() == [2]
-    assert signal.getsignal(sig) is not None  # the previous handler is back
+    assert signal.getsignal(signal.SIGTERM) is not None  # the previous handler is back
     with open(os.path.join(logs, "metrics.jsonl"), "a") as fh:
         fh.write('{"step": 3, "torn')  # as if the process died mid-line after step 2
 
+    second, tok = make_trainer()
+    # the signal during this run's first step, step 3
+    result = run(second, tok, **kw | {"rewards": [signal_at_step(signal.SIGINT, 1, text_reward)]})
+    assert result.start_step == 2 and result.interrupted == "SIGINT"
+    assert len(result.history) == 1  # the step in flight finished
+    assert CheckpointManager(ckpt).all_steps() == [2, 3]
+    assert signal.getsignal(signal.SIGINT) is not None  # the previous handler is back
+
     resumed, tok = make_trainer()
-    result = run(resumed, tok, num_steps=4, checkpoint_dir=ckpt, log_dir=logs, **loop)
-    assert result.start_step == 2 and result.interrupted is None
+    result = run(resumed, tok, **kw)
+    assert result.start_step == 3 and result.interrupted is None
     for a, b in zip(leaves(full), leaves(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
     with open(os.path.join(logs, "metrics.jsonl")) as fh:

@@ -83,15 +83,26 @@ def shard_shape(shape, spec, mesh) -> tuple[int, ...]:
     return tuple(out)
 
 
-def run_trainer(mesh, steps: int = 3):
-    model = CausalLM(LM_CONFIG, rngs=nnx.Rngs(0))
-    reference = CausalLM(LM_CONFIG, rngs=nnx.Rngs(1))
+# The trainer of every training test here but the rollout's: tests that train on a mesh of
+# one of ``MESHES`` run the update that ``test_trainer_on_mesh_matches_single_device`` compiled
+# for that mesh (a cache hit), not a program of their own.
+LM_GRPO = GRPOConfig(num_generations=2, beta=0.05, clip_param=0.2)
+
+
+def lm_optimizer(model) -> nnx.Optimizer:
     # eps=1e-6: Adam's m / (sqrt(v) + eps) amplifies rounding noise of near-zero gradients
     # (summation order differs across shards) when eps is tiny; this keeps the comparison
     # well-conditioned without hiding real differences.
-    optimizer = nnx.Optimizer(model, optax.adam(1e-3, eps=1e-6), wrt=nnx.Param)
-    config = GRPOConfig(num_generations=2, beta=0.05, clip_param=0.2)
-    trainer = GRPOTrainer(model, optimizer, config, reference_model=reference, mesh=mesh)
+    return nnx.Optimizer(model, optax.adam(1e-3, eps=1e-6), wrt=nnx.Param)
+
+
+def lm_trainer(model, reference, mesh=None) -> GRPOTrainer:
+    return GRPOTrainer(model, lm_optimizer(model), LM_GRPO, reference_model=reference, mesh=mesh)
+
+
+def run_trainer(mesh, steps: int = 3):
+    model = CausalLM(LM_CONFIG, rngs=nnx.Rngs(0))
+    trainer = lm_trainer(model, CausalLM(LM_CONFIG, rngs=nnx.Rngs(1)), mesh)
     metrics = [trainer.train_step(lm_batch(i)) for i in range(steps)]
     return trainer, metrics
 
@@ -379,9 +390,10 @@ def test_trainer_on_mesh_matches_single_device(shape, single_device_run):
 def test_trainer_uses_the_mesh_set_with_jax_set_mesh():
     mesh = make_mesh(data=2, fsdp=4)
     model = CausalLM(LM_CONFIG, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-    with jax.set_mesh(mesh):
-        trainer = GRPOTrainer(model, optimizer, GRPOConfig(num_generations=2))
+    reference = CausalLM(LM_CONFIG, rngs=nnx.Rngs(1))
+    optimizer = lm_optimizer(model)
+    with jax.set_mesh(mesh):  # the 2x4x1 mesh test's trainer, so its compiled update
+        trainer = GRPOTrainer(model, optimizer, LM_GRPO, reference_model=reference)
     assert trainer.mesh is mesh
     before = model.lm_head.kernel[...]
     metrics = trainer.train_step(lm_batch(0))
@@ -434,13 +446,7 @@ def test_cloned_reference_on_a_mesh_keeps_its_own_buffers():
     mesh = make_mesh(8)
     model = CausalLM(LM_CONFIG, rngs=nnx.Rngs(0))
     ref = nnx.clone(model)  # shares arrays with the policy
-    trainer = GRPOTrainer(
-        model,
-        nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param),
-        GRPOConfig(beta=0.1),
-        reference_model=ref,
-        mesh=mesh,
-    )
+    trainer = lm_trainer(model, ref, mesh)  # the 8x1x1 mesh test's trainer and program
     batch = lm_batch(0)
     first = trainer.train_step(batch)
     second = trainer.train_step(batch)
@@ -452,7 +458,9 @@ def test_rollout_on_a_mesh_generates_data_parallel():
     from artifex.generative_models.training.rl import RewardCombiner, RolloutConfig, rollout
 
     tok = demo_tokenizer()
-    model = demo_model(tok)
+    # One layer: where the rows are generated and trained does not depend on the depth.
+    config = nnx.eval_shape(lambda: demo_model(tok)).config.replace(num_layers=1)
+    model = CausalLM(config, rngs=nnx.Rngs(0))
     trainer = GRPOTrainer(
         model,
         nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),

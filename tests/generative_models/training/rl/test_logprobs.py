@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -155,16 +157,22 @@ def test_transposed_weight_gives_the_float64_values_and_its_own_gradient(chunk):
     np.testing.assert_allclose(g_rows, g_cols.T, atol=1e-5, rtol=1e-5)
 
 
-def test_tied_models_score_with_the_embedding_as_stored():
-    tied = CausalLM(CausalLMConfig.tiny(tie_word_embeddings=True), rngs=nnx.Rngs(0))
-    untied = CausalLM(CausalLMConfig.tiny(tie_word_embeddings=False), rngs=nnx.Rngs(0))
+def test_tied_models_score_with_the_embedding_as_stored(lm):
+    # The small model of the tests below, tied; its vocabulary (96) is no other dimension of
+    # the model, so a (D, V) array in the gradient's program can only be the embedding's view.
+    tied = CausalLM(LM_CONFIG.replace(vocab_size=96, tie_word_embeddings=True), rngs=nnx.Rngs(0))
     assert tied.output_embedding_rows() is tied.embed.embedding[...]
-    assert untied.output_embedding_rows() is None
+    assert lm.output_embedding_rows() is None  # untied
     prompts = jnp.array([[3, 4, 5], [6, 7, 8]])
     completions = jnp.array([[1, 2], [9, 10]])
-    lp, _ = causal_lm_log_probs(tied, prompts, completions)
-    logits = tied(jnp.concatenate([prompts, completions], axis=1))[:, 2:4]
-    want, _ = token_log_probs(logits, completions)
+
+    @nnx.jit  # one program, not op by op
+    def scored_and_full_forward(model):
+        lp, _ = causal_lm_log_probs(model, prompts, completions)
+        logits = model(jnp.concatenate([prompts, completions], axis=1))[:, 2:4]
+        return lp, token_log_probs(logits, completions)[0]
+
+    lp, want = scored_and_full_forward(tied)
     np.testing.assert_allclose(lp, want, atol=1e-5)
 
     # A gradient through chunked log-probs (a loop over chunks, as in the update) reads the
@@ -234,17 +242,19 @@ def test_auto_chunk_size_bounds_the_logits_block():
         assert c * v * 4 <= 64 * 2**20 or c == 16
 
 
+LM_CONFIG = CausalLMConfig.tiny(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
+
+
 @pytest.fixture(scope="module")
 def lm():
-    cfg = CausalLMConfig.tiny(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        head_dim=8,
-        max_position_embeddings=64,
-    )
-    return CausalLM(cfg, rngs=nnx.Rngs(0))
+    return CausalLM(LM_CONFIG, rngs=nnx.Rngs(0))
 
 
 def grouped_batch(g=3, n=2, p=6, t=5, seed=0):
@@ -262,26 +272,37 @@ def grouped_batch(g=3, n=2, p=6, t=5, seed=0):
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_causal_lm_log_probs_equal_full_forward(lm, temperature):
     ids, mask, comp = grouped_batch()
-    lp, ent = causal_lm_log_probs(lm, ids, comp, prompt_mask=mask, temperature=temperature)
+    score = nnx.jit(causal_lm_log_probs, static_argnames="temperature")  # compiled, not op by op
+    lp, ent = score(lm, ids, comp, prompt_mask=mask, temperature=temperature)
     seq = np.concatenate([ids, comp], 1)
     full_mask = np.concatenate([mask, np.ones_like(comp)], 1)
-    logits = np.asarray(lm(jnp.asarray(seq), attention_mask=jnp.asarray(full_mask)))
+    logits = np.asarray(nnx.jit(lambda m, s, a: m(s, attention_mask=a))(lm, seq, full_mask))
     want_lp, want_ent = np_log_probs(logits[:, 5:-1] / temperature, comp)
     np.testing.assert_allclose(lp, want_lp, atol=1e-5)
     np.testing.assert_allclose(ent, want_ent, atol=1e-5)
 
 
-def test_shared_prompt_encoding_equals_per_row_encoding(lm):
-    ids, mask, comp = grouped_batch(g=3, n=3)
-    graphdef, state = nnx.split(lm)
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _scores_and_gradient(graphdef, state, group):
+    """Log-probs, entropies and a loss's gradient for ``grouped_batch(g=3, n=3)``.
 
-    def f(state, group):
+    Compiled, as the update runs it (op by op it is ~150 small programs, slower to build), and
+    shared by the two tests below: one program per group.
+    """
+    ids, mask, comp = grouped_batch(g=3, n=3)
+
+    def loss(state):
         model = nnx.merge(graphdef, state)
         lp, ent = causal_lm_log_probs(model, ids, comp, prompt_mask=mask, shared_prompt_group=group)
         return jnp.sum(lp * jnp.arange(5)) + 0.1 * jnp.sum(ent), (lp, ent)
 
-    (_l1, (lp1, e1)), g1 = jax.value_and_grad(f, has_aux=True)(state, None)
-    (_l2, (lp2, e2)), g2 = jax.value_and_grad(f, has_aux=True)(state, 3)
+    (_, (lp, ent)), grad = jax.value_and_grad(loss, has_aux=True)(state)
+    return lp, ent, grad
+
+
+def test_shared_prompt_encoding_equals_per_row_encoding(lm):
+    lp1, e1, g1 = _scores_and_gradient(*nnx.split(lm), None)
+    lp2, e2, g2 = _scores_and_gradient(*nnx.split(lm), 3)
     np.testing.assert_allclose(lp1, lp2, atol=1e-5)
     np.testing.assert_allclose(e1, e2, atol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
@@ -305,13 +326,16 @@ class CacheOnlyLM:
 
 
 def test_models_without_the_one_pass_forward_share_prompts_through_a_kv_cache(lm):
-    ids, mask, comp = (jnp.asarray(x) for x in grouped_batch(g=3, n=3))
+    ids, mask, comp = grouped_batch(g=3, n=3)
     assert not hasattr(CacheOnlyLM(lm), "shared_prefix_hidden_states")
-    cached = causal_lm_log_probs(
-        CacheOnlyLM(lm), ids, comp, prompt_mask=mask, shared_prompt_group=3
-    )
-    one_pass = causal_lm_log_probs(lm, ids, comp, prompt_mask=mask, shared_prompt_group=3)
-    per_row = causal_lm_log_probs(lm, ids, comp, prompt_mask=mask)
+    cached = nnx.jit(
+        lambda lm: causal_lm_log_probs(
+            CacheOnlyLM(lm), ids, comp, prompt_mask=mask, shared_prompt_group=3
+        )
+    )(lm)
+    # The one-pass and per-row values: the test above's (its programs).
+    one_pass = _scores_and_gradient(*nnx.split(lm), 3)
+    per_row = _scores_and_gradient(*nnx.split(lm), None)
     for got in (cached, one_pass):
         np.testing.assert_allclose(got[0], per_row[0], atol=1e-5)
         np.testing.assert_allclose(got[1], per_row[1], atol=1e-5)
@@ -327,7 +351,10 @@ def test_mismatched_completions_and_masks_are_refused_by_name(lm):
         causal_lm_log_probs(lm, ids, comp[0], prompt_mask=mask)
 
 
-def test_trainer_detects_shared_prompts_and_updates_identically(lm):
+def test_trainer_detects_shared_prompts_and_updates_identically():
+    # One layer: the trainer's detection and its microbatches are what is tested here; sharing
+    # through deeper layers is the two tests above. Each microbatch count is its own program.
+    lm = CausalLM(LM_CONFIG.replace(num_layers=1), rngs=nnx.Rngs(0))
     ids, mask, comp = grouped_batch(g=4, n=2)
     kw = dict(
         prompt_ids=jnp.asarray(ids),
