@@ -42,6 +42,7 @@ from artifex.cli_devices import (  # noqa: F401  (re-exported for old imports)
 )
 from artifex.cli_ecosystem import add_options as add_ecosystem_options
 from artifex.cli_engines import add_options as add_engine_options
+from artifex.cli_flow import add_options as add_flow_options
 from artifex.cli_options import (  # noqa: F401  (re-exported for old imports)
     _add_dataclass_options,
     _collect,
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--reward-mode", choices=("sum", "normalized"), default="sum")
     add_ecosystem_options(tr, _parse_bool)  # --reward-model, --adapter-output, --save-merged
     add_engine_options(tr)  # --rollout-engine, --vllm-option
+    add_flow_options(tr)  # --sde-steps, --window-size, ...: a flow model directory as --model
     tr.add_argument("--answer-column", default="answer")
     tr.add_argument(
         "--answer-extraction",

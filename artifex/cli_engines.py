@@ -1,6 +1,10 @@
 """``artifex-grpo train`` options for the rollout engine (wiring only).
 
 - ``--rollout-engine sampler`` (default): the library's compiled sampler.
+- ``--rollout-engine continuous``: the library's sampler with continuous batching
+  (:class:`~artifex.generative_models.inference.engines.base.SamplerEngine` with
+  ``continuous=True``: decode slots refilled as completions end), for completions of very
+  different lengths.
 - ``--rollout-engine vllm``: a colocated vLLM engine samples every rollout
   (:class:`~artifex.generative_models.inference.engines.vllm.VLLMEngine`, started from the
   ``--model`` directory in the policy's dtype; the policy's weights are pushed into it before
@@ -9,6 +13,9 @@
   ``max_model_len=1024``, ``gpu_memory_utilization=0.35``, ``kv_cache_memory_bytes=1GiB``,
   ``enforce_eager=true``. Values are read as JSON (numbers, ``true``, ``null``), else as text;
   ``kv_cache_memory_bytes`` also takes a size such as ``512MiB``.
+- ``--packing-threshold F``: the update packs a batch's completions into rows without padding
+  when more than the fraction ``F`` of its positions is padding (``GRPOTrainer``'s
+  ``packing_threshold``; default: never).
 """
 
 from __future__ import annotations
@@ -58,12 +65,23 @@ def add_options(tr: argparse.ArgumentParser) -> None:
     group = tr.add_argument_group("rollout engine")
     group.add_argument(
         "--rollout-engine",
-        choices=("sampler", "vllm"),
+        choices=("sampler", "continuous", "vllm"),
         default="sampler",
-        help="what samples the rollouts: the library's compiled sampler (default), or a vLLM "
+        help="what samples the rollouts: the library's compiled sampler (default); the same "
+        "sampler with continuous batching (decode slots refilled as completions end: for "
+        "completions of very different lengths; single-turn, one process); or a vLLM "
         "engine in this process that gets the policy's weights after each update (pip "
         "install 'artifex-grpo[vllm]'; single-turn, one process; evaluation stays on the "
         "library's sampler)",
+    )
+    group.add_argument(
+        "--packing-threshold",
+        type=float,
+        default=None,
+        metavar="F",
+        help="pack the update's completions into rows without padding when more than this "
+        "fraction (0 to 1) of the batch's positions is padding (default: never; 0.5 pays on "
+        "long, ragged completions, docs/benchmarks.md)",
     )
     group.add_argument(
         "--vllm-option",
@@ -83,8 +101,9 @@ def check_options(args: argparse.Namespace) -> None:
         args: The parsed ``train`` arguments.
 
     Raises:
-        ValueError: ``--vllm-option`` without ``--rollout-engine vllm``, the same key twice, or
-            ``--rollout-engine vllm`` with multi-turn episodes or several processes.
+        ValueError: ``--vllm-option`` without ``--rollout-engine vllm``, the same key twice,
+            ``--packing-threshold`` outside ``[0, 1]``, or ``--rollout-engine vllm`` or
+            ``continuous`` with multi-turn episodes or several processes.
 
     Examples:
         >>> import argparse
@@ -105,16 +124,20 @@ def check_options(args: argparse.Namespace) -> None:
     if twice:
         msg = f"--vllm-option {twice[0]} is given more than once"
         raise ValueError(msg)
-    if engine != "vllm":
+    threshold = getattr(args, "packing_threshold", None)
+    if threshold is not None and not 0.0 <= threshold <= 1.0:
+        msg = f"--packing-threshold: expected a fraction from 0 to 1, got {threshold}"
+        raise ValueError(msg)
+    if engine == "sampler":
         return
     if getattr(args, "tools", None) or getattr(args, "environment", None):
-        msg = "--rollout-engine vllm samples single-turn rollouts; --tools / --environment " + (
-            "episodes use the library's sampler"
+        msg = f"--rollout-engine {engine} samples single-turn rollouts; --tools / " + (
+            "--environment episodes use the library's sampler"
         )
         raise ValueError(msg)
     processes = getattr(args, "num_processes", None)
     if processes is not None and processes > 1:
-        msg = f"--rollout-engine vllm runs in one process, got --num-processes {processes}"
+        msg = f"--rollout-engine {engine} runs in one process, got --num-processes {processes}"
         raise ValueError(msg)
 
 
@@ -126,13 +149,20 @@ def build_engine(args: argparse.Namespace, model: Any) -> Any:
         model: The loaded policy (its parameter dtype is vLLM's dtype).
 
     Returns:
-        A :class:`~artifex.generative_models.inference.engines.vllm.VLLMEngine`, or ``None``.
+        A :class:`~artifex.generative_models.inference.engines.vllm.VLLMEngine`, a
+        :class:`~artifex.generative_models.inference.engines.base.SamplerEngine` with
+        continuous batching, or ``None``.
 
     Raises:
         ImportError: ``--rollout-engine vllm`` without vLLM installed.
         ValueError: An option vLLM or the engine refuses.
     """
-    if getattr(args, "rollout_engine", "sampler") != "vllm":
+    engine = getattr(args, "rollout_engine", "sampler")
+    if engine == "continuous":
+        from artifex.generative_models.inference.engines.base import SamplerEngine
+
+        return SamplerEngine(continuous=True)
+    if engine != "vllm":
         return None
     from artifex.generative_models.inference.engines.vllm import VLLMEngine
     from artifex.generative_models.models.causal_lm.hf_io import parse_size

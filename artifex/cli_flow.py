@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["add_options", "is_flow_model_dir", "train_flow_command"]
+__all__ = ["add_options", "check_flow_options_unused", "is_flow_model_dir", "train_flow_command"]
 
 # (attribute, value when unused, flag): options that only a language model reads
 _LM_ONLY = (
@@ -42,6 +42,7 @@ _LM_ONLY = (
     ("adapter_output", None, "--adapter-output"),
     ("rollout_engine", "sampler", "--rollout-engine"),
     ("vllm_option", None, "--vllm-option"),
+    ("packing_threshold", None, "--packing-threshold"),
     ("step_reward", None, "--step-reward"),
     ("apply_chat_template", False, "--apply-chat-template"),
     ("dtype", None, "--dtype"),
@@ -127,6 +128,48 @@ def add_options(tr: argparse.ArgumentParser) -> None:
         default=None,
         help="ODE steps of the evaluation (default: --sde-steps)",
     )
+
+
+# (attribute, value when unused, flag): options that only a flow model reads
+_FLOW_ONLY = (
+    ("sde_steps", 10, "--sde-steps"),
+    ("noise_level", 0.7, "--noise-level"),
+    ("window_size", None, "--window-size"),
+    ("train_steps", None, "--train-steps"),
+    ("eval_images_per_prompt", 1, "--eval-images-per-prompt"),
+    ("eval_sde_steps", None, "--eval-sde-steps"),
+)
+
+
+def check_flow_options_unused(args: argparse.Namespace) -> None:
+    """Refuses the flow sampler's options in a language model's run (nothing would read them).
+
+    Args:
+        args: The parsed ``train`` arguments (with :func:`add_options`).
+
+    Raises:
+        ValueError: A flow option set away from its default, named with the model directory.
+
+    Examples:
+        >>> import argparse
+        >>> from artifex.cli_flow import add_options, check_flow_options_unused
+        >>> parser = argparse.ArgumentParser()
+        >>> _ = parser.add_argument("--model")
+        >>> add_options(parser)
+        >>> check_flow_options_unused(parser.parse_args(["--model", "llm"]))
+        >>> check_flow_options_unused(parser.parse_args(["--model", "llm", "--window-size", "2"]))
+        ... # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        ValueError: --window-size is an option of flow models; --model llm is not a flow model ...
+    """
+    for attr, unused, flag in _FLOW_ONLY:
+        if getattr(args, attr, unused) != unused:
+            msg = (
+                f"{flag} is an option of flow models; --model {args.model} is not a flow model "
+                "directory (its config.json has no flow model_type)"
+            )
+            raise ValueError(msg)
 
 
 def _collect(args: argparse.Namespace, cls: type) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from artifex.cli_ecosystem import check_options as check_ecosystem_options
 from artifex.cli_ecosystem import save_adapter
 from artifex.cli_engines import build_engine
 from artifex.cli_engines import check_options as check_engine_options
+from artifex.cli_flow import check_flow_options_unused, is_flow_model_dir, train_flow_command
 from artifex.cli_options import _collect
 from artifex.cli_rewards import _build_rewards, _multi_turn_hooks, _step_rewards
 from artifex.cli_rows import _check_chat_template, _eval_split, _prompts_as_chat, load_rows
@@ -82,6 +83,9 @@ def _train(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.model):
         msg = f"model directory not found: {args.model}"
         raise FileNotFoundError(msg)
+    if is_flow_model_dir(args.model):  # Flow-GRPO: a flow model directory (artifex/cli_flow.py)
+        return train_flow_command(args, load_rows=load_rows, lr_schedule=lr_schedule)
+    check_flow_options_unused(args)
     check_multi_turn_flags(args)
     check_ecosystem_options(args)
     check_engine_options(args)
@@ -211,7 +215,13 @@ def _train_held(
         teacher = _load(from_pretrained, args.teacher_model, dtype=args.dtype, what="teacher model")
         check_tokenizer_fits(tokenizer, teacher)
     trainer = GRPOTrainer(
-        model, optimizer, grpo, reference_model=reference, mesh=mesh, teacher_model=teacher
+        model,
+        optimizer,
+        grpo,
+        reference_model=reference,
+        mesh=mesh,
+        teacher_model=teacher,
+        packing_threshold=args.packing_threshold,
     )
     hooks = _multi_turn_hooks(args, rollout_config)
     engine = build_engine(args, model)  # --rollout-engine vllm: a colocated vLLM engine

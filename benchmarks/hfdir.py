@@ -24,6 +24,10 @@ each prompt encoded once per group, T = 34,816 tokens; far too much for a 2-core
 Long: Qwen2.5-1.5B's shape (vocab 151936, width 1536, 28 layers, 12 q / 2 kv heads of 128, MLP
 8960, tied, q/k/v biases, RoPE 1e6), 8 prompts x 8 generations, 256 + 2,048 tokens, beta 0.04,
 AdamW 1e-6: the long-completion workload of ``benchmarks/accelerator.py`` (bf16, rematerialized).
+G3-1B: Gemma 3 1B's shape (vocab 262144, width 1152, 26 layers, 4 q / 1 kv heads of 256, MLP
+6912, five sliding-window layers to one global), bfloat16, 2 prompts x 4, 32 + 32 tokens, beta
+0.04, AdamW 1e-6. MoE-S: a small Qwen3-MoE (vocab 4096, width 256, 4 layers, 16 experts of 256,
+4 per token), W1's batch.
 """
 
 from __future__ import annotations
@@ -134,6 +138,72 @@ WORKLOADS: dict[str, dict] = {
             "max_position_embeddings": 32768,
         },
     },
+    "g3": {
+        # Gemma 3 1B's shape (google/gemma-3-1b-it's config.json): five sliding-window layers
+        # (window 512, RoPE 1e4) to one global layer (RoPE 1e6), query_pre_attn_scalar 256,
+        # GELU-tanh MLP, (1 + w) norms, embeddings scaled by sqrt(width), tied. bfloat16 for
+        # every system (a float32 policy, reference and AdamW state would not fit beside the
+        # peer's on a 24 GB machine), and a small batch: 2 prompts x 4, 32 + 32 tokens.
+        "name": "G3-1B",
+        "num_prompts": 2,
+        "num_generations": 4,
+        "prompt_length": 32,
+        "completion_length": 32,
+        "beta": 0.04,
+        "learning_rate": 1e-6,
+        "seed": 0,
+        "dtype": "bfloat16",
+        "model": {
+            "model_type": "gemma3_text",
+            "vocab_size": 262144,
+            "hidden_size": 1152,
+            "intermediate_size": 6912,
+            "num_layers": 26,
+            "num_heads": 4,
+            "num_kv_heads": 1,
+            "head_dim": 256,
+            "hidden_act": "gelu_pytorch_tanh",
+            "rope_theta": 1_000_000.0,
+            "rope_local_theta": 10_000.0,
+            "sliding_window": 512,
+            "query_pre_attn_scalar": 256.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "qk_norm": True,
+            "max_position_embeddings": 32768,
+        },
+    },
+    "moe": {
+        # A small Qwen3-MoE (Qwen3-30B-A3B's design at W1's scale): 16 experts of width 256 per
+        # layer, 4 per token, normalized top-k weights, q/k norms; W1's batch.
+        "name": "MoE-S",
+        "num_prompts": 8,
+        "num_generations": 4,
+        "prompt_length": 32,
+        "completion_length": 96,
+        "beta": 0.04,
+        "learning_rate": 1e-5,
+        "seed": 0,
+        "model": {
+            "model_type": "qwen3_moe",
+            "vocab_size": 4096,
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_layers": 4,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "qk_norm": True,
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 256,
+            "norm_topk_prob": True,
+            "rope_theta": 1_000_000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 2048,
+        },
+    },
 }
 
 PAD, EOS = 0, 1
@@ -213,7 +283,8 @@ def ensure_dir(name: str, root: str, *, real_model: str | None = None) -> str:
 
         from artifex.generative_models.models.causal_lm import CausalLM, CausalLMConfig
 
-        cfg = CausalLMConfig(**spec["model"], param_dtype="float32")
+        # G3-1B's weights are stored in bfloat16, the dtype every system runs it in.
+        cfg = CausalLMConfig(**spec["model"], param_dtype=spec.get("dtype", "float32"))
         model = CausalLM(cfg, rngs=nnx.Rngs(spec["seed"]))
         model.save_pretrained(path)
         tok = _word_level_tokenizer(cfg.vocab_size)

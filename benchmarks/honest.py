@@ -63,7 +63,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import cleanwin, hfdir  # noqa: E402
 
 PEERS = {
-    "trl": ("TRL", "trl_step.py", "/tmp/artifex-peers/trl/bin/python", ("w1", "w2")),
+    "trl": ("TRL", "trl_step.py", "/tmp/artifex-peers/trl/bin/python", ("w1", "w2", "g3", "moe")),
     "tunix": ("Tunix", "tunix_w1.py", "/tmp/artifex-peers/tunix/bin/python", ("w1",)),
 }
 DOCS_BEGIN = "<!-- honest-table:begin -->"
@@ -430,7 +430,12 @@ def main(argv: list[str] | None = None) -> int:
             f"tokens, beta {spec['beta']}, AdamW; weights: {spec['weights']}; dir {wdir}"
         )
         order: list[tuple[str, list[str], dict, str]] = []
-        ours_cmd = [sys.executable, os.path.join(HERE, "ours_worker.py"), "--dir", wdir, *wins]
+        # A workload with a dtype of its own (G3-1B: bfloat16) runs in it in every system.
+        dtype = ["--dtype", spec["dtype"]] if "dtype" in spec else []
+        wins_dtype = [*wins, *dtype]
+        ours_cmd = [
+            sys.executable, os.path.join(HERE, "ours_worker.py"), "--dir", wdir, *wins_dtype
+        ]  # fmt: skip
         # TRL recomputes activations in the backward pass by default (gradient checkpointing):
         # where TRL is the peer (W2), ours recomputes those of every second layer
         # (GRPOConfig.remat, remat_every=2: less compute than every layer, a peak memory still
@@ -447,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in peer_names:
             name, script, default, _ = PEERS[p]
             python = os.environ.get(f"ARTIFEX_{p.upper()}_PYTHON", default)
-            cmd = [python, os.path.join(HERE, "peers", script), "--model-dir", wdir, *wins]
+            cmd = [python, os.path.join(HERE, "peers", script), "--model-dir", wdir, *wins_dtype]
             order.append((p, cmd, peer_env, name))
         if "ours" in systems and peer_names:
             order.append(("ours", ours_cmd, ours_env, f"ours (last{tag})"))
@@ -468,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             fill += cached[cached.index("--threshold") :]
             order.append(("ours", fill, ours_env, "ours, filling an empty compilation cache"))
             order.append(("ours", cached, ours_env, "ours, second run (compilation cache)"))
-        if "ours" in systems:
+        if "ours" in systems and wname in ("w1", "w2"):
             # The process settings of reuse_host_memory() (artifex-grpo --reuse-host-memory),
             # for ours and Tunix alike (both JAX on XLA:CPU); TRL, on PyTorch's allocator, has
             # no setting of that kind, and such a row of ours is compared with its default run

@@ -62,6 +62,10 @@ def test_vllm_options_parse_as_json_else_text():
          "--vllm-option seed is given more than once"),
         (["--rollout-engine", "vllm", "--tools", "tests.spread_reward:text_reward"],
          "--rollout-engine vllm samples single-turn rollouts"),
+        (["--rollout-engine", "continuous", "--tools", "tests.spread_reward:text_reward"],
+         "--rollout-engine continuous samples single-turn rollouts"),
+        (["--packing-threshold", "1.5"],
+         "--packing-threshold: expected a fraction from 0 to 1, got 1.5"),
     ],
 )  # fmt: skip
 def test_option_errors(tmp_path, model_dir, data_file, capsys, extra, message):
@@ -81,3 +85,38 @@ def test_without_vllm_the_engine_says_how_to_install_it(tmp_path, model_dir, dat
                "--progress", "false", "--rollout-engine", "vllm"])  # fmt: skip
     assert rc != 0
     assert "artifex-grpo[vllm]" in capsys.readouterr().err
+
+
+def test_continuous_batching_and_packing_from_the_command_line(
+    tmp_path, model_dir, data_file, monkeypatch
+):
+    # --rollout-engine continuous samples every rollout with continuous batching, and
+    # --packing-threshold 0 packs every update's batch; the run trains and saves its model.
+    import artifex.generative_models.inference.continuous as continuous
+    import artifex.generative_models.training.rl.update.trainer_batches as trainer_batches
+
+    calls = {"continuous": 0, "packed": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(
+        continuous, "generate_continuous", counted("continuous", continuous.generate_continuous)
+    )
+    monkeypatch.setattr(
+        trainer_batches, "pack_batch", counted("packed", trainer_batches.pack_batch)
+    )
+    out = str(tmp_path / "out" / "model")
+    rc = main(["train", "--model", model_dir, "--data", data_file, "--output", out,
+               "--reward", "tests.spread_reward:text_reward", "--num-steps", "2",
+               "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "6",
+               "--checkpoint-dir", "none", "--progress", "false",
+               "--rollout-engine", "continuous", "--packing-threshold", "0"])  # fmt: skip
+    assert rc == 0
+    assert calls == {"continuous": 2, "packed": 2}
+    with open(f"{out}/config.json") as fh:
+        assert json.load(fh)["vocab_size"] > 0

@@ -1,12 +1,13 @@
 """``artifex-grpo train`` with a flow model directory (artifex/cli_flow.py).
 
-The command's parser gets the flow options and dispatches flow model directories to
-``train_flow_command`` (the hooks in artifex/cli.py); here the test wires them itself.
+The command's parser has the flow options (artifex/cli.py) and ``train`` dispatches a flow model
+directory to ``train_flow_command`` (artifex/cli_train.py): the end-to-end run goes through
+``artifex.cli.main`` as ``artifex-grpo train`` does; the refusals call ``train_flow_command``
+directly to see the exception itself.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
@@ -15,7 +16,7 @@ import pytest
 from flax import nnx
 
 from artifex import cli
-from artifex.cli_flow import add_options, is_flow_model_dir, train_flow_command
+from artifex.cli_flow import is_flow_model_dir, train_flow_command
 from artifex.generative_models.flow import (
     TextFlowDiT,
     TextFlowDiTConfig,
@@ -34,11 +35,7 @@ bright = image_reward(brightness_reward, name="bright")
 
 
 def _parse(argv):
-    parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if not any(a.dest == "sde_steps" for a in sub.choices["train"]._actions):
-        add_options(sub.choices["train"])
-    return parser.parse_args(["train", *argv])
+    return cli.build_parser().parse_args(["train", *argv])
 
 
 def _run(argv):
@@ -73,7 +70,7 @@ def test_a_flow_run_from_the_command_line(task, capsys):
         "--beta", "0.01", "--learning-rate", "1e-3", "--sde-steps", "4", "--window-size", "2",
         "--progress", "false", "--output", str(out),
     ]  # fmt: skip
-    assert _run(argv) == 0
+    assert cli.main(["train", *argv]) == 0  # as `artifex-grpo train ...`
     assert "held-out pass@1" in capsys.readouterr().out
     trained = load_flow_model(out)
     assert trained.config == CFG
@@ -93,7 +90,7 @@ def test_a_flow_run_from_the_command_line(task, capsys):
     metrics = [json.loads(x) for x in (logs / "metrics.jsonl").read_text().splitlines()]
     assert any("rewards/compositional" in m and "rewards/bright" in m for m in metrics)
     # run again: the checkpoint of step 2 is the end, nothing to train
-    assert _run(argv) == 0
+    assert cli.main(["train", *argv]) == 0
 
 
 @pytest.mark.parametrize(
@@ -124,3 +121,17 @@ def test_no_reward_is_refused(task):
     argv = ["--model", str(task / "base"), "--data", "x.jsonl", "--num-steps", "1"]
     with pytest.raises(ValueError, match="a flow run needs --reward"):
         _run(argv)
+
+
+def test_flow_options_with_a_language_model_are_refused(tmp_path, capsys):
+    argv = ["train", "--model", "tests/fixtures/qwen2_tiny", "--data", "x.jsonl",
+            "--reward", "math", "--num-steps", "1", "--output", str(tmp_path / "m"),
+            "--window-size", "2"]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert "--window-size is an option of flow models" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
+
+
+def test_the_parser_has_the_flow_options():
+    args = _parse(["--model", "m", "--data", "d", "--sde-steps", "6", "--window-size", "2"])
+    assert (args.sde_steps, args.window_size, args.noise_level) == (6, 2, 0.7)
