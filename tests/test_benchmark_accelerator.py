@@ -60,3 +60,16 @@ def test_the_rooflines_by_hand():
     weights = (n + 8 * 32) * 2  # the untied embedding is read too
     expected = (weights + 8 * (10 + 10) * cache_per_token) / 1e9
     np.testing.assert_allclose(roof["decode_step_s"], expected)
+
+
+def test_the_family_workloads_are_the_shapes_the_docs_describe():
+    # docs/benchmarks.md ("More model families") quotes these parameter counts; the configs
+    # must build as they are and keep their family's features.
+    g3 = CausalLMConfig(**hfdir.WORKLOADS["g3"]["model"], param_dtype="bfloat16")
+    assert g3.num_params() == 999_885_952
+    assert g3.sliding_layers.count(False) == 4  # five sliding-window layers to one global
+    assert g3.to_hf_config()["model_type"] == "gemma3_text"
+    moe = CausalLMConfig(**hfdir.WORKLOADS["moe"]["model"], param_dtype="float32")
+    assert moe.num_params() == 15_485_696
+    assert (moe.num_experts, moe.num_experts_per_tok) == (16, 4)
+    assert hfdir.WORKLOADS["g3"]["dtype"] == "bfloat16" and "dtype" not in hfdir.WORKLOADS["moe"]
