@@ -12,7 +12,12 @@ experts ``S``) with weights ``g_e = p_e`` or, with ``norm_topk_prob``,
 transformers' ``Qwen3MoeSparseMoeBlock``. The experts are **dropless**: every token is computed
 by all of its ``k`` experts, whatever the load (no capacity, nothing is dropped). The ``N k``
 (token, expert) assignments are sorted by expert and the experts run as ragged batches
-(``jax.lax.ragged_dot``, one group of rows per expert).
+(``jax.lax.ragged_dot``, one group of rows per expert). On the CPU backend, where XLA computes a
+ragged product as one masked product per expert over all ``N k`` rows, the experts instead run
+densely over the ``N`` tokens (``E N`` rows, ``k`` times fewer) and each token's output is
+weighted by its routing weight, zero for experts it was not sent to, while the ``(E, N, I)``
+activations stay under :data:`DENSE_EXPERTS_MAX_BYTES`; the values are the same up to the order
+of float additions.
 
 **Expert parallelism.** When the expert weights live on a mesh with an ``"expert"`` axis of size
 ``n > 1`` (``make_mesh(expert=n)`` and the rules ``MOE_RULES`` of
@@ -252,6 +257,54 @@ def _grouped(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+#: The largest ``(E, N, I)`` expert activations (in bytes) the CPU's dense expert path holds;
+#: above it the experts run as ragged batches there too.
+DENSE_EXPERTS_MAX_BYTES = 256 * 2**20
+
+
+def _use_dense(x: jax.Array, gate: jax.Array) -> bool:
+    """Whether the experts of ``x`` run densely: the CPU backend and activations that fit."""
+    n, (e, _, i) = x.shape[0], gate.shape
+    size = e * n * i * max(jnp.dtype(x.dtype).itemsize, 4)
+    return jax.default_backend() == "cpu" and size <= DENSE_EXPERTS_MAX_BYTES
+
+
+def _dense_dispatch(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    activation: str,
+    first: jax.Array | int = 0,
+) -> jax.Array:
+    """:func:`_dispatch`'s value with every local expert run on every token (``E N`` rows).
+
+    Each token's output is the sum over the local experts weighted by its routing weight to
+    that expert (zero where it was not routed there, or routed to another device's expert).
+    """
+    n = x.shape[0]
+    local_experts = gate.shape[0]
+    flat = experts - first
+    local = (flat >= 0) & (flat < local_experts)
+    combine = (
+        jnp.zeros((n, local_experts), jnp.float32)
+        .at[jnp.arange(n)[:, None], jnp.where(local, flat, 0)]
+        .add(jnp.where(local, weights, 0.0).astype(jnp.float32))
+        .astype(x.dtype)
+    )
+    f32 = jnp.float32 if f32_products(x.dtype) or x.dtype == jnp.float32 else None
+
+    def product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.einsum(spec, a, b.astype(a.dtype), preferred_element_type=f32).astype(x.dtype)
+
+    hidden = _activation(activation, product("nd,edi->eni", x, gate))
+    hidden = hidden * product("nd,edi->eni", x, up)
+    out = product("eni,eid->end", hidden, down)
+    return jnp.einsum("end,ne->nd", out, combine, preferred_element_type=f32).astype(x.dtype)
+
+
 def _dispatch(
     x: jax.Array,
     experts: jax.Array,
@@ -265,8 +318,24 @@ def _dispatch(
     """Dropless expert MLPs of ``x`` (N, D) for the experts ``[first, first + E_local)``.
 
     Assignments to other experts contribute nothing (they are sorted after the local groups,
-    where `ragged_dot` writes zeros).
+    where `ragged_dot` writes zeros). On the CPU, :func:`_dense_dispatch` where it fits.
     """
+    if _use_dense(x, gate):
+        return _dense_dispatch(x, experts, weights, gate, up, down, activation, first)
+    return _ragged_dispatch(x, experts, weights, gate, up, down, activation, first)
+
+
+def _ragged_dispatch(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    activation: str,
+    first: jax.Array | int = 0,
+) -> jax.Array:
+    """:func:`_dispatch` as ragged batches: the assignments sorted by expert (``N k`` rows)."""
     n, d = x.shape
     k = experts.shape[-1]
     local_experts = gate.shape[0]

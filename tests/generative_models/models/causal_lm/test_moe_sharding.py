@@ -102,6 +102,40 @@ def test_expert_parallel_equals_one_device(shape, reference):
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
 
 
+def test_the_ragged_expert_path_on_a_mesh_equals_one_device(reference, monkeypatch):
+    # On the CPU the experts run densely (moe._dense_dispatch); the ragged batches, what other
+    # backends run, are forced here on a mesh with expert, FSDP and tensor axes.
+    from artifex.generative_models.models.causal_lm import moe
+
+    traced = []
+    ragged = moe._ragged_dispatch
+
+    def spy(*args, **kwargs):
+        traced.append(1)
+        return ragged(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "_use_dense", lambda x, gate: False)
+    monkeypatch.setattr(moe, "_ragged_dispatch", spy)
+    jax.clear_caches()  # inner programs traced with the dense path would be reused otherwise
+    want_logits, want_trace, want_grads = reference
+    model = shard_model(from_pretrained(FIXTURES / NAME), _mesh((1, 2, 2, 2)), RULES)
+    ids, mask = _inputs()
+    logits, trace, grads = _ragged_forward_and_grads(model, ids, mask)
+    assert traced  # the ragged path ran (traced once per layer)
+    real = np.asarray(mask).astype(bool)
+    np.testing.assert_allclose(np.asarray(logits)[real], want_logits[real], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(trace.experts), want_trace.experts)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
+
+
+@nnx.jit
+def _ragged_forward_and_grads(model, ids, mask):
+    """``_forward_and_grads``, traced apart (its own cache) for the ragged path's test."""
+    (_, (logits, trace)), grads = nnx.value_and_grad(_loss, has_aux=True)(model, ids, mask)
+    return logits, trace, grads
+
+
 def _batch(model, g=2):
     e = load_expected(NAME)
     out = generate(
