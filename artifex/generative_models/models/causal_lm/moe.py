@@ -12,12 +12,9 @@ experts ``S``) with weights ``g_e = p_e`` or, with ``norm_topk_prob``,
 transformers' ``Qwen3MoeSparseMoeBlock``. The experts are **dropless**: every token is computed
 by all of its ``k`` experts, whatever the load (no capacity, nothing is dropped). The ``N k``
 (token, expert) assignments are sorted by expert and the experts run as ragged batches
-(``jax.lax.ragged_dot``, one group of rows per expert). On the CPU backend, where XLA computes a
-ragged product as one masked product per expert over all ``N k`` rows, the experts instead run
-densely over the ``N`` tokens (``E N`` rows, ``k`` times fewer) and each token's output is
-weighted by its routing weight, zero for experts it was not sent to, while the ``(E, N, I)``
-activations stay under :data:`DENSE_EXPERTS_MAX_BYTES`; the values are the same up to the order
-of float additions.
+(``jax.lax.ragged_dot``, one group of rows per expert); on the CPU they run densely, every
+expert on every token weighted by its routing weight (``_dense_dispatch``: ``k`` times less
+work than XLA:CPU's ragged product).
 
 **Expert parallelism.** When the expert weights live on a mesh with an ``"expert"`` axis of size
 ``n > 1`` (``make_mesh(expert=n)`` and the rules ``MOE_RULES`` of
