@@ -1,7 +1,7 @@
 """Ours and TRL side by side on one accelerator, in one run, with each phase against its roofline.
 
     python benchmarks/accelerator.py [--scale auto|gpu|cpu] [--rows w1,w2,q05,long]
-        [--budget-s 450] [--work DIR] [--out DIR] [--trl-python PATH]
+        [--budget-s 450] [--work DIR] [--out DIR] [--trl-python PATH] [--ragged]
 
 One call of this script is one comparison: every row runs in its own process, one after the
 other, on the same machine, on the same weights (``benchmarks/hfdir.py`` writes one Hugging Face
@@ -30,6 +30,10 @@ bytes read + written per second) and the matmul rate in the workload's dtype.
   with ``N`` the parameters in matmuls (the output projection included) and ``T`` the tokens of
   the batch, over the measured update time, as a share of the matmul rate. Attention's own
   FLOPs are left out, so the share is a lower bound.
+
+``--ragged`` adds, last, the ragged-completions workload of ``benchmarks/ragged.py`` (ours
+only: ``generate`` and the padded update against continuous batching and the packed update; at
+W2's shape on an accelerator, a CPU-sized one with ``--scale cpu``), with its own table.
 
 Prints a table and writes ``OUT/results.json`` (every record, the probe, versions, command).
 A row that fails or runs out of its time shows the reason instead of numbers; the exit status is
@@ -202,6 +206,44 @@ def row_cells(rec: dict[str, Any], w: dict[str, Any], roof: dict[str, float]) ->
     ]
 
 
+# benchmarks/ragged.py's flags for --scale cpu: the same kind of workload, small enough to test
+# the row without an accelerator.
+RAGGED_CPU_FLAGS = [
+    "--vocab", "1024", "--hidden", "64", "--mlp", "128", "--layers", "1", "--heads", "2",
+    "--kv-heads", "1", "--head-dim", "32", "--prompts", "4", "--k", "4", "--prompt-length", "16",
+    "--max-new", "96", "--min-new", "4", "--median", "24", "--slots", "8",
+    "--steps-per-call", "8", "--update-prompts", "2",
+]  # fmt: skip
+
+
+def ragged_row(scale: str, work: str, env: dict[str, str], left: float) -> dict[str, Any]:
+    """``benchmarks/ragged.py`` (ours only) at W2's shape, or its CPU-sized shape, in ``left`` s.
+
+    Prints the script's table; returns its records (``--json``), or ``{"error": ...}``.
+    """
+    if left < 10:
+        return {"error": "no time left in --budget-s"}
+    out = os.path.join(work, "ragged.json")
+    shape = ["--w2"] if scale == "gpu" else RAGGED_CPU_FLAGS
+    cmd = [sys.executable, "benchmarks/ragged.py", *shape, "--no-peer", "--windows", "1"]
+    cmd += ["--max-retries", "0", "--json", out]
+    try:
+        proc = subprocess.run(
+            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=max(left, 1.0)
+        )
+    except subprocess.TimeoutExpired:
+        print(f"  ragged: no result within {left:.0f} s")
+        return {"error": f"no result within {left:.0f} s", "command": shlex.join(cmd)}
+    if proc.returncode != 0 or not os.path.exists(out):
+        tail = (proc.stderr.strip().splitlines() or ["-"])[-1]
+        print(f"  ragged: exit {proc.returncode}: {tail[:300]}")
+        return {"error": f"exit {proc.returncode}: {tail[:300]}", "command": shlex.join(cmd)}
+    print("\nragged completions (" + shlex.join(cmd) + "):")
+    print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("|")))
+    with open(out) as fh:
+        return {**json.load(fh), "command": shlex.join(cmd)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", choices=("auto", "gpu", "cpu"), default="auto")
@@ -214,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("ARTIFEX_TRL_PYTHON", "/tmp/artifex-peers/trl/bin/python"),
     )
     parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument(
+        "--ragged",
+        action="store_true",
+        help="also the ragged-completions workload (benchmarks/ragged.py, ours only: today's "
+        "sampler and update against continuous batching and packing), last, in what is left of "
+        "--budget-s",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = sorted(set(names) - set(SETTINGS))
@@ -312,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             f"| {w['name']} | roofline | | | {_ms(roof['update_s'])} | | | "
             f"{1e3 * roof['decode_step_s']:.2f} ms | {roof['update_flops'] / 1e12:.2f} TFLOP |"
         )
+    if args.ragged:
+        records["ragged"] = ragged_row(scale, args.work, env, deadline - time.perf_counter())
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.json"), "w") as fh:

@@ -73,3 +73,29 @@ def test_the_family_workloads_are_the_shapes_the_docs_describe():
     assert moe.num_params() == 15_485_696
     assert (moe.num_experts, moe.num_experts_per_tok) == (16, 4)
     assert hfdir.WORKLOADS["g3"]["dtype"] == "bfloat16" and "dtype" not in hfdir.WORKLOADS["moe"]
+
+
+def test_the_ragged_row_runs_the_ragged_benchmark_at_the_scale_asked(monkeypatch, tmp_path):
+    # accelerator.py --ragged: benchmarks/ragged.py, ours only, W2's shape on an accelerator and
+    # the CPU-sized flags with --scale cpu; its records come back, a failure is a row's error.
+    import json
+    import subprocess
+
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(cmd)
+        with open(cmd[cmd.index("--json") + 1], "w") as fh:
+            json.dump({"results": {"rollout/new": []}}, fh)
+        return subprocess.CompletedProcess(cmd, 0, stdout="| Run |\nnot a table line\n")
+
+    monkeypatch.setattr(accelerator.subprocess, "run", fake_run)
+    for scale, shape in (("gpu", ["--w2"]), ("cpu", accelerator.RAGGED_CPU_FLAGS)):
+        record = accelerator.ragged_row(scale, str(tmp_path), {}, 100.0)
+        assert record["results"] == {"rollout/new": []}
+        cmd = seen[-1]
+        assert cmd[1] == "benchmarks/ragged.py" and cmd[2 : 2 + len(shape)] == shape
+        assert "--no-peer" in cmd and record["command"].endswith(str(tmp_path / "ragged.json"))
+    assert accelerator.ragged_row("gpu", str(tmp_path), {}, 5.0) == {
+        "error": "no time left in --budget-s"
+    }
