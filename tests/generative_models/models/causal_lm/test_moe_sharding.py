@@ -102,9 +102,11 @@ def test_expert_parallel_equals_one_device(shape, reference):
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
 
 
-def test_the_ragged_expert_path_on_a_mesh_equals_one_device(reference, monkeypatch):
+def test_the_ragged_expert_path_on_a_mesh_equals_one_device(monkeypatch):
     # On the CPU the experts run densely (moe._dense_dispatch); the ragged batches, what other
-    # backends run, are forced here on a mesh with expert, FSDP and tensor axes.
+    # backends run, are forced here, under shard_map on a mesh with expert, FSDP and tensor
+    # axes, against the dense computation on one device (values and gradients). Each call is a
+    # new function, traced anew (no program of the dense path is reused).
     from artifex.generative_models.models.causal_lm import moe
 
     traced = []
@@ -114,26 +116,31 @@ def test_the_ragged_expert_path_on_a_mesh_equals_one_device(reference, monkeypat
         traced.append(1)
         return ragged(*args, **kwargs)
 
+    model = shard_model(from_pretrained(FIXTURES / NAME), _mesh((1, 2, 2, 2)), RULES)
+    mlp = model.layers[0].mlp.experts
+    weights = (mlp.gate_proj[...], mlp.up_proj[...], mlp.down_proj[...])
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (16, weights[0].shape[1]))
+    experts, gates, _, _ = moe.route_tokens(jax.random.normal(keys[1], (16, 8)), 2)
+
+    def value_and_grads(x, gate, up, down):
+        def loss(x, gate, up, down):
+            return jnp.sum(jnp.sin(moe.expert_mlp(x, experts, gates, gate, up, down)))
+
+        y = moe.expert_mlp(x, experts, gates, gate, up, down)
+        return y, jax.grad(loss, argnums=(0, 1, 2, 3))(x, gate, up, down)
+
+    local = tuple(np.asarray(w) for w in weights)  # one device
+    want = jax.jit(lambda *a: value_and_grads(*a))(np.asarray(x), *local)
     monkeypatch.setattr(moe, "_use_dense", lambda x, gate: False)
     monkeypatch.setattr(moe, "_ragged_dispatch", spy)
-    jax.clear_caches()  # inner programs traced with the dense path would be reused otherwise
-    want_logits, want_trace, want_grads = reference
-    model = shard_model(from_pretrained(FIXTURES / NAME), _mesh((1, 2, 2, 2)), RULES)
-    ids, mask = _inputs()
-    logits, trace, grads = _ragged_forward_and_grads(model, ids, mask)
-    assert traced  # the ragged path ran (traced once per layer)
-    real = np.asarray(mask).astype(bool)
-    np.testing.assert_allclose(np.asarray(logits)[real], want_logits[real], atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(trace.experts), want_trace.experts)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
-
-
-@nnx.jit
-def _ragged_forward_and_grads(model, ids, mask):
-    """``_forward_and_grads``, traced apart (its own cache) for the ragged path's test."""
-    (_, (logits, trace)), grads = nnx.value_and_grad(_loss, has_aux=True)(model, ids, mask)
-    return logits, trace, grads
+    on_mesh = jax.jit(lambda *a: value_and_grads(*a))
+    lowered = on_mesh.lower(x, *weights).as_text()
+    assert "manual_computation" in lowered or "SPMDFullToShardShape" in lowered  # shard_map ran
+    got = on_mesh(x, *weights)
+    assert traced  # the ragged path ran
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
 
 
 def _batch(model, g=2):
