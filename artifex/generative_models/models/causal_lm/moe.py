@@ -13,8 +13,8 @@ transformers' ``Qwen3MoeSparseMoeBlock``. The experts are **dropless**: every to
 by all of its ``k`` experts, whatever the load (no capacity, nothing is dropped). The ``N k``
 (token, expert) assignments are sorted by expert and the experts run as ragged batches
 (``jax.lax.ragged_dot``, one group of rows per expert); on the CPU they run densely, every
-expert on every token weighted by its routing weight (``_dense_dispatch``: ``k`` times less
-work than XLA:CPU's ragged product).
+expert on every token weighted by its routing weight (``k`` times less work than XLA:CPU's
+ragged product; :mod:`~artifex.generative_models.models.causal_lm.moe_dispatch`).
 
 **Expert parallelism.** When the expert weights live on a mesh with an ``"expert"`` axis of size
 ``n > 1`` (``make_mesh(expert=n)`` and the rules ``MOE_RULES`` of
@@ -52,7 +52,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from artifex.generative_models.models.causal_lm._products import f32_products
 from artifex.generative_models.models.causal_lm.config import CausalLMConfig
 from artifex.generative_models.models.causal_lm.modules import (
     Attention,
@@ -61,6 +60,7 @@ from artifex.generative_models.models.causal_lm.modules import (
     RMSNorm,
     _normal,
 )
+from artifex.generative_models.models.causal_lm.moe_dispatch import dispatch_experts
 
 __all__ = [
     "EXPERT_AXIS",
@@ -243,112 +243,6 @@ def routing_agreement(trace: RouterTrace, mask: jax.Array | None = None) -> jax.
     return jnp.where(total > 0, jnp.sum(agree * weights) / jnp.maximum(total, 1e-30), 1.0)
 
 
-def _activation(name: str, x: jax.Array) -> jax.Array:
-    return jax.nn.gelu(x, approximate=True) if name == "gelu_pytorch_tanh" else jax.nn.silu(x)
-
-
-def _grouped(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    """``x`` rows (sorted into groups of ``sizes``) times their group's matrix ``w[g]``."""
-    f32 = jnp.float32 if f32_products(x.dtype) or x.dtype == jnp.float32 else None
-    out = jax.lax.ragged_dot(x, w.astype(x.dtype), sizes, preferred_element_type=f32)
-    return out.astype(x.dtype)
-
-
-#: The largest ``(E, N, I)`` expert activations (in bytes) the CPU's dense expert path holds;
-#: above it the experts run as ragged batches there too.
-DENSE_EXPERTS_MAX_BYTES = 256 * 2**20
-
-
-def _use_dense(x: jax.Array, gate: jax.Array) -> bool:
-    """Whether the experts of ``x`` run densely: the CPU backend and activations that fit."""
-    n, (e, _, i) = x.shape[0], gate.shape
-    size = e * n * i * max(jnp.dtype(x.dtype).itemsize, 4)
-    return jax.default_backend() == "cpu" and size <= DENSE_EXPERTS_MAX_BYTES
-
-
-def _dense_dispatch(
-    x: jax.Array,
-    experts: jax.Array,
-    weights: jax.Array,
-    gate: jax.Array,
-    up: jax.Array,
-    down: jax.Array,
-    activation: str,
-    first: jax.Array | int = 0,
-) -> jax.Array:
-    """:func:`_dispatch`'s value with every local expert run on every token (``E N`` rows).
-
-    Each token's output is the sum over the local experts weighted by its routing weight to
-    that expert (zero where it was not routed there, or routed to another device's expert).
-    """
-    n = x.shape[0]
-    local_experts = gate.shape[0]
-    flat = experts - first
-    local = (flat >= 0) & (flat < local_experts)
-    combine = (
-        jnp.zeros((n, local_experts), jnp.float32)
-        .at[jnp.arange(n)[:, None], jnp.where(local, flat, 0)]
-        .add(jnp.where(local, weights, 0.0).astype(jnp.float32))
-        .astype(x.dtype)
-    )
-    f32 = jnp.float32 if f32_products(x.dtype) or x.dtype == jnp.float32 else None
-
-    def product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.einsum(spec, a, b.astype(a.dtype), preferred_element_type=f32).astype(x.dtype)
-
-    hidden = _activation(activation, product("nd,edi->eni", x, gate))
-    hidden = hidden * product("nd,edi->eni", x, up)
-    out = product("eni,eid->end", hidden, down)
-    return jnp.einsum("end,ne->nd", out, combine, preferred_element_type=f32).astype(x.dtype)
-
-
-def _dispatch(
-    x: jax.Array,
-    experts: jax.Array,
-    weights: jax.Array,
-    gate: jax.Array,
-    up: jax.Array,
-    down: jax.Array,
-    activation: str,
-    first: jax.Array | int = 0,
-) -> jax.Array:
-    """Dropless expert MLPs of ``x`` (N, D) for the experts ``[first, first + E_local)``.
-
-    Assignments to other experts contribute nothing (they are sorted after the local groups,
-    where `ragged_dot` writes zeros). On the CPU, :func:`_dense_dispatch` where it fits.
-    """
-    if _use_dense(x, gate):
-        return _dense_dispatch(x, experts, weights, gate, up, down, activation, first)
-    return _ragged_dispatch(x, experts, weights, gate, up, down, activation, first)
-
-
-def _ragged_dispatch(
-    x: jax.Array,
-    experts: jax.Array,
-    weights: jax.Array,
-    gate: jax.Array,
-    up: jax.Array,
-    down: jax.Array,
-    activation: str,
-    first: jax.Array | int = 0,
-) -> jax.Array:
-    """:func:`_dispatch` as ragged batches: the assignments sorted by expert (``N k`` rows)."""
-    n, d = x.shape
-    k = experts.shape[-1]
-    local_experts = gate.shape[0]
-    flat = experts.reshape(-1) - first
-    local = (flat >= 0) & (flat < local_experts)
-    key = jnp.where(local, flat, local_experts)
-    order = jnp.argsort(key, stable=True)
-    token = order // k
-    sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
-    rows = jnp.take(x, token, axis=0)
-    hidden = _activation(activation, _grouped(rows, gate, sizes)) * _grouped(rows, up, sizes)
-    out = _grouped(hidden, down, sizes)
-    w = jnp.where(local, weights.reshape(-1), 0.0)[order].astype(x.dtype)
-    return jnp.zeros((n, d), x.dtype).at[token].add(out * w[:, None])
-
-
 def _token_axes(sizes: dict[str, int], rows: int) -> tuple[str, ...]:
     """The mesh axes (of ``_TOKEN_AXES``, in order) the ``rows`` tokens are split over."""
     axes: list[str] = []
@@ -426,7 +320,7 @@ def expert_mlp(
     e2, w2 = experts.reshape(-1, k), weights.reshape(-1, k)
     mesh = _expert_mesh(gate)
     if mesh is None:
-        return _dispatch(x2, e2, w2, gate, up, down, activation).reshape(*lead, d)
+        return dispatch_experts(x2, e2, w2, gate, up, down, activation).reshape(*lead, d)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     rows = x2.shape[0]
     token_axes = _token_axes(sizes, rows)
@@ -443,7 +337,7 @@ def expert_mlp(
             experts = jax.lax.all_gather(experts, EXPERT_AXIS, axis=0, tiled=True)
             weights = jax.lax.all_gather(weights, EXPERT_AXIS, axis=0, tiled=True)
         first = jax.lax.axis_index(EXPERT_AXIS) * gate.shape[0]
-        out = _dispatch(x, experts, weights, gate, up, down, activation, first)
+        out = dispatch_experts(x, experts, weights, gate, up, down, activation, first)
         if tensor is not None:
             out = jax.lax.psum(out, tensor)
         if gathered:

@@ -231,9 +231,9 @@ def test_gradients_equal_a_dense_computation_of_the_experts(path, monkeypatch):
     """Both expert paths (ragged batches; on the CPU, every local expert on every token with the
     routing weights as the combination) give the values and gradients of a one-hot formulation.
     """
-    from artifex.generative_models.models.causal_lm import moe
+    from artifex.generative_models.models.causal_lm import moe_dispatch
 
-    monkeypatch.setattr(moe, "_use_dense", lambda x, gate: path == "dense")
+    monkeypatch.setattr(moe_dispatch, "_use_dense", lambda x, gate: path == "dense")
     keys = jax.random.split(jax.random.key(0), 5)
     n, d, i, e, k = 7, 6, 5, 4, 2
     x = jax.random.normal(keys[0], (n, d))

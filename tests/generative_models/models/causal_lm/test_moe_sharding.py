@@ -103,14 +103,14 @@ def test_expert_parallel_equals_one_device(shape, reference):
 
 
 def test_the_ragged_expert_path_on_a_mesh_equals_one_device(monkeypatch):
-    # On the CPU the experts run densely (moe._dense_dispatch); the ragged batches, what other
-    # backends run, are forced here, under shard_map on a mesh with expert, FSDP and tensor
-    # axes, against the dense computation on one device (values and gradients). Each call is a
-    # new function, traced anew (no program of the dense path is reused).
-    from artifex.generative_models.models.causal_lm import moe
+    # On the CPU the experts run densely (moe_dispatch._dense_dispatch); the ragged batches,
+    # what other backends run, are forced here, under shard_map on a mesh with expert, FSDP
+    # and tensor axes, against the dense computation on one device (values and gradients).
+    # Each call is a new function, traced anew (no program of the dense path is reused).
+    from artifex.generative_models.models.causal_lm import moe, moe_dispatch
 
     traced = []
-    ragged = moe._ragged_dispatch
+    ragged = moe_dispatch._ragged_dispatch
 
     def spy(*args, **kwargs):
         traced.append(1)
@@ -132,8 +132,8 @@ def test_the_ragged_expert_path_on_a_mesh_equals_one_device(monkeypatch):
 
     local = tuple(np.asarray(w) for w in weights)  # one device
     want = jax.jit(lambda *a: value_and_grads(*a))(np.asarray(x), *local)
-    monkeypatch.setattr(moe, "_use_dense", lambda x, gate: False)
-    monkeypatch.setattr(moe, "_ragged_dispatch", spy)
+    monkeypatch.setattr(moe_dispatch, "_use_dense", lambda x, gate: False)
+    monkeypatch.setattr(moe_dispatch, "_ragged_dispatch", spy)
     on_mesh = jax.jit(lambda *a: value_and_grads(*a))
     lowered = on_mesh.lower(x, *weights).as_text()
     assert "manual_computation" in lowered or "SPMDFullToShardShape" in lowered  # shard_map ran
