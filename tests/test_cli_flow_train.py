@@ -9,6 +9,7 @@ directly to see the exception itself.
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax
 import numpy as np
@@ -124,7 +125,8 @@ def test_no_reward_is_refused(task):
 
 
 def test_flow_options_with_a_language_model_are_refused(tmp_path, capsys):
-    argv = ["train", "--model", "tests/fixtures/qwen2_tiny", "--data", "x.jsonl",
+    llm = str(pathlib.Path(__file__).parent / "fixtures" / "qwen2_tiny")
+    argv = ["train", "--model", llm, "--data", "x.jsonl",
             "--reward", "math", "--num-steps", "1", "--output", str(tmp_path / "m"),
             "--window-size", "2"]  # fmt: skip
     assert cli.main(argv) == 2

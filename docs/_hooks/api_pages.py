@@ -149,6 +149,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_LM}.modules",
             f"{_LM}.attention_ops",
             f"{_LM}.moe",
+            f"{_LM}.moe_dispatch",
             f"{_LM}.cache",
             f"{_LM}.rope",
             f"{_LM}.lora",
