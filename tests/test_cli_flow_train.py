@@ -54,7 +54,7 @@ def task(tmp_path):
 
 def test_is_flow_model_dir(task):
     assert is_flow_model_dir(str(task / "base"))
-    assert not is_flow_model_dir("tests/fixtures/qwen2_tiny")
+    assert not is_flow_model_dir(str(pathlib.Path(__file__).parent / "fixtures" / "qwen2_tiny"))
     assert not is_flow_model_dir(str(task))
     (task / "odd").mkdir()
     (task / "odd" / "config.json").write_text("[1, 2]")
