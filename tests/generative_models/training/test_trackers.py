@@ -333,7 +333,12 @@ def test_tensorboard_writes_every_key_and_the_completions_table(tmp_path):
     ]  # fmt: skip
 
 
+# One CI run of many (2026-11-29, two xdist workers on a loaded 2-core machine) found one of
+# the 400 history rows missing from W&B's run file; 60 runs here, alone and under load, never
+# did. The row goes through ``run.log`` and wandb-core, not through our code, so a lost row is
+# retried once (only as the KeyError/AssertionError below): a writer that drops rows fails both.
 @needs_wandb
+@pytest.mark.flaky(reruns=1, only_rerun=["KeyError", "AssertionError"])
 def test_wandb_offline_writes_every_key_and_the_completions_table(tmp_path, monkeypatch):
     for name, value in wandb_env(tmp_path).items():
         monkeypatch.setenv(name, value)
@@ -349,6 +354,8 @@ def test_wandb_offline_writes_every_key_and_the_completions_table(tmp_path, monk
     assert os.path.getsize(glob.glob(os.path.join(run_dir, "*.wandb"))[0]) > 2 * 32768
     history = wandb_history(run_dir)
     assert history[0]["eval/pass@1"] == 0.5
+    missing = [s for s in range(5, 405) if s not in history]
+    assert not missing, f"history rows missing from the run file: {missing}"
     assert all(history[s]["x"] == s and history[s]["y"] == -s for s in range(5, 405))
     for key, value in METRICS.items():
         assert same(value, history[4][key]), key
