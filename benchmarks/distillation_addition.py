@@ -185,6 +185,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=1e-3,
         help="the student arms' learning rate (the teacher keeps the demo's, 3e-4)",
     )
+    parser.add_argument(
+        "--teacher-learning-rate",
+        type=float,
+        default=None,
+        help="the teacher's GRPO learning rate (default: the demo's, 3e-4)",
+    )
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -205,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         "seed": args.seed,
         "teacher_steps": args.teacher_steps,
         "warmup_max_steps": args.warmup_max_steps,
+        **({} if args.teacher_learning_rate is None else {"lr": args.teacher_learning_rate}),
     }
     cached = None
     if os.path.isfile(os.path.join(teacher_dir, "teacher.json")):
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         trainer = GRPOTrainer(
             teacher,
-            _optimizer(teacher, DEMO.learning_rate),
+            _optimizer(teacher, args.teacher_learning_rate or DEMO.learning_rate),
             _grpo_config(),
             reference_model=nnx.clone(teacher),
         )
