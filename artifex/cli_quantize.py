@@ -20,6 +20,7 @@ the adapters merged (``merge_lora(dequantize_base(model))``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 from typing import Any
 
@@ -192,7 +193,9 @@ def quantize_model(args: argparse.Namespace, model: Any) -> Any:
     """Quantizes the loaded policy's base as ``--quantize`` asks (in place; a no-op without).
 
     The sampler then scans the layers (``model.scan_layers = True``), unless the update runs
-    them unrolled (``GRPOConfig.scan_layers`` false after :func:`apply_defaults`).
+    them unrolled (``GRPOConfig.scan_layers`` false after :func:`apply_defaults`). In a
+    mixture-of-experts model the attention projections are quantized; the experts' stacked
+    weights stay in full precision (``quantize_base`` stores only ``Linear`` projections).
 
     Args:
         args: The parsed ``train`` arguments.
@@ -218,8 +221,12 @@ def quantize_model(args: argparse.Namespace, model: Any) -> Any:
     config = quantize_config(args)
     if config is None:
         return model
+    from artifex.generative_models.models.causal_lm.moe_dispatch import EXPERT_PROJECTIONS
     from artifex.generative_models.models.causal_lm.quantize import quantize_base
 
+    if getattr(model.config, "is_moe", False):  # the experts' stacked weights: full precision
+        attention = tuple(t for t in config.target_modules if t not in EXPERT_PROJECTIONS)
+        config = dataclasses.replace(config, target_modules=attention)
     quantize_base(model, config)
     model.scan_layers = bool(getattr(args, "GRPOConfig.scan_layers", True))
     return model

@@ -49,6 +49,7 @@ from artifex.generative_models.models.causal_lm.lora import (
     merge_lora,
     zero_lora_state,
 )
+from artifex.generative_models.models.causal_lm.lora_experts import ExpertLoRAAdapter
 from artifex.generative_models.models.causal_lm.model import (
     CausalLM,
     from_pretrained,
@@ -143,6 +144,7 @@ __all__ = [  # noqa: RUF022 - grouped by topic, sorted within each group
     "BASE_FILTER",
     "LORA_FILTER",
     "LORA_TARGETS",
+    "ExpertLoRAAdapter",
     "LoRAAdapter",
     "LoRAConfig",
     "apply_lora",

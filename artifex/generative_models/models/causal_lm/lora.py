@@ -2,6 +2,9 @@
 
 `apply_lora` gives each targeted `Linear` a `lora` submodule with `lora_a` (in, r) and `lora_b`
 (r, out), both `nnx.LoRAParam`, so the projection computes `y = x W + b + (alpha / r) x A B`.
+In a mixture-of-experts layer the feed-forward targets are the experts' stacked weights: each
+expert gets its own adapter, `mlp.experts.lora.<proj>.lora_a` (E, in, r) and `.lora_b`
+(E, r, out) (:mod:`~artifex.generative_models.models.causal_lm.lora_experts`).
 
 Filters (`nnx.LoRAParam` subclasses `nnx.Param`):
 
@@ -24,6 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from artifex.generative_models.models.causal_lm.lora_experts import (
+    add_expert_adapters,
+    expert_modules,
+    merge_expert_adapters,
+)
 from artifex.generative_models.models.causal_lm.model import CausalLM, resolve_dtype
 from artifex.generative_models.models.causal_lm.modules import Linear
 
@@ -171,7 +179,7 @@ class LoRAAdapter(nnx.Module):
 
 
 #: The feed-forward projections; in a mixture-of-experts layer they are the experts' stacked
-#: weights, which take no adapters.
+#: weights, which take per-expert adapters (`lora_experts`).
 _MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -186,24 +194,15 @@ def _targets(model: CausalLM, names: tuple[str, ...]) -> list[Linear]:
     return out
 
 
-def _check_expert_targets(model: CausalLM, names: tuple[str, ...]) -> None:
-    """Refuses feed-forward targets on a model whose layers route tokens to experts."""
-    asked = [n for n in names if n in _MLP_TARGETS]
-    if asked and model.config.is_moe:
-        attention = tuple(n for n in LORA_TARGETS if n not in _MLP_TARGETS)
-        msg = (
-            f"apply_lora: target_modules {asked} are expert projections in this "
-            f"mixture-of-experts model ({model.config.model_type}), stacked weights that take "
-            f"no adapters (only a Linear does); adapt the attention instead: "
-            f"target_modules={attention}"
-        )
-        raise ValueError(msg)
-
-
 def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
     """Adds LoRA adapters to the targeted projections of every layer, in place.
 
     A model with stacked layers (`stack_layers()`) gets stacked adapters, of the same values.
+    In a mixture-of-experts layer, `gate_proj`, `up_proj` and `down_proj` are the experts'
+    stacked weights: each expert gets its own adapter of each, `A` (E, in, r) and `B`
+    (E, r, out) under `mlp.experts.lora.<proj>` (`ExpertLoRAAdapter`, same rank and scale),
+    drawn after the `Linear` adapters of all layers. A plain `Linear` feed-forward keeps the
+    ordinary adapter.
 
     Args:
         model: The model (modified in place and returned).
@@ -214,10 +213,7 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
         The same model object, now with adapters (`<proj>.lora.lora_a` / `.lora_b`).
 
     Raises:
-        ValueError: If the model already has adapters, or if ``target_modules`` names a
-            feed-forward projection (``gate_proj``, ``up_proj``, ``down_proj``) of a model
-            with mixture-of-experts layers (the experts' stacked weights take no adapters;
-            target the attention projections).
+        ValueError: If the model already has adapters.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -233,11 +229,23 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
         (8, 2)
         >>> bool(jnp.allclose(model(jnp.array([[1, 2, 3]])), before))  # B = 0: same function
         True
+
+        Mixture-of-experts layers get one adapter per expert:
+
+        >>> moe = CausalLMConfig(model_type="qwen3_moe", vocab_size=16, hidden_size=8,
+        ...     intermediate_size=16, num_layers=1, num_heads=2, qk_norm=True, num_experts=4,
+        ...     num_experts_per_tok=2, moe_intermediate_size=6)
+        >>> model = CausalLM(moe, rngs=nnx.Rngs(0))
+        >>> before = model(jnp.array([[1, 2, 3]]))
+        >>> model = apply_lora(model, LoRAConfig(rank=2, alpha=4.0), nnx.Rngs(1))
+        >>> model.layers[0].mlp.experts.lora.gate_proj.lora_a.shape  # (E, D, r)
+        (4, 8, 2)
+        >>> bool((model(jnp.array([[1, 2, 3]])) == before).all())  # B = 0: exactly the same
+        True
     """
     if any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model)):
         msg = "apply_lora: the model already has LoRA adapters"
         raise ValueError(msg)
-    _check_expert_targets(model, config.target_modules)
     stacked = getattr(model, "layers_stacked", False)
     if stacked:  # adapters per layer (the same draws as unstacked), then stacked with them
         model.unstack_layers()
@@ -251,6 +259,11 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
             dtype=dtype,
             rngs=rngs,
         )
+    expert_targets = tuple(n for n in _MLP_TARGETS if n in config.target_modules)
+    for experts in expert_modules(model) if expert_targets else ():
+        add_expert_adapters(
+            experts, expert_targets, rank=config.rank, scale=config.scale, dtype=dtype, rngs=rngs
+        )
     if stacked:
         model.stack_layers()
     return model
@@ -259,7 +272,8 @@ def apply_lora(model: CausalLM, config: LoRAConfig, rngs: nnx.Rngs) -> CausalLM:
 def merge_lora(model: CausalLM) -> CausalLM:
     """Returns a copy of `model` without adapters, `W' = W + (alpha / r) A B`.
 
-    The product is formed in float32 and cast to the kernel's dtype. The input model is left
+    The product is formed in float32 and cast to the kernel's dtype; expert adapters fold into
+    each expert's stacked weight (`W_e' = W_e + (alpha / r) A_e B_e`). The input model is left
     unchanged; the result can be saved with `save_pretrained`.
 
     Args:
@@ -299,6 +313,8 @@ def merge_lora(model: CausalLM) -> CausalLM:
         delta = (a * adapter.scale) @ b
         proj.kernel.set_value((kernel.astype(jnp.float32) + delta).astype(kernel.dtype))
         proj.lora = None
+    for experts in expert_modules(merged):
+        merge_expert_adapters(experts)
     if stacked:
         merged.stack_layers()
     return merged

@@ -27,7 +27,8 @@ tensors they load from (linear kernels are the transposed HF weights):
 - `lm_head.kernel` (D, V) <- `lm_head.weight`.T (untied models only)
 
 LoRA adapters (see `apply_lora`) add `<proj>.lora.lora_a` (in, r) and `<proj>.lora.lora_b`
-(r, out), both `nnx.LoRAParam`.
+(r, out), both `nnx.LoRAParam`; on Qwen3-MoE's experts, `layers.i.mlp.experts.lora.<proj>.lora_a`
+(E, in, r) and `.lora_b` (E, r, out).
 
 After `model.stack_layers()` the decoder layers are stored stacked: one variable per kind of
 layer weight, with a leading layer axis, at `layers.<name>` instead of `layers.i.<name>` (e.g.

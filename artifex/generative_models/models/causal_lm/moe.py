@@ -60,7 +60,11 @@ from artifex.generative_models.models.causal_lm.modules import (
     RMSNorm,
     _normal,
 )
-from artifex.generative_models.models.causal_lm.moe_dispatch import dispatch_experts
+from artifex.generative_models.models.causal_lm.moe_dispatch import (
+    ExpertDelta,
+    delta_specs,
+    dispatch_experts,
+)
 
 __all__ = [
     "EXPERT_AXIS",
@@ -276,6 +280,7 @@ def expert_mlp(
     down: jax.Array,
     *,
     activation: str = "silu",
+    deltas: dict[str, ExpertDelta] | None = None,
 ) -> jax.Array:
     """The weighted sum of each token's routed experts, dropless, sharded over experts if placed so.
 
@@ -297,6 +302,8 @@ def expert_mlp(
         up: ``(E, D, I)`` up kernels.
         down: ``(E, I, D)`` down kernels.
         activation: ``"silu"`` or ``"gelu_pytorch_tanh"``.
+        deltas: Optional per-expert LoRA updates by projection name (``"gate_proj"``,
+            ``"up_proj"``, ``"down_proj"``), split over ``"expert"`` like the weights.
 
     Returns:
         ``(..., D)`` in the dtype of ``x``.
@@ -319,8 +326,10 @@ def expert_mlp(
     x2 = x.reshape(-1, d)
     e2, w2 = experts.reshape(-1, k), weights.reshape(-1, k)
     mesh = _expert_mesh(gate)
+    deltas = deltas or {}
     if mesh is None:
-        return dispatch_experts(x2, e2, w2, gate, up, down, activation).reshape(*lead, d)
+        y = dispatch_experts(x2, e2, w2, gate, up, down, activation, 0, deltas)
+        return y.reshape(*lead, d)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     rows = x2.shape[0]
     token_axes = _token_axes(sizes, rows)
@@ -331,34 +340,37 @@ def expert_mlp(
     row = PartitionSpec(EXPERT_AXIS, tensor, None)
     gathered = EXPERT_AXIS in token_axes
 
-    def local(x, experts, weights, gate, up, down):
+    def local(x, experts, weights, gate, up, down, deltas):
         if gathered:
             x = jax.lax.all_gather(x, EXPERT_AXIS, axis=0, tiled=True)
             experts = jax.lax.all_gather(experts, EXPERT_AXIS, axis=0, tiled=True)
             weights = jax.lax.all_gather(weights, EXPERT_AXIS, axis=0, tiled=True)
         first = jax.lax.axis_index(EXPERT_AXIS) * gate.shape[0]
-        out = dispatch_experts(x, experts, weights, gate, up, down, activation, first)
+        out = dispatch_experts(x, experts, weights, gate, up, down, activation, first, deltas)
         if tensor is not None:
             out = jax.lax.psum(out, tensor)
         if gathered:
             return jax.lax.psum_scatter(out, EXPERT_AXIS, scatter_dimension=0, tiled=True)
         return jax.lax.psum(out, EXPERT_AXIS)
 
+    adapters = delta_specs(deltas, EXPERT_AXIS, tensor)  # split like the weights they adapt
     run = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(batch, batch, batch, column, column, row),
+        in_specs=(batch, batch, batch, column, column, row, adapters),
         out_specs=batch,
         check_vma=False,
     )
-    return run(x2, e2, w2, gate, up, down).reshape(*lead, d)
+    return run(x2, e2, w2, gate, up, down, deltas).reshape(*lead, d)
 
 
 class Experts(nnx.Module):
     """The ``E`` SwiGLU experts of a sparse layer, stored stacked.
 
     ``gate_proj``, ``up_proj`` ``(E, D, I)`` and ``down_proj`` ``(E, I, D)`` (each expert's
-    kernel as ``Linear`` stores it, ``(in, out)``), initialised N(0, std^2).
+    kernel as ``Linear`` stores it, ``(in, out)``), initialised N(0, std^2). ``lora``, set by
+    ``apply_lora``, holds per-expert adapters (anything with a ``deltas()`` method giving
+    :class:`~artifex.generative_models.models.causal_lm.moe_dispatch.ExpertDelta` by projection).
 
     Args:
         config: A Qwen3-MoE configuration.
@@ -384,6 +396,7 @@ class Experts(nnx.Module):
         self.up_proj = nnx.Param(_normal(rngs, (e, d, i), std, dtype))
         self.down_proj = nnx.Param(_normal(rngs, (e, i, d), std, dtype))
         self.activation = config.hidden_act
+        self.lora: Any = nnx.data(None)
 
     def __call__(self, x: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
         """Applies each token's experts (see :func:`expert_mlp`).
@@ -404,6 +417,7 @@ class Experts(nnx.Module):
             self.up_proj[...],
             self.down_proj[...],
             activation=self.activation,
+            deltas=None if self.lora is None else self.lora.deltas(),
         )
 
 

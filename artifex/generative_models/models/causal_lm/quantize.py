@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from artifex.generative_models.models.causal_lm.lora import LORA_TARGETS
+from artifex.generative_models.models.causal_lm.lora import _MLP_TARGETS, LORA_TARGETS
 from artifex.generative_models.models.causal_lm.model import CausalLM
 from artifex.generative_models.models.causal_lm.modules import Linear
 from artifex.generative_models.models.causal_lm.quantize_weights import (  # noqa: F401 (old path)
@@ -288,7 +288,10 @@ def quantize_base(model: CausalLM, config: QuantizeConfig) -> CausalLM:
 
     Adapters already applied are kept (unquantized); `apply_lora` may also come after. Build
     the optimizer afterwards, with `wrt=nnx.LoRAParam`. A stacked model is unstacked, quantized
-    layer by layer and stacked again.
+    layer by layer and stacked again. In a mixture-of-experts model only `Linear` projections
+    are stored quantized: the experts' stacked weights stay in full precision (name the
+    attention projections in `target_modules`), and expert adapters (`apply_lora` with
+    `gate_proj`, `up_proj`, `down_proj`) train on top of them.
 
     Args:
         model: The model (modified in place and returned).
@@ -299,8 +302,10 @@ def quantize_base(model: CausalLM, config: QuantizeConfig) -> CausalLM:
 
     Raises:
         TypeError: If `model` is not a `CausalLM` or `config` not a `QuantizeConfig`.
-        ValueError: If the model is already quantized, or a target's input width is not a
-            multiple of `block_size` (the message names the projection).
+        ValueError: If the model is already quantized, a target's input width is not a
+            multiple of `block_size` (the message names the projection), or `target_modules`
+            names feed-forward projections of a mixture-of-experts model (its experts'
+            stacked weights, which are not stored quantized).
         ImportError: Without qwix (the `quantize` extra).
 
     Examples:
@@ -328,6 +333,17 @@ def quantize_base(model: CausalLM, config: QuantizeConfig) -> CausalLM:
         raise TypeError(msg)
     if is_quantized(model):
         msg = "quantize_base: the model is already quantized"
+        raise ValueError(msg)
+    experts = sorted(n for n in config.target_modules if n in _MLP_TARGETS)
+    if experts and model.config.is_moe:
+        attention = tuple(n for n in LORA_TARGETS if n not in _MLP_TARGETS)
+        msg = (
+            f"quantize_base: target_modules {experts} are the experts' stacked weights in this "
+            f"mixture-of-experts model ({model.config.model_type}), which are not stored "
+            f"quantized (only Linear projections are); expected attention projections only: "
+            f"QuantizeConfig(target_modules={attention}). Expert LoRA adapters (apply_lora) "
+            "train on top of the experts' full-precision weights"
+        )
         raise ValueError(msg)
     stacked = getattr(model, "layers_stacked", False)
     if stacked:

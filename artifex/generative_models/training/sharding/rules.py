@@ -45,10 +45,23 @@ CAUSAL_LM_RULES: tuple[tuple[str, PartitionSpec], ...] = (
 #: ``(E, D, I)`` / ``(E, I, D)`` split over ``"expert"`` by expert, and each expert
 #: Megatron-style over ``"tensor"`` (gate/up by columns, down by rows). For a mesh made with
 #: ``make_mesh(expert=n)``: ``PartitionRules(rules=MOE_RULES + CAUSAL_LM_RULES)``. The router
-#: (``mlp.gate.kernel``) stays replicated (FSDP may split it).
+#: (``mlp.gate.kernel``) stays replicated (FSDP may split it). Per-expert LoRA adapters
+#: (``experts.lora.<proj>.lora_a`` ``(E, in, r)``, ``.lora_b`` ``(E, r, out)``) are split by
+#: expert the same way, and over ``"tensor"`` where their expert weight is (gate/up ``B`` by
+#: columns, down ``A`` by rows).
 MOE_RULES: tuple[tuple[str, PartitionSpec], ...] = (
     (r"(^|\.)experts\.(gate_proj|up_proj)$", PartitionSpec("expert", None, "tensor")),
     (r"(^|\.)experts\.down_proj$", PartitionSpec("expert", "tensor", None)),
+    (
+        r"(^|\.)experts\.lora\.(gate_proj|up_proj)\.lora_a$",
+        PartitionSpec("expert", None, None),
+    ),
+    (
+        r"(^|\.)experts\.lora\.(gate_proj|up_proj)\.lora_b$",
+        PartitionSpec("expert", None, "tensor"),
+    ),
+    (r"(^|\.)experts\.lora\.down_proj\.lora_a$", PartitionSpec("expert", "tensor", None)),
+    (r"(^|\.)experts\.lora\.down_proj\.lora_b$", PartitionSpec("expert", None, None)),
 )
 
 
