@@ -191,6 +191,13 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="the teacher's GRPO learning rate (default: the demo's, 3e-4)",
     )
+    parser.add_argument(
+        "--teacher-warmup-target",
+        type=float,
+        default=None,
+        help="the held-out accuracy at which the teacher's supervised warm-up stops (default: "
+        "the demo's, 0.35; --warmup-max-steps bounds it)",
+    )
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -212,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         "teacher_steps": args.teacher_steps,
         "warmup_max_steps": args.warmup_max_steps,
         **({} if args.teacher_learning_rate is None else {"lr": args.teacher_learning_rate}),
+        **({} if args.teacher_warmup_target is None else {"warm": args.teacher_warmup_target}),
     }
     cached = None
     if os.path.isfile(os.path.join(teacher_dir, "teacher.json")):
@@ -224,7 +232,12 @@ def main(argv: list[str] | None = None) -> dict:
         teacher = demo_model(tokenizer, args.seed)
         t0 = time.perf_counter()
         warm = _warm_up(
-            teacher, tokenizer, train_rows, DEMO.warmup_target, args.seed, args.warmup_max_steps
+            teacher,
+            tokenizer,
+            train_rows,
+            args.teacher_warmup_target or DEMO.warmup_target,
+            args.seed,
+            args.warmup_max_steps,
         )
         trainer = GRPOTrainer(
             teacher,
