@@ -199,14 +199,15 @@ def add_expert_adapters(
 
     Args:
         experts: The stacked experts of one sparse layer.
-        names: Projection names among ``EXPERT_PROJECTIONS`` (others are ignored).
+        names: Projection names among ``EXPERT_PROJECTIONS`` (at least one).
         rank: Rank r.
         scale: The update scale ``s``.
         dtype: The adapters' parameter dtype.
         rngs: Random streams for ``A``.
 
     Raises:
-        ValueError: If the experts already have adapters.
+        ValueError: If ``names`` is empty or names something other than an expert projection,
+            or the experts already have adapters.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -224,6 +225,12 @@ def add_expert_adapters(
         >>> experts.lora.down_proj.lora_a.shape  # (E, I, r)
         (4, 6, 2)
     """
+    if not names or any(name not in EXPERT_PROJECTIONS for name in names):
+        msg = (
+            f"add_expert_adapters: names must be expert projections among "
+            f"{EXPERT_PROJECTIONS}, got {tuple(names)!r}"
+        )
+        raise ValueError(msg)
     if experts.lora is not None:
         msg = "add_expert_adapters: the experts already have LoRA adapters"
         raise ValueError(msg)
@@ -235,8 +242,7 @@ def add_expert_adapters(
         adapters[name] = ExpertLoRAAdapter(
             e, n_in, n_out, rank=rank, scale=scale, dtype=dtype, rngs=rngs
         )
-    if adapters:
-        experts.lora = ExpertLoRA(adapters)
+    experts.lora = ExpertLoRA(adapters)
 
 
 def merge_expert_adapters(experts: Experts) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 __all__ = [
     "EXPERT_PARAMETERS",
     "EXPERT_TARGETS",
+    "check_expert_shapes",
     "expert_key",
     "expert_projections",
     "expert_rank",
@@ -237,6 +238,67 @@ def expert_tensors(
         tensors[expert_key(layer, nested, "A")] = peft_a
         tensors[expert_key(layer, nested, "B")] = peft_b
     return tensors, set(fused)
+
+
+def check_expert_shapes(tensors: dict[str, np.ndarray], rank: int, where: str) -> int | None:
+    """Checks what a file's expert tensors imply without a model: 2-D, `r E` rows, one `E`.
+
+    Each `lora_A` (R E, in) must have a multiple of `r` rows and its `lora_B` (out, R E) as
+    many columns, and every expert tensor the same `E`.
+
+    Args:
+        tensors: The file's tensors, by PEFT's name (others are skipped).
+        rank: r.
+        where: The file, for messages.
+
+    Returns:
+        The expert count E, or None without expert tensors.
+
+    Raises:
+        ValueError: Naming the tensor and its shape.
+
+    Examples:
+        >>> import numpy as np
+        >>> from artifex.generative_models.models.causal_lm.peft_experts import (
+        ...     check_expert_shapes, expert_tensors)
+        >>> down = (np.ones((4, 6, 2)), np.ones((4, 2, 8)))  # E=4, I=6, r=2, D=8
+        >>> check_expert_shapes(expert_tensors(0, {"down_proj": down}, 2)[0], 2, "file")
+        4
+    """
+    first: tuple[str, int] | None = None
+    for name in sorted(n for n in tensors if EXPERT_KEY.fullmatch(n)):
+        shape = tensors[name].shape
+        if len(shape) != 2:
+            msg = f"{where}: tensor {name!r} has shape {shape}, expected 2 dimensions"
+            raise ValueError(msg)
+        if name.endswith("lora_B.weight"):
+            a_name = name.replace("lora_B.weight", "lora_A.weight")
+            if a_name not in tensors:
+                msg = f"{where}: missing tensor {a_name!r} (the lora_A of {name!r})"
+                raise ValueError(msg)
+            rows = tensors[a_name].shape[0]
+            if shape[1] != rows:
+                msg = (
+                    f"{where}: tensor {name!r} has shape {shape}, expected {rows} columns (its "
+                    f"lora_A's rows, r x experts)"
+                )
+                raise ValueError(msg)
+            continue
+        if shape[0] % rank:
+            msg = (
+                f"{where}: tensor {name!r} has shape {shape}, expected rows a multiple of "
+                f"r={rank} (r x experts)"
+            )
+            raise ValueError(msg)
+        if first is None:
+            first = (name, shape[0] // rank)
+        elif shape[0] // rank != first[1]:
+            msg = (
+                f"{where}: expert tensors of different expert counts: {first[0]!r} holds "
+                f"{first[1]}, {name!r} holds {shape[0] // rank} (r={rank})"
+            )
+            raise ValueError(msg)
+    return None if first is None else first[1]
 
 
 def read_expert_tensors(

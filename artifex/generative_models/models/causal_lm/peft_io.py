@@ -50,6 +50,7 @@ from artifex.generative_models.models.causal_lm.peft_experts import (
     EXPERT_KEY,
     EXPERT_PARAMETERS,
     EXPERT_TARGETS,
+    check_expert_shapes,
     expert_key,
     expert_projections,
     expert_rank,
@@ -88,6 +89,8 @@ _UNSUPPORTED: dict[str, Any] = {
     "target_parameters": None,
     "trainable_token_indices": None,
 }
+#: Tensor dtypes an adapter file may hold.
+_FLOATS = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16))
 
 
 def _parent(proj: str) -> tuple[str, str]:
@@ -256,7 +259,12 @@ def save_peft_adapter(
         raise ValueError(msg)
     targets = {frozenset(v) for v in grid.values()}
     if len(grid) != model.config.num_layers or len(targets) != 1:
-        msg = "save_peft_adapter: every layer must have adapters on the same projections"
+        got = ", ".join(
+            f"layer {i}: {sorted(grid.get(i, ()))}" for i in range(model.config.num_layers)
+        )
+        msg = (
+            f"save_peft_adapter: every layer must have adapters on the same projections, got {got}"
+        )
         raise ValueError(msg)
     if len(ranks) != 1 or len(scales) != 1:
         msg = f"save_peft_adapter: adapters of one rank and scale expected, got {ranks} {scales}"
@@ -357,7 +365,7 @@ def read_peft_adapter(
     Args:
         path: Directory with `adapter_config.json` and `adapter_model.safetensors`.
         dtype: Adapter parameter dtype ("float32" / "bfloat16"); None keeps the file's
-            (float16 reads as float32).
+            (float16, and a file of mixed dtypes, read as float32).
 
     Returns:
         `(config, tensors)`: the `LoRAConfig` (targets from the tensors present; a fused
@@ -366,9 +374,11 @@ def read_peft_adapter(
 
     Raises:
         FileNotFoundError: If a file is missing.
-        ValueError: Naming the key or tensor, for a non-LoRA adapter, an unsupported setting
-            (a `target_parameters` entry other than transformers' fused expert weights), an
-            unknown tensor, a wrong shape or adapters missing from some layers.
+        ValueError: Naming the key or tensor, for a non-LoRA adapter, an `r` or `lora_alpha`
+            that is not a positive number (`r` an int), an unsupported setting (a
+            `target_parameters` other than a list of transformers' fused expert weights), no
+            tensors, an unknown tensor, a non-float dtype, a wrong shape (expert tensors: not
+            `r E` rows, or not one expert count `E`) or adapters missing from some layers.
 
     Examples:
         >>> from artifex.generative_models.models.causal_lm.peft_io import read_peft_adapter
@@ -399,9 +409,20 @@ def read_peft_adapter(
         if d.get(key):
             msg = f"{config_path}: {key}={d[key]!r}: per-module ranks and alphas are not supported"
             raise ValueError(msg)
+    rank, alpha = d.get("r"), d.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        msg = f"{config_path}: r must be a positive int, got {rank!r}"
+        raise ValueError(msg)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        msg = f"{config_path}: lora_alpha must be a positive number, got {alpha!r}"
+        raise ValueError(msg)
+    entries = d.get("target_parameters") or []
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        msg = f"{config_path}: target_parameters must be a list of parameter names, got {entries!r}"
+        raise ValueError(msg)
     params: set[str] = set()
-    for entry in d.get("target_parameters") or []:
-        param = expert_target(str(entry))
+    for entry in entries:
+        param = expert_target(entry)
         if param is None:
             msg = (
                 f"{config_path}: target_parameters entry {entry!r} is not supported (expected "
@@ -409,11 +430,17 @@ def read_peft_adapter(
             )
             raise ValueError(msg)
         params.add(param)
-    rank, alpha = d.get("r"), d.get("lora_alpha")
     tensors: dict[str, np.ndarray] = {}
     with safe_open(weights, framework="numpy") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
             tensors[name] = f.get_tensor(name)
+    if not tensors:
+        msg = f"{weights}: no LoRA tensors"
+        raise ValueError(msg)
+    for name, x in tensors.items():
+        if x.dtype not in _FLOATS:
+            msg = f"{weights}: tensor {name!r} has dtype {x.dtype}, expected a float dtype"
+            raise ValueError(msg)
     grid: dict[int, set[str]] = {}
     expert_layers: set[int] = set()
     for name, x in tensors.items():
@@ -467,15 +494,13 @@ def read_peft_adapter(
             f"target_parameters {sorted(params)} only)"
         )
         raise ValueError(msg)
+    check_expert_shapes(tensors, rank, weights)
     targets = sorted({*targets, *expert_projections(params)})
-    if not targets:
-        msg = f"{weights}: no LoRA tensors"
-        raise ValueError(msg)
-    if dtype is None:
-        stored = next(iter(tensors.values())).dtype
-        dtype = "bfloat16" if stored == np.dtype(ml_dtypes.bfloat16) else "float32"
+    if dtype is None:  # bfloat16 only if every tensor is (no tensor is rounded)
+        bf16 = all(x.dtype == np.dtype(ml_dtypes.bfloat16) for x in tensors.values())
+        dtype = "bfloat16" if bf16 else "float32"
     config = LoRAConfig(
-        rank=int(rank),
+        rank=rank,
         alpha=float(alpha),
         target_modules=tuple(targets),
         param_dtype=dtype,
