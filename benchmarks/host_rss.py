@@ -6,6 +6,7 @@ Usage:
     MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/host_rss.py --dir W2_DIR   # glibc setting
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/host_rss.py --dir W1_DIR --no-remat
     python benchmarks/host_rss.py --dir W1_DIR --no-remat --reuse-host-memory
+    python benchmarks/host_rss.py --dir G3_DIR --no-remat --wait-compile --steps 1
 
 Builds the trainer as the benchmark worker does (``benchmarks/common.workload_trainer``, every
 second layer recomputed), starts compiling the update before the first rollout, then runs
@@ -79,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="host_memory.reuse_host_memory() first (as artifex-grpo --reuse-host-memory)",
     )
+    parser.add_argument(
+        "--wait-compile",
+        action="store_true",
+        help="wait for the update's compilation before the first rollout, and print the peak "
+        "it reached (the compiler's share of the peak, apart from the sampler's)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -109,12 +116,23 @@ def main(argv: list[str] | None = None) -> int:
     trainer = workload_trainer(
         args.dir,
         w,
+        dtype=w.get("dtype", "float32"),  # G3-1B's bfloat16, as the benchmark runs it
         remat=not args.no_remat,
         remat_every=1 if args.no_remat else args.remat_every,
         optimizer_by_layer=not args.one_program_optimizer,
     )
     print(f"loaded: peak {peak_gb():.2f} GB, current {current_gb():.2f} GB", flush=True)
-    trainer.compile_ahead(GRPOBatch.zeros(ids.shape[0], k, bucket_length(ids.shape[1]), n))
+    compiling = trainer.compile_ahead(
+        GRPOBatch.zeros(ids.shape[0], k, bucket_length(ids.shape[1]), n)
+    )
+    if args.wait_compile:
+        t = time.perf_counter()
+        compiling.result()
+        print(
+            f"update compiled {time.perf_counter() - t:.2f} s: peak {peak_gb():.2f} GB, "
+            f"current {current_gb():.2f} GB",
+            flush=True,
+        )
     for i in range(args.steps):
         t, faults = time.perf_counter(), minor_faults()
         out = generate(
