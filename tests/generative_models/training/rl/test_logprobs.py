@@ -229,6 +229,12 @@ def test_a_few_kept_chunks_run_unrolled_with_the_loops_values(rows, keep, unroll
     (_, want), want_grads = jax.jit(gradient())(h, w)
     for a, b in zip((*got, *got_grads), (*want, *want_grads), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+    monkeypatch.setattr(logprobs, "_MAX_UNROLLED_CHUNKS", 4)
+    # an output matrix whose float32 gradient is over the limit: a loop (one accumulator)
+    monkeypatch.setattr(logprobs, "_UNROLLED_WEIGHT_GRAD_BYTES", 50 * 16 * 4 - 1)
+    assert all(u == 1 for u in _scan_unrolls(jax.make_jaxpr(gradient())(h, w).jaxpr))
+    monkeypatch.setattr(logprobs, "_UNROLLED_WEIGHT_GRAD_BYTES", 50 * 16 * 4)
+    assert unrolls == _scan_unrolls(jax.make_jaxpr(gradient())(h, w).jaxpr)
     # and the values are the naive ones
     lp, ent = np_log_probs(np.asarray(h @ w.T), np.asarray(y))
     np.testing.assert_allclose(got[0], lp, atol=1e-5, rtol=1e-5)

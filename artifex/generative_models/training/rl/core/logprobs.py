@@ -50,8 +50,11 @@ _MIN_CACHED_ROWS = 256  # ...but with at least this many rows
 # this; above it each chunk's are recomputed there (one more product with the output matrix).
 _SAVED_LOGITS_BYTES = 256 * 2**20
 # A loop of at most this many chunks whose logits are kept is unrolled (see
-# `chunked_token_log_probs`).
+# `chunked_token_log_probs`)...
 _MAX_UNROLLED_CHUNKS = 4
+# ...while the output matrix's gradient, in float32, takes at most this: unrolled, each chunk's
+# contribution to it is a buffer of its own.
+_UNROLLED_WEIGHT_GRAD_BYTES = 256 * 2**20
 
 
 def token_log_probs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -135,7 +138,8 @@ def chunked_token_log_probs(
     take at most 256 MiB of float32; above that each chunk's are recomputed in the backward
     pass, so that peak memory holds one chunk's logits instead of all of them, for one more
     product with the output matrix. A scan of at most four chunks whose logits are kept is
-    unrolled (faster, as much kept).
+    unrolled (faster, as much kept) unless the output matrix's float32 gradient exceeds 256 MiB
+    (unrolled, each chunk's would take a buffer of its own).
     The values are the same either way.
 
     Args:
@@ -212,8 +216,16 @@ def chunked_token_log_probs(
     # chunk's in and slices it out again in the backward pass. The same products, and all
     # the logits are kept either way (the update's temporaries: W1 +16 MB, W2 -26 MB); W1's
     # update 2.8% faster, W2's 3.8% (benchmarks/unrolled_chunks.py, docs/benchmarks.md). A
-    # long loop stays a loop (one copy of the body to compile).
-    unroll = keep and h.shape[0] <= _MAX_UNROLLED_CHUNKS
+    # long loop stays a loop (one copy of the body to compile). So does a loop over a large
+    # output matrix: unrolled, XLA:CPU gives each chunk's float32 gradient of the matrix a
+    # buffer of its own before adding them, where the loop accumulates one (Gemma 3's tied
+    # 262,144 x 1,152 embedding: 1.2 GB per chunk; a 2-layer G3-1B-shaped update's temporaries
+    # 6.5 GB unrolled, 4.9 GB as a loop). W2's matrix (113 MB) stays unrolled.
+    unroll = (
+        keep
+        and h.shape[0] <= _MAX_UNROLLED_CHUNKS
+        and v * d * 4 <= _UNROLLED_WEIGHT_GRAD_BYTES
+    )
     _, (logp, ent) = jax.lax.scan(body, None, (h, y), unroll=unroll)
     return logp.reshape(-1)[:n].reshape(lead), ent.reshape(-1)[:n].reshape(lead)
 
