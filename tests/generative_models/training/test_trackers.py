@@ -334,7 +334,7 @@ def test_tensorboard_writes_every_key_and_the_completions_table(tmp_path):
 
 
 # One CI run of many (2026-11-29, two xdist workers on a loaded 2-core machine) found one of
-# the 400 history rows missing from W&B's run file; 60 runs here, alone and under load, never
+# the 400 history rows missing from W&B's run file; 47 runs here, alone and under load, never
 # did. The row goes through ``run.log`` and wandb-core, not through our code, so a lost row is
 # retried once (only as the KeyError/AssertionError below): a writer that drops rows fails both.
 @needs_wandb
