@@ -8,9 +8,7 @@ of impossible shapes, non-float or mixed dtypes, and layers adapted unlike the o
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from artifex.generative_models.models.causal_lm import (
     CausalLM,
@@ -33,7 +31,7 @@ from artifex.generative_models.models.causal_lm.peft_io import (
     save_peft_adapter,
 )
 
-from ._helpers import FIXTURES
+from ._helpers import FIXTURES, adapter_variant
 
 BASE = FIXTURES / "qwen3_moe_tiny"  # E = 8, D = 32, I = 16, 2 layers
 EXPERTS = ("gate_proj", "up_proj", "down_proj")
@@ -68,19 +66,7 @@ def saved(tmp_path_factory):
     return out
 
 
-def _variant(src, dst, edit_config=None, edit_tensors=None):
-    shutil.copytree(src, dst)
-    if edit_config:
-        with open(dst / "adapter_config.json") as f:
-            d = json.load(f)
-        edit_config(d)
-        with open(dst / "adapter_config.json", "w") as f:
-            json.dump(d, f)
-    if edit_tensors:
-        tensors = load_file(dst / "adapter_model.safetensors")
-        edit_tensors(tensors)
-        save_file(tensors, dst / "adapter_model.safetensors")
-    return dst
+
 
 
 # --------------------------------------------------------------------------- adapter_config.json
@@ -97,7 +83,7 @@ def _variant(src, dst, edit_config=None, edit_tensors=None):
 )
 @pytest.mark.parametrize("which", ["down", "q_down"])
 def test_r_and_lora_alpha_are_checked_by_key(saved, tmp_path, key, value, shown, which):
-    bad = _variant(saved[which], tmp_path / "bad", lambda d: d.update({key: value}))
+    bad = adapter_variant(saved[which], tmp_path / "bad", lambda d: d.update({key: value}))
     with pytest.raises(ValueError, match=rf"adapter_config\.json: {key} must be .*got {shown}"):
         read_peft_adapter(bad)
     model = _model()
@@ -109,14 +95,16 @@ def test_r_and_lora_alpha_are_checked_by_key(saved, tmp_path, key, value, shown,
 def test_target_parameters_must_be_a_list_of_names(saved, tmp_path):
     # a string was iterated by character: "target_parameters entry 'm' is not supported"
     one = "mlp.experts.down_proj"
-    bad = _variant(saved["down"], tmp_path / "str", lambda d: d.update(target_parameters=one))
+    bad = adapter_variant(
+        saved["down"], tmp_path / "str", lambda d: d.update(target_parameters=one)
+    )
     with pytest.raises(ValueError, match=r"target_parameters must be a list .*got 'mlp\.experts"):
         read_peft_adapter(bad)
 
 
 def test_an_expert_adapter_without_tensors_is_refused(saved, tmp_path):
     # was StopIteration (the expert targets came from target_parameters, not from tensors)
-    empty = _variant(saved["down"], tmp_path / "empty", edit_tensors=lambda t: t.clear())
+    empty = adapter_variant(saved["down"], tmp_path / "empty", edit_tensors=lambda t: t.clear())
     with pytest.raises(ValueError, match="no LoRA tensors"):
         read_peft_adapter(empty)
     model = _model()
@@ -155,7 +143,7 @@ def _more_experts(t):  # layer 0 of 16 experts, layer 1 of 8: no one E
 )
 def test_read_checks_expert_tensor_shapes(saved, tmp_path, edit, match):
     """`read_peft_adapter` (which knows no model) checks what the file itself implies."""
-    bad = _variant(saved["down"], tmp_path / "bad", edit_tensors=edit)
+    bad = adapter_variant(saved["down"], tmp_path / "bad", edit_tensors=edit)
     with pytest.raises(ValueError, match=match):
         read_peft_adapter(bad)
 
@@ -165,7 +153,7 @@ def test_integer_tensors_are_refused_by_name(saved, tmp_path):
     def ints(t):
         t[DOWN_A] = t[DOWN_A].astype(np.int32)
 
-    bad = _variant(saved["down"], tmp_path / "int", edit_tensors=ints)
+    bad = adapter_variant(saved["down"], tmp_path / "int", edit_tensors=ints)
     with pytest.raises(ValueError, match=r"lora_A\.weight' has dtype int32, expected a float"):
         read_peft_adapter(bad)
 
@@ -176,7 +164,7 @@ def test_mixed_dtypes_are_read_without_rounding(saved, tmp_path):
     def mixed(t):
         t[sorted(t)[0]] = t[sorted(t)[0]].astype(ml_dtypes.bfloat16)
 
-    src = _variant(saved["q_down"], tmp_path / "mixed", edit_tensors=mixed)
+    src = adapter_variant(saved["q_down"], tmp_path / "mixed", edit_tensors=mixed)
     config, _ = read_peft_adapter(src)
     assert config.param_dtype == "float32"
     model = load_peft_adapter(_model(), src)

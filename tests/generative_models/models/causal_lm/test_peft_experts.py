@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from artifex.generative_models.models.causal_lm import (
     CausalLM,
@@ -35,6 +34,7 @@ from artifex.generative_models.models.causal_lm.peft_io import (
     save_peft_adapter,
 )
 
+from ._helpers import adapter_variant
 from .test_peft_io import FIXTURES, PEFT, TOL, _inputs, _script
 
 BASE = "qwen3_moe_tiny"
@@ -175,19 +175,7 @@ def test_save_then_load_round_trip(tmp_path, targets):
 
 def test_unsupported_expert_adapters_are_refused_by_name(tmp_path):
     def variant(name, edit_config=None, edit_tensors=None):
-        dst = tmp_path / name
-        shutil.copytree(THEIRS, dst)
-        if edit_config:
-            with open(dst / "adapter_config.json") as f:
-                d = json.load(f)
-            edit_config(d)
-            with open(dst / "adapter_config.json", "w") as f:
-                json.dump(d, f)
-        if edit_tensors:
-            tensors = load_file(dst / "adapter_model.safetensors")
-            edit_tensors(tensors)
-            save_file(tensors, dst / "adapter_model.safetensors")
-        return dst
+        return adapter_variant(THEIRS, tmp_path / name, edit_config, edit_tensors)
 
     bad = variant("entry", lambda d: d.update(target_parameters=["mlp.experts.gate_proj"]))
     with pytest.raises(ValueError, match=r"target_parameters entry 'mlp\.experts\.gate_proj'"):

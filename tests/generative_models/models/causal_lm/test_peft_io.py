@@ -9,14 +9,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from artifex.generative_models.models.causal_lm import (
     CausalLM,
@@ -31,6 +30,8 @@ from artifex.generative_models.models.causal_lm.peft_io import (
     read_peft_adapter,
     save_peft_adapter,
 )
+
+from ._helpers import adapter_variant
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "fixtures")
 PEFT = os.path.join(FIXTURES, "peft")
@@ -138,19 +139,7 @@ def test_unsupported_adapters_are_refused_by_name(tmp_path):
     src = os.path.join(PEFT, "qwen2_lora")
 
     def variant(name, edit_config=None, edit_tensors=None):
-        dst = tmp_path / name
-        shutil.copytree(src, dst)
-        if edit_config:
-            with open(dst / "adapter_config.json") as f:
-                d = json.load(f)
-            edit_config(d)
-            with open(dst / "adapter_config.json", "w") as f:
-                json.dump(d, f)
-        if edit_tensors:
-            tensors = load_file(dst / "adapter_model.safetensors")
-            edit_tensors(tensors)
-            save_file(tensors, dst / "adapter_model.safetensors")
-        return dst
+        return adapter_variant(src, tmp_path / name, edit_config, edit_tensors)
 
     with pytest.raises(ValueError, match="use_dora=True is not supported"):
         read_peft_adapter(variant("dora", lambda d: d.update(use_dora=True)))
