@@ -21,22 +21,61 @@ import json
 import os
 import time
 
+import numpy as np
 import optax
 from flax import nnx
 
 from artifex.generative_models.flow import (
+    FlowEvaluator,
     SDEConfig,
     compositional,
+    compositional_correct,
+    compositional_counts,
     flow_trainer,
     load_flow_model,
+    save_flow_model,
     train_flow,
 )
+from artifex.generative_models.flow.detection import detect_shapes, scene_checks
+from artifex.generative_models.flow.shapes import parse_caption
 from artifex.generative_models.training.rl import GRPOConfig, TrainConfig
+
+REWARDS = {
+    "fraction": compositional,
+    "correct": compositional_correct,
+    "counts": compositional_counts,
+}
 
 
 def _rows(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def check_rates(model, captions: list[str], images_per_prompt: int, seed: int = 0) -> dict:
+    """How often each check passes on ODE images of ``captions`` (the evaluation's noise).
+
+    ``present_1``, ``count_1`` and ``relation`` are rates over the two-group captions only;
+    ``correct`` is the compositional accuracy, ``shapes_over`` the mean number of shapes found
+    beyond those asked for (negative: fewer).
+    """
+    images = FlowEvaluator(10, images_per_prompt=images_per_prompt, seed=seed).sample(
+        model, None, captions
+    )
+    passed: dict[str, list[bool]] = {}
+    over = []
+    repeated = [c for c in captions for _ in range(images_per_prompt)]
+    for image, caption in zip(images, repeated, strict=True):
+        scene = parse_caption(caption)
+        shapes = detect_shapes(image)
+        checks = scene_checks(shapes, scene)
+        for name, ok in checks.items():
+            passed.setdefault(name, []).append(ok)
+        passed.setdefault("correct", []).append(all(checks.values()))
+        over.append(len(shapes) - sum(g.count for g in scene.groups))
+    rates = {name: float(np.mean(v)) for name, v in passed.items()}
+    rates["shapes_over"] = float(np.mean(over))
+    return rates
 
 
 def main() -> None:
@@ -57,10 +96,19 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-images", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reward",
+        choices=sorted(REWARDS),
+        default="fraction",
+        help="the training reward: the fraction of checks passed, 1 for an image that passes "
+        "every check, or the fraction without the 'present' checks",
+    )
     args = parser.parse_args()
     out = args.out or os.path.join(args.task, "grpo")
 
     model = load_flow_model(os.path.join(args.task, "model"))
+    heldout = [row["prompt"] for row in _rows(os.path.join(args.task, "heldout.jsonl"))]
+    before = check_rates(model, heldout, args.eval_images)
     sde = SDEConfig(
         num_steps=args.sde_steps,
         noise_level=args.noise_level,
@@ -90,11 +138,12 @@ def main() -> None:
     result = train_flow(
         trainer,
         _rows(os.path.join(args.task, "train.jsonl")),
-        compositional,
+        REWARDS[args.reward],
         loop,
         sde,
         eval_dataset=_rows(os.path.join(args.task, "heldout.jsonl")),
         eval_images_per_prompt=args.eval_images,
+        eval_reward=compositional,
         window_start=args.window_start,
     )
     seconds = time.perf_counter() - t0
@@ -104,19 +153,25 @@ def main() -> None:
             f"reward {m['eval/reward_mean']:.3f}",
             flush=True,
         )
+    after = check_rates(model, heldout, args.eval_images)
+    print("held-out check pass rates (before -> after):")
+    for name in before:
+        print(f"  {name:12s} {before[name]:6.3f} -> {after[name]:6.3f}")
     steps = result.history
     summary = {
         "args": vars(args),
         "evaluations": [{"step": s, **m} for s, m in result.evaluations],
+        "checks": {"before": before, "after": after},
         "train_reward": [h["reward_mean"] for h in steps],
         "kl": [h["kl"] for h in steps],
         "step_time": [h["step_time"] for h in steps],
         "seconds": seconds,
     }
     os.makedirs(out, exist_ok=True)
+    save_flow_model(model, os.path.join(out, "model"))
     with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=2)
-    print(f"{len(steps)} GRPO steps in {seconds:.0f} s; wrote {out}/results.json")
+    print(f"{len(steps)} GRPO steps in {seconds:.0f} s; wrote {out}/results.json and {out}/model")
 
 
 if __name__ == "__main__":

@@ -209,18 +209,41 @@ def _captions(prompts: Any, tokenizer: WordTokenizer | None, rows: int) -> list[
     return captions
 
 
-def compositional_reward(tokenizer: WordTokenizer | None = None, *, min_area: int = 6) -> Any:
-    """The image reward ``fn(images, prompts) -> (B,)``: the fraction of checks passed.
+SCORES = ("fraction", "correct", "counts")
+
+
+def _score(checks: dict[str, bool], score: str) -> float:
+    if score == "correct":
+        return float(all(checks.values()))
+    if score == "counts":
+        kept = [ok for name, ok in checks.items() if not name.startswith("present_")]
+        return float(np.mean(kept))
+    return float(np.mean(list(checks.values())))
+
+
+def compositional_reward(
+    tokenizer: WordTokenizer | None = None, *, min_area: int = 6, score: str = "fraction"
+) -> Any:
+    """The image reward ``fn(images, prompts) -> (B,)``: how well each image passes its checks.
 
     Args:
         tokenizer: Decodes token-id prompts ``(B, L)``; ``None`` takes captions only.
         min_area: Passed to :func:`detect_shapes`.
+        score: ``"fraction"``: the fraction of the checks of :func:`scene_checks` passed;
+            ``"correct"``: 1 when every check passes, else 0 (GenEval's score of an image);
+            ``"counts"``: the fraction of the checks other than *present* (each group's
+            count, the relation, nothing else). The *present* checks give partial credit to
+            an image that draws extra shapes, which *count* and *nothing else* then take
+            away; without them drawing more shapes than asked earns nothing.
 
     Returns:
         ``fn(images, prompts)``: ``images`` ``(B, H, W, 3)`` or flattened ``(B, 3 S^2)`` in
         ``[-1, 1]``, ``prompts`` ``B`` captions or ``(B, L)`` token ids; float32 rewards in
         ``[0, 1]``. It raises ``ValueError`` for NaN or infinite images (naming the row), for
         captions outside the grammar, and when the numbers of images and prompts differ.
+
+    Raises:
+        ValueError: ``score`` is not one of ``"fraction"``, ``"correct"``, ``"counts"``.
 
     Examples:
         >>> import numpy as np
@@ -232,6 +255,9 @@ def compositional_reward(tokenizer: WordTokenizer | None = None, *, min_area: in
         >>> [round(float(r), 3) for r in reward(images, ["a red square", "two red squares"])]
         [1.0, 0.667]
     """
+    if score not in SCORES:
+        msg = f"score must be one of {SCORES}, got {score!r}"
+        raise ValueError(msg)
 
     def reward(images: Any, prompts: Any) -> np.ndarray:
         images = np.asarray(images)
@@ -244,7 +270,7 @@ def compositional_reward(tokenizer: WordTokenizer | None = None, *, min_area: in
                 msg = f"compositional_reward: image {row}: {err}"
                 raise ValueError(msg) from err
             checks = scene_checks(shapes, parse_caption(caption))
-            out[row] = np.mean(list(checks.values()))
+            out[row] = _score(checks, score)
         return out
 
     reward.__name__ = "compositional_reward"
@@ -277,5 +303,5 @@ def compositional_accuracy(
         >>> compositional_accuracy(img[None], ["three green triangles"]).tolist()
         [True]
     """
-    rewards = compositional_reward(tokenizer, min_area=min_area)(images, prompts)
+    rewards = compositional_reward(tokenizer, min_area=min_area, score="correct")(images, prompts)
     return rewards == 1.0

@@ -361,6 +361,12 @@ def image_reward(fn: Callable[[Any, Any], Any], name: str | None = None) -> Call
 
 
 _compositional = image_reward(compositional_reward(), name="compositional")
+_compositional_correct = image_reward(
+    compositional_reward(score="correct"), name="compositional_correct"
+)
+_compositional_counts = image_reward(
+    compositional_reward(score="counts"), name="compositional_counts"
+)
 
 
 def compositional(
@@ -393,3 +399,70 @@ def compositional(
         [1.0, 0.667]
     """
     return _compositional(prompts, completions, **columns)
+
+
+def compositional_correct(
+    prompts: Sequence[str], completions: Sequence[Any], **columns: Any
+) -> list[float]:
+    """1 for an image that passes every compositional check of its caption, else 0.
+
+    GenEval's score of an image (the compositional accuracy as a reward;
+    ``compositional_reward(score="correct")``), for
+    ``--reward artifex.generative_models.flow.rewards:compositional_correct``. Unlike
+    :func:`compositional`, it gives no partial credit: a model cannot raise it by drawing
+    extra shapes to pass the *present* checks.
+
+    Args:
+        prompts: ``B`` captions of the shapes grammar.
+        completions: ``B`` images ``(H, W, 3)`` in ``[-1, 1]``.
+        **columns: Other dataset columns (unused).
+
+    Returns:
+        ``B`` rewards, each 0.0 or 1.0.
+
+    Raises:
+        ValueError: As :func:`compositional`.
+
+    Examples:
+        >>> import numpy as np
+        >>> from artifex.generative_models.flow import (
+        ...     compositional_correct, draw_scene, parse_caption)
+        >>> image = draw_scene(parse_caption("two red squares"), np.random.default_rng(0))
+        >>> compositional_correct(["two red squares", "a red square"], [image] * 2)
+        [1.0, 0.0]
+    """
+    return _compositional_correct(prompts, completions, **columns)
+
+
+def compositional_counts(
+    prompts: Sequence[str], completions: Sequence[Any], **columns: Any
+) -> list[float]:
+    """The fraction of an image's compositional checks passed, leaving out *present*.
+
+    Each group's count, the relation (for two groups) and *nothing else*
+    (``compositional_reward(score="counts")``), for
+    ``--reward artifex.generative_models.flow.rewards:compositional_counts``: partial credit
+    as :func:`compositional`, without the *present* checks that an image with extra shapes
+    passes.
+
+    Args:
+        prompts: ``B`` captions of the shapes grammar.
+        completions: ``B`` images ``(H, W, 3)`` in ``[-1, 1]``.
+        **columns: Other dataset columns (unused).
+
+    Returns:
+        ``B`` rewards in ``[0, 1]``.
+
+    Raises:
+        ValueError: As :func:`compositional`.
+
+    Examples:
+        >>> import numpy as np
+        >>> from artifex.generative_models.flow import (
+        ...     compositional_counts, draw_scene, parse_caption)
+        >>> image = draw_scene(parse_caption("two red squares"), np.random.default_rng(0))
+        >>> [round(r, 3) for r in compositional_counts(["two red squares", "a red square"],
+        ...                                            [image] * 2)]
+        [1.0, 0.5]
+    """
+    return _compositional_counts(prompts, completions, **columns)

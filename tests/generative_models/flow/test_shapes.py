@@ -12,6 +12,8 @@ from artifex.generative_models.flow import (
     WordTokenizer,
     all_captions,
     compositional_accuracy,
+    compositional_correct,
+    compositional_counts,
     compositional_reward,
     detect_shapes,
     draw_scene,
@@ -193,3 +195,39 @@ def test_reward_input_checks():
         [1 / 3, 1 / 3],  # nothing drawn: present and count fail, nothing extra
         rtol=1e-6,
     )
+
+
+def test_the_three_scores_follow_the_checks():
+    """fraction, correct and counts are each the stated function of scene_checks."""
+    images, captions = make_shapes_dataset(40, seed=11)
+    rng = np.random.default_rng(3)
+    # each image against its own caption and against a caption of another image
+    wrong = [
+        captions[(i + 1 + rng.integers(len(captions) - 1)) % len(captions)]
+        for i in range(len(captions))
+    ]
+    asked = np.concatenate([images, images])
+    caps = captions + wrong
+    # an image with one extra red square drawn in the free bottom-right pixel block
+    spam = images[0].copy()
+    spam[24:31, 24:31] = COLOURS["red"]
+    asked = np.concatenate([asked, spam[None]])
+    caps = [*caps, captions[0]]
+    expect = {"fraction": [], "correct": [], "counts": []}
+    for image, caption in zip(asked, caps, strict=True):
+        checks = scene_checks(detect_shapes(image), parse_caption(caption))
+        values = list(checks.values())
+        expect["fraction"].append(sum(values) / len(values))
+        expect["correct"].append(float(all(values)))
+        rest = [ok for name, ok in checks.items() if not name.startswith("present")]
+        expect["counts"].append(sum(rest) / len(rest))
+    for score, want in expect.items():
+        got = compositional_reward(score=score)(asked, caps)
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=score)
+    assert 0.0 < np.mean(expect["correct"]) < 1.0
+    assert not np.allclose(expect["fraction"], expect["counts"])
+    images_list = list(asked)
+    np.testing.assert_allclose(compositional_correct(caps, images_list), expect["correct"])
+    np.testing.assert_allclose(compositional_counts(caps, images_list), expect["counts"], rtol=1e-6)
+    with pytest.raises(ValueError, match="score must be one of"):
+        compositional_reward(score="all")
