@@ -52,18 +52,20 @@ def _rows(path: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def check_rates(model, captions: list[str], images_per_prompt: int, seed: int = 0) -> dict:
+def check_rates(
+    model, captions: list[str], images_per_prompt: int, seed: int = 0, num_steps: int = 10
+) -> dict:
     """How often each check passes on ODE images of ``captions`` (the evaluation's noise).
 
     ``present_1``, ``count_1`` and ``relation`` are rates over the two-group captions only;
-    ``correct`` is the compositional accuracy, ``shapes_over`` the mean number of shapes found
-    beyond those asked for (negative: fewer).
+    ``correct`` is the compositional accuracy, ``fraction`` the mean fraction of checks passed
+    (the evaluation's mean reward), ``shapes_over`` the mean number of shapes found beyond
+    those asked for (negative: fewer).
     """
-    images = FlowEvaluator(10, images_per_prompt=images_per_prompt, seed=seed).sample(
-        model, None, captions
-    )
+    evaluator = FlowEvaluator(num_steps, images_per_prompt=images_per_prompt, seed=seed)
+    images = evaluator.sample(model, None, captions)
     passed: dict[str, list[bool]] = {}
-    over = []
+    over, fraction = [], []
     repeated = [c for c in captions for _ in range(images_per_prompt)]
     for image, caption in zip(images, repeated, strict=True):
         scene = parse_caption(caption)
@@ -72,13 +74,15 @@ def check_rates(model, captions: list[str], images_per_prompt: int, seed: int = 
         for name, ok in checks.items():
             passed.setdefault(name, []).append(ok)
         passed.setdefault("correct", []).append(all(checks.values()))
+        fraction.append(np.mean(list(checks.values())))
         over.append(len(shapes) - sum(g.count for g in scene.groups))
     rates = {name: float(np.mean(v)) for name, v in passed.items()}
+    rates["fraction"] = float(np.mean(fraction))
     rates["shapes_over"] = float(np.mean(over))
     return rates
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", required=True, help="directory of python -m artifex.flow_shapes")
     parser.add_argument("--out", default=None, help="default: <task>/grpo")
@@ -103,12 +107,12 @@ def main() -> None:
         help="the training reward: the fraction of checks passed, 1 for an image that passes "
         "every check, or the fraction without the 'present' checks",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = args.out or os.path.join(args.task, "grpo")
 
     model = load_flow_model(os.path.join(args.task, "model"))
     heldout = [row["prompt"] for row in _rows(os.path.join(args.task, "heldout.jsonl"))]
-    before = check_rates(model, heldout, args.eval_images)
+    before = check_rates(model, heldout, args.eval_images, args.seed, args.sde_steps)
     sde = SDEConfig(
         num_steps=args.sde_steps,
         noise_level=args.noise_level,
@@ -153,7 +157,7 @@ def main() -> None:
             f"reward {m['eval/reward_mean']:.3f}",
             flush=True,
         )
-    after = check_rates(model, heldout, args.eval_images)
+    after = check_rates(model, heldout, args.eval_images, args.seed, args.sde_steps)
     print("held-out check pass rates (before -> after):")
     for name in before:
         print(f"  {name:12s} {before[name]:6.3f} -> {after[name]:6.3f}")
@@ -172,6 +176,7 @@ def main() -> None:
     with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=2)
     print(f"{len(steps)} GRPO steps in {seconds:.0f} s; wrote {out}/results.json and {out}/model")
+    return summary
 
 
 if __name__ == "__main__":
