@@ -59,6 +59,9 @@ class ShapesTaskConfig:
         learning_rate: Peak Adam learning rate.
         layout: ``"grid"`` or ``"free"``
             (:func:`~artifex.generative_models.flow.shapes.draw_scene`).
+        text_layers: Transformer layers of the text encoder.
+        time_shift: How far the pretraining times lean toward noise
+            (:class:`~artifex.generative_models.flow.FlowTrainConfig`; 1: uniform).
 
     Examples:
         >>> from artifex.flow_shapes import ShapesTaskConfig
@@ -77,9 +80,18 @@ class ShapesTaskConfig:
     batch_size: int = 64
     learning_rate: float = 2e-3
     layout: str = "grid"
+    text_layers: int = 1
+    time_shift: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("num_images", "hidden_dim", "num_blocks", "num_heads", "patch_size"):
+        for name in (
+            "num_images",
+            "hidden_dim",
+            "num_blocks",
+            "num_heads",
+            "patch_size",
+            "text_layers",
+        ):
             check_int(f"ShapesTaskConfig.{name}", getattr(self, name), minimum=1)
         for name in ("pretrain_steps", "batch_size"):
             check_int(f"ShapesTaskConfig.{name}", getattr(self, name), minimum=1)
@@ -91,6 +103,7 @@ class ShapesTaskConfig:
             less_than=1.0,
         )
         check_float("ShapesTaskConfig.learning_rate", self.learning_rate, greater_than=0.0)
+        check_float("ShapesTaskConfig.time_shift", self.time_shift, greater_than=0.0)
         check_choice("ShapesTaskConfig.layout", self.layout, ("grid", "free"))
 
     def model_config(self) -> TextFlowDiTConfig:
@@ -104,6 +117,7 @@ class ShapesTaskConfig:
             num_blocks=self.num_blocks,
             num_heads=self.num_heads,
             patch_size=self.patch_size,
+            text_layers=self.text_layers,
         )
 
 
@@ -155,6 +169,7 @@ def prepare_shapes_task(
             batch_size=config.batch_size,
             learning_rate=config.learning_rate,
             seed=config.seed,
+            time_shift=config.time_shift,
         ),
     )
     seconds = time.perf_counter() - t0

@@ -14,8 +14,10 @@ from artifex.generative_models.flow import (
     FlowTrainConfig,
     flow_matching_loss,
     load_digits_images,
+    pretraining,
     train_flow_matching,
 )
+from artifex.generative_models.flow.pretraining import shift_times
 
 
 def _model(seed: int = 0) -> FlowModel:
@@ -64,7 +66,48 @@ def test_training_lowers_the_loss():
     assert np.mean(losses[-20:]) < 0.8 * np.mean(losses[:5])
 
 
-@pytest.mark.parametrize("bad", [dict(num_steps=0), dict(batch_size=-2), dict(learning_rate=0.0)])
+def test_shift_times_against_numpy():
+    u = np.linspace(0.0, 1.0, 101)
+    for shift in (0.5, 1.0, 3.0):
+        ref = shift * u / (1.0 + (shift - 1.0) * u)
+        np.testing.assert_allclose(np.asarray(shift_times(jnp.asarray(u), shift)), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("shift", [1.0, 3.0])
+def test_training_draws_the_shifted_times(monkeypatch, shift):
+    """The times train_flow_matching trains on have the shifted law's mean (float64 reference)."""
+
+    def mean_time(model, x0, labels, noise, t):  # the "loss" is the batch's mean time
+        del x0, labels, noise
+        return jnp.mean(t) + 0.0 * jnp.sum(model.output.kernel[...])
+
+    monkeypatch.setattr(pretraining, "flow_matching_loss", mean_time)
+    steps, batch = 40, 256
+    means = train_flow_matching(
+        _model(),
+        np.zeros((4, 8, 8), np.float32),
+        np.zeros(4, np.int32),
+        FlowTrainConfig(num_steps=steps, batch_size=batch, time_shift=shift),
+    )
+    u = (np.arange(200_000) + 0.5) / 200_000
+    expected = float(np.mean(shift * u / (1.0 + (shift - 1.0) * u)))  # E[t], midpoint rule
+    spread = float(np.std(shift * u / (1.0 + (shift - 1.0) * u))) / np.sqrt(steps * batch)
+    assert abs(np.mean(means) - expected) < 5 * spread
+    if shift == 3.0:
+        assert expected > 0.6  # the law is not the uniform one (mean 0.5)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(num_steps=0),
+        dict(batch_size=-2),
+        dict(learning_rate=0.0),
+        dict(time_shift=0.0),
+        dict(time_shift=float("inf")),
+        dict(time_shift="3"),
+    ],
+)
 def test_train_config_validation(bad):
     with pytest.raises(ValueError, match="FlowTrainConfig"):
         FlowTrainConfig(**bad)
