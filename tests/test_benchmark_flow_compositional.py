@@ -51,5 +51,8 @@ def test_the_script_trains_records_and_saves(task, tmp_path, reward):
     assert after["fraction"] == pytest.approx(last["eval/reward_mean"], rel=1e-6)
     assert before["correct"] == pytest.approx(first["eval/pass@1"])
     assert after["correct"] == pytest.approx(last["eval/pass@1"])
+    for probe in summary["relation_probe"].values():
+        assert probe["gain"] == pytest.approx(probe["loss_flipped"] - probe["loss_true"])
+        assert probe["loss_true"] > 0 and probe["loss_flipped"] > 0
     model = load_flow_model(out / "model")
     assert isinstance(model, TextFlowDiT) and model.config.hidden_dim == 16
