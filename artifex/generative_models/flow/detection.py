@@ -209,7 +209,7 @@ def _captions(prompts: Any, tokenizer: WordTokenizer | None, rows: int) -> list[
     return captions
 
 
-SCORES = ("fraction", "correct", "counts")
+_SCORES = ("fraction", "correct", "counts")
 
 
 def _score(checks: dict[str, bool], score: str) -> float:
@@ -255,8 +255,8 @@ def compositional_reward(
         >>> [round(float(r), 3) for r in reward(images, ["a red square", "two red squares"])]
         [1.0, 0.667]
     """
-    if score not in SCORES:
-        msg = f"score must be one of {SCORES}, got {score!r}"
+    if score not in _SCORES:
+        msg = f"score must be one of {_SCORES}, got {score!r}"
         raise ValueError(msg)
 
     def reward(images: Any, prompts: Any) -> np.ndarray:

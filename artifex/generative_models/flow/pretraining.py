@@ -32,6 +32,7 @@ __all__ = [
     "FlowTrainConfig",
     "flow_matching_loss",
     "load_digits_images",
+    "shift_times",
     "train_flow_matching",
 ]
 

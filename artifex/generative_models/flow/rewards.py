@@ -36,6 +36,8 @@ __all__ = [
     "classifier_reward",
     "combine_image_rewards",
     "compositional",
+    "compositional_correct",
+    "compositional_counts",
     "compressibility_reward",
     "image_reward",
     "train_classifier",
