@@ -135,7 +135,10 @@ class FlowTrainConfig:
     time_shift: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.time_shift, int | float) and 0 < self.time_shift < float("inf")):
+        shift = self.time_shift
+        if isinstance(shift, bool) or not (
+            isinstance(shift, int | float) and 0 < shift < float("inf")
+        ):
             msg = f"FlowTrainConfig.time_shift must be a finite number > 0, got {self.time_shift!r}"
             raise ValueError(msg)
         for name in ("num_steps", "batch_size"):

@@ -106,6 +106,8 @@ def test_training_draws_the_shifted_times(monkeypatch, shift):
         dict(time_shift=0.0),
         dict(time_shift=float("inf")),
         dict(time_shift="3"),
+        dict(time_shift=True),
+        dict(time_shift=float("nan")),
     ],
 )
 def test_train_config_validation(bad):
