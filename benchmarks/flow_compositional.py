@@ -59,10 +59,22 @@ def check_rates(
 ) -> dict:
     """How often each check passes on ODE images of ``captions`` (the evaluation's noise).
 
-    ``present_1``, ``count_1`` and ``relation`` are rates over the two-group captions only;
-    ``correct`` is the compositional accuracy, ``fraction`` the mean fraction of checks passed
-    (the evaluation's mean reward), ``shapes_over`` the mean number of shapes found beyond
-    those asked for (negative: fewer).
+    Args:
+        model: A text-conditioned flow model of the shapes task.
+        captions: Captions of the shapes grammar.
+        images_per_prompt: ODE images per caption.
+        seed: The noise seed (the loop's evaluation uses ``TrainConfig.seed``).
+        num_steps: ODE steps.
+
+    Returns:
+        The pass rate of each check of ``scene_checks`` (``present_1``, ``count_1`` and
+        ``relation`` over the two-group captions only), ``correct`` (the compositional
+        accuracy), ``fraction`` (the mean fraction of checks passed: the evaluation's mean
+        reward) and ``shapes_over`` (the mean number of shapes found beyond those asked for;
+        negative: fewer).
+
+    Raises:
+        ValueError: A caption outside the grammar.
     """
     evaluator = FlowEvaluator(num_steps, images_per_prompt=images_per_prompt, seed=seed)
     images = evaluator.sample(model, None, captions)
@@ -95,9 +107,29 @@ def relation_probe(model, captions: list[str], seed: int = 0, t_min: float = 0.8
     caption and with its relation flipped ("left of" <-> "right of", "above" <-> "below").
     A model that reads the relation has a lower loss with the true one: ``gain`` =
     loss(flipped) - loss(true) > 0; a model that ignores it has ``gain`` 0.
+
+    Args:
+        model: A text-conditioned flow model (``model(x, t, tokens)``, ``model.config``
+            with ``tokenizer()``).
+        captions: Captions of the shapes grammar; the two-group ones are used.
+        seed: Seeds the scenes, the noise and the times.
+        t_min: The lowest time, in ``[0, 1)``.
+
+    Returns:
+        ``{"loss_true": ..., "loss_flipped": ..., "gain": ...}``.
+
+    Raises:
+        ValueError: No two-group caption, ``t_min`` outside ``[0, 1)``, or a caption outside
+            the grammar.
     """
+    if not 0.0 <= t_min < 1.0:
+        msg = f"relation_probe: t_min must be in [0, 1), got {t_min}"
+        raise ValueError(msg)
     rng = np.random.default_rng(seed)
     pairs = [c for c in captions if parse_caption(c).relation is not None]
+    if not pairs:
+        msg = "relation_probe: no caption with a relation among the captions given"
+        raise ValueError(msg)
     flipped = [c.replace(parse_caption(c).relation, FLIP[parse_caption(c).relation]) for c in pairs]
     x0 = np.stack([draw_scene(parse_caption(c), rng).reshape(-1) for c in pairs])
     x1 = rng.standard_normal(x0.shape).astype(np.float32)
@@ -142,8 +174,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     model = load_flow_model(os.path.join(args.task, "model"))
     heldout = [row["prompt"] for row in _rows(os.path.join(args.task, "heldout.jsonl"))]
-    before = check_rates(model, heldout, args.eval_images, args.seed, args.sde_steps)
-    probe_before = relation_probe(model, heldout, args.seed)
     sde = SDEConfig(
         num_steps=args.sde_steps,
         noise_level=args.noise_level,
@@ -169,6 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
         completions_to_print=0,
         progress=False,
     )
+    # the settings are all checked above; the model is measured before it trains
+    before = check_rates(model, heldout, args.eval_images, args.seed, args.sde_steps)
+    probe_before = relation_probe(model, heldout, args.seed)
     t0 = time.perf_counter()
     result = train_flow(
         trainer,

@@ -254,9 +254,12 @@ def compositional_reward(
         >>> reward = compositional_reward()
         >>> [round(float(r), 3) for r in reward(images, ["a red square", "two red squares"])]
         [1.0, 0.667]
+        >>> counts = compositional_reward(score="counts")
+        >>> [round(float(r), 3) for r in counts(images, ["a red square", "two red squares"])]
+        [1.0, 0.5]
     """
     if score not in _SCORES:
-        msg = f"score must be one of {_SCORES}, got {score!r}"
+        msg = f"compositional_reward.score must be one of {_SCORES}, got {score!r}"
         raise ValueError(msg)
 
     def reward(images: Any, prompts: Any) -> np.ndarray:

@@ -27,6 +27,7 @@ from flax import nnx
 from artifex.generative_models.flow.dit import FlowDiT
 from artifex.generative_models.flow.model import FlowModel
 from artifex.generative_models.flow.text_dit import TextFlowDiT
+from artifex.generative_models.utils.validation import check_float
 
 __all__ = [
     "FlowTrainConfig",
@@ -135,12 +136,7 @@ class FlowTrainConfig:
     time_shift: float = 1.0
 
     def __post_init__(self) -> None:
-        shift = self.time_shift
-        if isinstance(shift, bool) or not (
-            isinstance(shift, int | float) and 0 < shift < float("inf")
-        ):
-            msg = f"FlowTrainConfig.time_shift must be a finite number > 0, got {self.time_shift!r}"
-            raise ValueError(msg)
+        check_float("FlowTrainConfig.time_shift", self.time_shift, greater_than=0.0)
         for name in ("num_steps", "batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -162,10 +158,15 @@ def shift_times(u: jax.Array, shift: float) -> jax.Array:
 
     Args:
         u: Times in ``[0, 1]``.
-        shift: ``> 0``.
+        shift: A finite number ``> 0``.
 
     Returns:
         The shifted times, float32.
+
+    Raises:
+        ValueError: ``shift`` is not a finite number ``> 0``, or (when ``u`` is concrete) a
+            time is outside ``[0, 1]``.
+        TypeError: ``shift`` is not a number.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -173,7 +174,14 @@ def shift_times(u: jax.Array, shift: float) -> jax.Array:
         >>> [round(float(t), 3) for t in shift_times(jnp.array([0.0, 0.5, 1.0]), 3.0)]
         [0.0, 0.75, 1.0]
     """
+    check_float("shift_times.shift", shift, greater_than=0.0)
     u = jnp.asarray(u, jnp.float32)
+    if not isinstance(u, jax.core.Tracer):
+        host = np.asarray(u)
+        if host.size and not (np.all(host >= 0.0) and np.all(host <= 1.0)):
+            bad = host[~((host >= 0.0) & (host <= 1.0))].ravel()[0]
+            msg = f"shift_times.u must hold times in [0, 1], got {bad}"
+            raise ValueError(msg)
     return shift * u / (1.0 + (shift - 1.0) * u)
 
 
