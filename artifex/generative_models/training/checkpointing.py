@@ -26,6 +26,8 @@ import hashlib
 import os
 import re
 import shutil
+import threading
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -407,6 +409,7 @@ class CheckpointManager:
             )
             raise FloatingPointError(msg)
         record = dict(metadata, integrity={k: {**d, "finite": True} for k, d in digests.items()})
+        before = set(threading.enumerate())
         try:
             saved = self._manager.save(
                 step,
@@ -417,6 +420,7 @@ class CheckpointManager:
             )
             self._manager.wait_until_finished()
         except BaseException as err:
+            self._settle(before)
             self._remove_temporaries(step)
             if isinstance(err, KeyboardInterrupt | SystemExit) or not isinstance(err, Exception):
                 raise
@@ -428,13 +432,38 @@ class CheckpointManager:
             msg = f"Orbax skipped checkpoint {step} in {self.directory} (steps: {self.all_steps()})"
             raise ValueError(msg)
 
-    def _remove_temporaries(self, step: int) -> None:
-        """Deletes the unfinished temporary directories of ``step`` a failed save left."""
-        if not os.path.isdir(self.directory):
-            return
-        for name in os.listdir(self.directory):
-            if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+    @staticmethod
+    def _settle(before: set[threading.Thread], timeout: float = 60.0) -> None:
+        """Waits for the writer threads a failed save started to end.
+
+        When one of Orbax's writer threads fails (a full disk), the save raises at once while
+        the others may still be writing into the temporary directory, and would recreate it
+        after it was removed: join the threads Orbax started during the save first.
+        """
+        deadline = time.monotonic() + timeout
+        for thread in set(threading.enumerate()) - before:
+            if type(thread).__module__.startswith("orbax") and thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _remove_temporaries(self, step: int, timeout: float = 10.0) -> None:
+        """Deletes the unfinished temporary directories of ``step`` a failed save left.
+
+        Retries until none is left (a writer still closing a file can make one removal miss a
+        file) or ``timeout`` seconds pass; whatever is left then is removed when the directory
+        is next opened.
+        """
+        deadline = time.monotonic() + timeout
+        while os.path.isdir(self.directory):
+            left = [
+                name
+                for name in os.listdir(self.directory)
+                if name.startswith(f"{step}.orbax-checkpoint-tmp")
+            ]
+            if not left or time.monotonic() > deadline:
+                return
+            for name in left:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            time.sleep(0.01)
 
     def read_metadata(self, step: int | None = None) -> dict[str, Any]:
         """The JSON record of a checkpoint without touching any array.

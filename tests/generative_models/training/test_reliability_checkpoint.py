@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +214,33 @@ def test_simulated_full_disk_during_save_cleans_up_and_keeps_older_checkpoints(s
     assert_state(fresh, states[2])
     manager.save(3, trainer.state, {"step": 3})  # once there is room again, saving works
     assert manager.all_steps() == [1, 2, 3]
+
+
+def test_a_failed_save_waits_for_writers_still_running_before_cleaning_up(saved, monkeypatch):
+    """One writer thread fails (the save raises at once) while another is still writing."""
+    manager, _ = saved
+
+    class Writer(threading.Thread):  # stands in for Orbax's own writer threads
+        pass
+
+    Writer.__module__ = "orbax.checkpoint.stand_in"
+
+    def late_write(directory):
+        time.sleep(0.3)
+        os.makedirs(os.path.join(directory, "3.orbax-checkpoint-tmp", "state"), exist_ok=True)
+        with open(os.path.join(directory, "3.orbax-checkpoint-tmp", "state", "d"), "w") as f:
+            f.write("late")
+
+    def full_disk(self, step, *args, **kwargs):
+        os.makedirs(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp"))
+        Writer(target=late_write, args=(str(self.directory),)).start()
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        manager.save(3, make_trainer().state, {"step": 3})
+    time.sleep(0.5)  # the writer has ended either way
+    assert sorted(os.listdir(manager.directory)) == ["1", "2"]
 
 
 @contextlib.contextmanager
