@@ -27,6 +27,7 @@ from flax import nnx
 from artifex.generative_models.flow.dit import FlowDiT
 from artifex.generative_models.flow.model import FlowModel
 from artifex.generative_models.flow.text_dit import TextFlowDiT
+from artifex.generative_models.flow.text_encoder import TEXT_ENCODER
 from artifex.generative_models.utils.validation import check_float
 
 __all__ = [
@@ -121,6 +122,11 @@ class FlowTrainConfig:
             ``u ~ U(0, 1)`` and ``s = time_shift`` (the shift of Stable Diffusion 3, Esser et
             al. 2024, sec. 5.3.2). ``1`` is uniform; ``s > 1`` puts more of the steps at high
             noise (``s = 3``: median ``t = 0.75``), where the layout of an image is decided.
+        freeze_text_encoder: Keep a
+            :class:`~artifex.generative_models.flow.TextFlowDiT`'s text encoder (its
+            embeddings, text layers and text norm) as it is and train the rest, as
+            text-to-image models train on a frozen pretrained encoder (see
+            :mod:`~artifex.generative_models.flow.text_encoder`).
 
     Examples:
         >>> from artifex.generative_models.flow import FlowTrainConfig
@@ -134,9 +140,16 @@ class FlowTrainConfig:
     learning_rate: float = 2e-3
     seed: int = 0
     time_shift: float = 1.0
+    freeze_text_encoder: bool = False
 
     def __post_init__(self) -> None:
         check_float("FlowTrainConfig.time_shift", self.time_shift, greater_than=0.0)
+        if not isinstance(self.freeze_text_encoder, bool):
+            msg = (
+                f"FlowTrainConfig.freeze_text_encoder must be a bool, got "
+                f"{self.freeze_text_encoder!r}"
+            )
+            raise TypeError(msg)
         for name in ("num_steps", "batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -207,8 +220,9 @@ def train_flow_matching(
         The per-step losses.
 
     Raises:
-        ValueError: ``images`` and ``labels`` have different numbers of rows, or images of
-            another size than the model's.
+        ValueError: ``images`` and ``labels`` have different numbers of rows, images of
+            another size than the model's, or ``freeze_text_encoder`` for a model without a
+            text encoder.
 
     Examples:
         >>> import numpy as np
@@ -238,9 +252,18 @@ def train_flow_matching(
             f"{model.config.image_shape}), got shape {images.shape}"
         )
         raise ValueError(msg)
+    trained: nnx.filterlib.Filter = nnx.Param
+    if config.freeze_text_encoder:
+        if not isinstance(model, TextFlowDiT):
+            msg = (
+                f"FlowTrainConfig.freeze_text_encoder needs a TextFlowDiT (a model with a text "
+                f"encoder), got {type(model).__name__}"
+            )
+            raise ValueError(msg)
+        trained = nnx.All(nnx.Param, nnx.Not(TEXT_ENCODER))
     n = images.shape[0]
     schedule = optax.cosine_decay_schedule(config.learning_rate, config.num_steps, alpha=0.1)
-    optimizer = nnx.Optimizer(model, optax.adam(schedule), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, optax.adam(schedule), wrt=trained)
     graphdef, state = nnx.split((model, optimizer))
 
     @jax.jit
@@ -252,7 +275,8 @@ def train_flow_matching(
             x0 = images[idx]
             noise = jax.random.normal(k_noise, x0.shape)
             t = shift_times(jax.random.uniform(k_t, (config.batch_size,)), config.time_shift)
-            loss, grads = nnx.value_and_grad(flow_matching_loss)(mdl, x0, labels[idx], noise, t)
+            grad_fn = nnx.value_and_grad(flow_matching_loss, argnums=nnx.DiffState(0, trained))
+            loss, grads = grad_fn(mdl, x0, labels[idx], noise, t)
             opt.update(mdl, grads)
             return nnx.state((mdl, opt)), loss
 
