@@ -40,6 +40,7 @@ from artifex.generative_models.flow import (
 )
 from artifex.generative_models.flow.detection import detect_shapes, scene_checks
 from artifex.generative_models.flow.shapes import parse_caption
+from artifex.generative_models.flow.text_encoder import TEXT_ENCODER
 from artifex.generative_models.training.rl import GRPOConfig, TrainConfig
 
 REWARDS = {
@@ -169,6 +170,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="the training reward: the fraction of checks passed, 1 for an image that passes "
         "every check, or the fraction without the 'present' checks",
     )
+    parser.add_argument(
+        "--freeze-text-encoder",
+        action="store_true",
+        help="train everything but the text encoder (for a task pretrained with "
+        "--text-pretrain-steps, whose encoder was kept frozen)",
+    )
     args = parser.parse_args(argv)
     out = args.out or os.path.join(args.task, "grpo")
 
@@ -186,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
         entropy_coeff=0.0,
         max_grad_norm=1.0,
     )
-    optimizer = nnx.Optimizer(model, optax.adam(args.learning_rate), wrt=nnx.Param)
+    trained = nnx.All(nnx.Param, nnx.Not(TEXT_ENCODER)) if args.freeze_text_encoder else nnx.Param
+    optimizer = nnx.Optimizer(model, optax.adam(args.learning_rate), wrt=trained)
     trainer = flow_trainer(model, optimizer, grpo, sde)
     loop = TrainConfig(
         num_steps=args.grpo_steps,

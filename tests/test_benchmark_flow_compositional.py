@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from artifex.flow_shapes import main as prepare
 from artifex.generative_models.flow import (
@@ -27,6 +29,7 @@ from artifex.generative_models.flow import (
     parse_caption,
     split_captions,
 )
+from artifex.generative_models.flow.text_encoder import TEXT_ENCODER
 from benchmarks import flow_compositional
 
 
@@ -47,7 +50,7 @@ def test_the_script_trains_records_and_saves(task, tmp_path):
     out = tmp_path / "grpo"
     argv = ["--task", str(task), "--out", str(out), "--grpo-steps", "2", "--eval-every", "2",
             "--prompts-per-step", "2", "--generations", "2", "--sde-steps", "3",
-            "--reward", reward, "--beta", "0"]  # fmt: skip
+            "--reward", reward, "--beta", "0", "--freeze-text-encoder"]  # fmt: skip
     summary = flow_compositional.main(argv)
     assert json.loads((out / "results.json").read_text()) == summary
     assert [e["step"] for e in summary["evaluations"]] == [0, 2]
@@ -68,6 +71,15 @@ def test_the_script_trains_records_and_saves(task, tmp_path):
         assert all(np.isfinite(v) for v in probe.values())
     model = load_flow_model(out / "model")
     assert isinstance(model, TextFlowDiT) and model.config.hidden_dim == 16
+    # --freeze-text-encoder: the encoder is the pretrained one, the rest has trained
+    start = load_flow_model(task / "model")
+    for which, same in ((TEXT_ENCODER, True), (nnx.All(nnx.Param, nnx.Not(TEXT_ENCODER)), False)):
+        pairs = zip(
+            jax.tree.leaves(nnx.state(model, which)),
+            jax.tree.leaves(nnx.state(start, which)),
+            strict=True,
+        )
+        assert all(np.array_equal(a, b) for a, b in pairs) == same
 
 
 class _MeanImageModel:
