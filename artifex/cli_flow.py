@@ -128,6 +128,13 @@ def add_options(tr: argparse.ArgumentParser) -> None:
         default=None,
         help="ODE steps of the evaluation (default: --sde-steps)",
     )
+    group.add_argument(
+        "--freeze-text-encoder",
+        action="store_true",
+        help="train everything but a text-conditioned model's text encoder (for a model "
+        "pretrained with python -m artifex.flow_shapes --text-pretrain-steps, whose encoder "
+        "was kept frozen)",
+    )
 
 
 # (attribute, value when unused, flag): options that only a flow model reads
@@ -138,6 +145,7 @@ _FLOW_ONLY = (
     ("train_steps", None, "--train-steps"),
     ("eval_images_per_prompt", 1, "--eval-images-per-prompt"),
     ("eval_sde_steps", None, "--eval-sde-steps"),
+    ("freeze_text_encoder", False, "--freeze-text-encoder"),
 )
 
 
@@ -272,11 +280,13 @@ def train_flow_command(
     from artifex.cli_checks import check_run_paths, default_checkpoint_dir, interrupted_message
     from artifex.generative_models.flow import (
         SDEConfig,
+        TextFlowDiT,
         flow_trainer,
         load_flow_model,
         save_flow_model,
         train_flow,
     )
+    from artifex.generative_models.flow.text_encoder import TEXT_ENCODER
     from artifex.generative_models.training.logging import is_primary_process
     from artifex.generative_models.training.rl import (
         GRPOConfig,
@@ -321,6 +331,15 @@ def train_flow_command(
             default_splits=("test", "validation"),
         )
     model = load_flow_model(args.model)
+    trained: Any = nnx.Param
+    if args.freeze_text_encoder:
+        if not isinstance(model, TextFlowDiT):
+            msg = (
+                f"--freeze-text-encoder needs a text-conditioned model (flow_text_dit); --model "
+                f"{args.model} is a {type(model).__name__}, which has no text encoder"
+            )
+            raise ValueError(msg)
+        trained = nnx.All(nnx.Param, nnx.Not(TEXT_ENCODER))
     reference = load_flow_model(args.model) if grpo.beta > 0 else None
 
     total = loop.num_steps * loop.num_iterations * loop.num_minibatches
@@ -328,7 +347,7 @@ def train_flow_command(
     tx = optax.inject_hyperparams(optax.adamw)(
         learning_rate=schedule, weight_decay=args.weight_decay
     )
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, tx, wrt=trained)
     trainer = flow_trainer(model, optimizer, grpo, sde, reference_model=reference)
     fingerprint = {
         "model": directory_fingerprint(args.model),
@@ -338,6 +357,7 @@ def train_flow_command(
             "warmup_steps": args.warmup_steps,
             "weight_decay": args.weight_decay,
             "total_updates": total,
+            **({"freeze_text_encoder": True} if args.freeze_text_encoder else {}),
         },
         "rewards": {
             "reward": list(args.reward),

@@ -19,6 +19,8 @@ from flax import nnx
 from artifex import cli
 from artifex.cli_flow import is_flow_model_dir, train_flow_command
 from artifex.generative_models.flow import (
+    FlowDiT,
+    FlowDiTConfig,
     TextFlowDiT,
     TextFlowDiTConfig,
     brightness_reward,
@@ -26,6 +28,7 @@ from artifex.generative_models.flow import (
     load_flow_model,
     save_flow_model,
 )
+from artifex.generative_models.flow.text_encoder import TEXT_ENCODER
 
 CFG = TextFlowDiTConfig(
     image_shape=(8, 8, 3), patch_size=4, hidden_dim=16, num_blocks=1, num_heads=2, time_features=8
@@ -92,6 +95,41 @@ def test_a_flow_run_from_the_command_line(task, capsys):
     assert any("rewards/compositional" in m and "rewards/bright" in m for m in metrics)
     # run again: the checkpoint of step 2 is the end, nothing to train
     assert cli.main(["train", *argv]) == 0
+
+
+def test_a_frozen_text_encoder_stays_as_it_was(task):
+    out = task / "run" / "model"
+    argv = [
+        "--model", str(task / "base"), "--data", str(task / "train.jsonl"),
+        "--reward", "tests.test_cli_flow_train:bright", "--num-generations", "2",
+        "--prompts-per-step", "2", "--num-steps", "2", "--beta", "0", "--learning-rate", "1e-3",
+        "--sde-steps", "3", "--freeze-text-encoder", "--progress", "false", "--output", str(out),
+    ]  # fmt: skip
+    assert cli.main(["train", *argv]) == 0
+    trained, base = load_flow_model(out), load_flow_model(task / "base")
+    rest = nnx.All(nnx.Param, nnx.Not(TEXT_ENCODER))
+    for which, same in ((TEXT_ENCODER, True), (rest, False)):
+        pairs = zip(
+            jax.tree.leaves(nnx.state(trained, which)),
+            jax.tree.leaves(nnx.state(base, which)),
+            strict=True,
+        )
+        assert all(np.array_equal(a, b) for a, b in pairs) == same
+
+
+def test_freezing_needs_a_text_encoder(tmp_path):
+    cfg = FlowDiTConfig(image_shape=(8, 8), patch_size=4, hidden_dim=16, num_blocks=1,
+                        num_heads=2, num_classes=2, time_features=8)  # fmt: skip
+    save_flow_model(FlowDiT(cfg, rngs=nnx.Rngs(0)), tmp_path / "digits")
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "0"}) + "\n")
+    argv = [
+        "--model", str(tmp_path / "digits"), "--data", str(tmp_path / "train.jsonl"),
+        "--reward", REWARD, "--num-steps", "1", "--freeze-text-encoder",
+        "--output", str(tmp_path / "run" / "model"),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="--freeze-text-encoder needs a text-conditioned model"):
+        _run(argv)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
