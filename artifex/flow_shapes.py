@@ -156,6 +156,10 @@ def prepare_shapes_task(
         ``text_layout_held_out`` (:func:`~artifex.generative_models.flow.text_encoder.
         layout_accuracy` fitted on the training captions, scored on the held-out ones).
 
+    Raises:
+        ValueError: ``text_pretrain_steps`` with a ``held_out_fraction`` that holds out no
+            caption (checked before anything is drawn).
+
     Examples:
         Pretraining takes minutes; the test suite runs a few steps of it.
 
@@ -166,6 +170,12 @@ def prepare_shapes_task(
     log = print if verbose else (lambda *a, **k: None)
     t0 = time.perf_counter()
     train_captions, held_out = split_captions(config.held_out_fraction, seed=config.seed)
+    if config.text_pretrain_steps and not held_out:
+        msg = (
+            f"ShapesTaskConfig.held_out_fraction {config.held_out_fraction} holds out no caption; "
+            "the text encoder's layout probe (text_pretrain_steps) needs at least one"
+        )
+        raise ValueError(msg)
     images, captions = make_shapes_dataset(
         config.num_images, captions=train_captions, seed=config.seed, layout=config.layout
     )

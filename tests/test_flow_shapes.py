@@ -59,6 +59,14 @@ def test_a_pretrained_text_encoder_is_kept_frozen(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+def test_text_pretraining_needs_held_out_captions(tmp_path):
+    argv = ["--out", str(tmp_path / "t"), "--held-out-fraction", "0.0001",
+            "--text-pretrain-steps", "2"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"held_out_fraction 0\.0001 holds out no caption"):
+        main(argv)
+    assert not (tmp_path / "t").exists()
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

@@ -93,6 +93,7 @@ def layout_targets(captions: Sequence[str]) -> np.ndarray:
         The targets.
 
     Raises:
+        TypeError: ``captions`` is a single string, or holds something other than strings.
         ValueError: A caption outside the grammar.
 
     Examples:
@@ -100,6 +101,7 @@ def layout_targets(captions: Sequence[str]) -> np.ndarray:
         >>> layout_targets(["two red squares right of a blue circle"])[0].tolist()
         [[0, 0, 0], [3, 2, 1], [1, 1, 2], [0, 0, 0], [0, 0, 0]]
     """
+    captions = _caption_list("captions", captions)
     out = np.zeros((len(captions), len(LAYOUT_SLOTS), 3), np.int32)
     for row, caption in enumerate(captions):
         scene = parse_caption(caption)
@@ -111,6 +113,19 @@ def layout_targets(captions: Sequence[str]) -> np.ndarray:
                 group.count,
             )
     return out
+
+
+def _caption_list(name: str, captions: Sequence[str]) -> list[str]:
+    """``captions`` as a list, refusing one string (iterated letter by letter) and non-strings."""
+    if isinstance(captions, str):
+        msg = f"{name} must be a list of captions, got one string {captions!r}"
+        raise TypeError(msg)
+    captions = list(captions)
+    for row, caption in enumerate(captions):
+        if not isinstance(caption, str):
+            msg = f"{name} must hold strings, got {type(caption).__name__} at row {row}"
+            raise TypeError(msg)
+    return captions
 
 
 class _LayoutReadout(nnx.Module):
@@ -199,8 +214,12 @@ def pretrain_text_encoder(
         captions whose every slot was named right.
 
     Raises:
-        TypeError: ``model`` is not a :class:`~artifex.generative_models.flow.TextFlowDiT`.
-        ValueError: No captions, or a caption outside the grammar or the model's vocabulary.
+        TypeError: ``model`` is not a :class:`~artifex.generative_models.flow.TextFlowDiT`,
+            ``config`` is not a :class:`TextPretrainConfig`, or ``captions`` is one string or
+            holds something other than strings.
+        ValueError: No captions, or a caption outside the grammar, the model's vocabulary or
+            its ``max_prompt_length``.
+        FloatingPointError: The loss became NaN or infinite (the model is left as it was).
 
     Examples:
         >>> from flax import nnx
@@ -219,7 +238,7 @@ def pretrain_text_encoder(
     if not isinstance(config, TextPretrainConfig):
         msg = f"config must be a TextPretrainConfig, got {type(config).__name__}"
         raise TypeError(msg)
-    captions = list(captions)
+    captions = _caption_list("captions", captions)
     if not captions:
         msg = "pretrain_text_encoder needs at least one caption, got none"
         raise ValueError(msg)
@@ -250,6 +269,13 @@ def pretrain_text_encoder(
         return jax.lax.scan(step, state, jax.random.split(key, config.num_steps))
 
     state, (losses, exact) = run(state, jax.random.key(config.seed))
+    if not np.all(np.isfinite(np.asarray(losses))):
+        first = int(np.argmin(np.isfinite(np.asarray(losses))))
+        msg = (
+            f"pretrain_text_encoder: the loss became non-finite at step {first} (learning rate "
+            f"{config.learning_rate}); the model is left as it was"
+        )
+        raise FloatingPointError(msg)
     nnx.update((pair, optimizer), state)
     return {
         "loss": [float(x) for x in np.asarray(losses)],
@@ -284,8 +310,11 @@ def layout_accuracy(
         The share in ``[0, 1]``.
 
     Raises:
-        TypeError: ``model`` is not a :class:`~artifex.generative_models.flow.TextFlowDiT`.
-        ValueError: No captions, a caption outside the grammar, or ``num_steps < 1``.
+        TypeError: ``model`` is not a :class:`~artifex.generative_models.flow.TextFlowDiT`,
+            ``captions`` or ``held_out`` is one string or holds something other than strings,
+            or ``num_steps`` or ``seed`` is not an int.
+        ValueError: No captions to fit or to score, a caption outside the grammar, the model's
+            vocabulary or its ``max_prompt_length``, or ``num_steps < 1``.
 
     Examples:
         An encoder without position information (no text layers, zero position embeddings)
@@ -304,8 +333,9 @@ def layout_accuracy(
     """
     _check_model(model)
     num_steps = check_int("layout_accuracy.num_steps", num_steps, minimum=1)
-    captions = list(captions)
-    held_out = captions if held_out is None else list(held_out)
+    seed = check_int("layout_accuracy.seed", seed)
+    captions = _caption_list("captions", captions)
+    held_out = captions if held_out is None else _caption_list("held_out", held_out)
     if not captions or not held_out:
         msg = "layout_accuracy needs at least one caption to fit and one to score, got none"
         raise ValueError(msg)
@@ -317,6 +347,8 @@ def layout_accuracy(
 
     targets = jnp.asarray(layout_targets(captions))
     pooled = pooled_of(captions)
+    held_targets = jnp.asarray(layout_targets(held_out))  # checked before anything is fitted
+    held_pooled = pooled_of(held_out)
     readout = _LayoutReadout(model.config.hidden_dim, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(readout, nnx.Param)
     tx = optax.adam(3e-3)
@@ -337,6 +369,6 @@ def layout_accuracy(
         (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), None, length=num_steps)
         return params
 
-    logits = logits_of(fit(params), pooled_of(held_out))
-    _, exact = _loss_and_exact(logits, jnp.asarray(layout_targets(held_out)))
+    logits = logits_of(fit(params), held_pooled)
+    _, exact = _loss_and_exact(logits, held_targets)
     return float(jnp.mean(exact.astype(jnp.float32)))

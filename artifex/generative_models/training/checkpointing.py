@@ -420,7 +420,8 @@ class CheckpointManager:
             )
             self._manager.wait_until_finished()
         except BaseException as err:
-            self._settle(before)
+            if isinstance(err, Exception):  # an interrupt is not held up by the writers
+                self._settle(before)
             self._remove_temporaries(step)
             if isinstance(err, KeyboardInterrupt | SystemExit) or not isinstance(err, Exception):
                 raise

@@ -151,3 +151,29 @@ def test_bad_input():
     for field, value in (("num_steps", 0), ("batch_size", 0), ("learning_rate", 0.0)):
         with pytest.raises(ValueError, match=field):
             TextPretrainConfig(**{field: value})
+
+
+def test_caption_lists_and_seeds_are_checked():
+    model = _model()
+    with pytest.raises(TypeError, match="captions must be a list of captions, got one string"):
+        layout_targets("a red square")
+    with pytest.raises(TypeError, match="captions must hold strings, got int at row 1"):
+        layout_targets(["a red square", 3])
+    with pytest.raises(TypeError, match="one string"):
+        pretrain_text_encoder(model, "a red square")
+    with pytest.raises(TypeError, match="held_out must be a list of captions"):
+        layout_accuracy(model, SWAPPED, held_out="a red square")
+    with pytest.raises(ValueError, match="purple"):
+        layout_accuracy(model, SWAPPED, held_out=["a purple square"])
+    with pytest.raises(TypeError, match="seed"):
+        layout_accuracy(model, SWAPPED, seed=True)
+
+
+def test_a_diverging_text_pretraining_leaves_the_model_as_it_was():
+    model = _model()
+    before = _params(model, nnx.Param)
+    config = TextPretrainConfig(num_steps=5, learning_rate=1e30)
+    with pytest.raises(FloatingPointError, match="non-finite at step"):
+        pretrain_text_encoder(model, SWAPPED, config)
+    for name, value in _params(model, nnx.Param).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
