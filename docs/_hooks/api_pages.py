@@ -216,6 +216,7 @@ GROUPS: tuple[Group, ...] = (
             f"{_GM}.flow.pretraining",
             f"{_GM}.flow.io",
             f"{_GM}.flow.text_dit",
+            f"{_GM}.flow.text_encoder",
             f"{_GM}.flow.shapes",
             f"{_GM}.flow.detection",
             f"{_GM}.flow.rewards",
