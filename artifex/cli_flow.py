@@ -280,13 +280,12 @@ def train_flow_command(
     from artifex.cli_checks import check_run_paths, default_checkpoint_dir, interrupted_message
     from artifex.generative_models.flow import (
         SDEConfig,
-        TextFlowDiT,
         flow_trainer,
         load_flow_model,
         save_flow_model,
         train_flow,
     )
-    from artifex.generative_models.flow.text_encoder import TEXT_ENCODER
+    from artifex.generative_models.flow.text_encoder import trained_parameters
     from artifex.generative_models.training.logging import is_primary_process
     from artifex.generative_models.training.rl import (
         GRPOConfig,
@@ -331,15 +330,9 @@ def train_flow_command(
             default_splits=("test", "validation"),
         )
     model = load_flow_model(args.model)
-    trained: Any = nnx.Param
-    if args.freeze_text_encoder:
-        if not isinstance(model, TextFlowDiT):
-            msg = (
-                f"--freeze-text-encoder needs a text-conditioned model (flow_text_dit); --model "
-                f"{args.model} is a {type(model).__name__}, which has no text encoder"
-            )
-            raise ValueError(msg)
-        trained = nnx.All(nnx.Param, nnx.Not(TEXT_ENCODER))
+    trained = trained_parameters(
+        model, args.freeze_text_encoder, f"--freeze-text-encoder (--model {args.model})"
+    )
     reference = load_flow_model(args.model) if grpo.beta > 0 else None
 
     total = loop.num_steps * loop.num_iterations * loop.num_minibatches

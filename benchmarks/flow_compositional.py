@@ -40,7 +40,7 @@ from artifex.generative_models.flow import (
 )
 from artifex.generative_models.flow.detection import detect_shapes, scene_checks
 from artifex.generative_models.flow.shapes import parse_caption
-from artifex.generative_models.flow.text_encoder import TEXT_ENCODER
+from artifex.generative_models.flow.text_encoder import ALL_BUT_TEXT_ENCODER
 from artifex.generative_models.training.rl import GRPOConfig, TrainConfig
 
 REWARDS = {
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
         entropy_coeff=0.0,
         max_grad_norm=1.0,
     )
-    trained = nnx.All(nnx.Param, nnx.Not(TEXT_ENCODER)) if args.freeze_text_encoder else nnx.Param
+    trained = ALL_BUT_TEXT_ENCODER if args.freeze_text_encoder else nnx.Param
     optimizer = nnx.Optimizer(model, optax.adam(args.learning_rate), wrt=trained)
     trainer = flow_trainer(model, optimizer, grpo, sde)
     loop = TrainConfig(

@@ -27,7 +27,7 @@ from flax import nnx
 from artifex.generative_models.flow.dit import FlowDiT
 from artifex.generative_models.flow.model import FlowModel
 from artifex.generative_models.flow.text_dit import TextFlowDiT
-from artifex.generative_models.flow.text_encoder import TEXT_ENCODER
+from artifex.generative_models.flow.text_encoder import trained_parameters
 from artifex.generative_models.utils.validation import check_float
 
 __all__ = [
@@ -252,15 +252,9 @@ def train_flow_matching(
             f"{model.config.image_shape}), got shape {images.shape}"
         )
         raise ValueError(msg)
-    trained: nnx.filterlib.Filter = nnx.Param
-    if config.freeze_text_encoder:
-        if not isinstance(model, TextFlowDiT):
-            msg = (
-                f"FlowTrainConfig.freeze_text_encoder needs a TextFlowDiT (a model with a text "
-                f"encoder), got {type(model).__name__}"
-            )
-            raise ValueError(msg)
-        trained = nnx.All(nnx.Param, nnx.Not(TEXT_ENCODER))
+    trained = trained_parameters(
+        model, config.freeze_text_encoder, "FlowTrainConfig.freeze_text_encoder"
+    )
     n = images.shape[0]
     schedule = optax.cosine_decay_schedule(config.learning_rate, config.num_steps, alpha=0.1)
     optimizer = nnx.Optimizer(model, optax.adam(schedule), wrt=trained)

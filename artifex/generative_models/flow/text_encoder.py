@@ -43,12 +43,14 @@ from artifex.generative_models.flow.text_dit import TextFlowDiT
 from artifex.generative_models.utils.validation import check_float, check_int
 
 __all__ = [
+    "ALL_BUT_TEXT_ENCODER",
     "LAYOUT_SLOTS",
     "TEXT_ENCODER",
     "TextPretrainConfig",
     "layout_accuracy",
     "layout_targets",
     "pretrain_text_encoder",
+    "trained_parameters",
 ]
 
 #: The layout slots a caption fills: ``"only"`` (a one-group caption), then the sides.
@@ -78,6 +80,49 @@ TEXT_ENCODER = nnx.All(
         nnx.PathContains("text_norm"),
     ),
 )
+#: Every parameter but the text encoder's: what trains while the encoder is frozen.
+ALL_BUT_TEXT_ENCODER = nnx.All(nnx.Param, nnx.Not(TEXT_ENCODER))
+
+
+def trained_parameters(
+    model: object, freeze_text_encoder: bool, option: str
+) -> nnx.filterlib.Filter:
+    """The ``nnx`` filter of the parameters to train: all, or all but the text encoder's.
+
+    Args:
+        model: The flow model.
+        freeze_text_encoder: Keep the text encoder as it is.
+        option: The setting's name, for the error (``"FlowTrainConfig.freeze_text_encoder"``).
+
+    Returns:
+        ``nnx.Param`` or :data:`ALL_BUT_TEXT_ENCODER`.
+
+    Raises:
+        ValueError: ``freeze_text_encoder`` for a model without a text encoder (not a
+            :class:`~artifex.generative_models.flow.TextFlowDiT`).
+
+    Examples:
+        >>> from flax import nnx
+        >>> from artifex.generative_models.flow import TextFlowDiT, TextFlowDiTConfig
+        >>> from artifex.generative_models.flow.text_encoder import (
+        ...     ALL_BUT_TEXT_ENCODER, trained_parameters)
+        >>> model = TextFlowDiT(TextFlowDiTConfig(hidden_dim=32, num_blocks=1), rngs=nnx.Rngs(0))
+        >>> trained_parameters(model, True, "freeze") is ALL_BUT_TEXT_ENCODER
+        True
+        >>> trained_parameters(object(), True, "freeze")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        ValueError: freeze needs a text-conditioned model (a TextFlowDiT, with a text ...
+    """
+    if not freeze_text_encoder:
+        return nnx.Param
+    if not isinstance(model, TextFlowDiT):
+        msg = (
+            f"{option} needs a text-conditioned model (a TextFlowDiT, with a text encoder), "
+            f"got {type(model).__name__}"
+        )
+        raise ValueError(msg)
+    return ALL_BUT_TEXT_ENCODER
 
 
 def layout_targets(captions: Sequence[str]) -> np.ndarray:
