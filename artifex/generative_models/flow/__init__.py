@@ -5,8 +5,9 @@ What it holds, bottom to top:
 - the models: :mod:`~artifex.generative_models.flow.model` (a residual MLP),
   :mod:`~artifex.generative_models.flow.dit` (a class-conditioned DiT),
   :mod:`~artifex.generative_models.flow.text_dit` (a text-conditioned DiT), their saving and
-  loading (:mod:`~artifex.generative_models.flow.io`) and rectified-flow pretraining
-  (:mod:`~artifex.generative_models.flow.pretraining`);
+  loading (:mod:`~artifex.generative_models.flow.io`), rectified-flow pretraining
+  (:mod:`~artifex.generative_models.flow.pretraining`) and the pretraining of a text encoder
+  that is then kept frozen (:mod:`~artifex.generative_models.flow.text_encoder`);
 - the data and rewards: the captioned shapes (:mod:`~artifex.generative_models.flow.shapes`),
   the GenEval-style checks of an image against its caption
   (:mod:`~artifex.generative_models.flow.detection`), and image rewards with their adapters to
@@ -120,6 +121,11 @@ from artifex.generative_models.flow.text_dit import (
     TextFlowDiTConfig,
     check_token_ids,
 )
+from artifex.generative_models.flow.text_encoder import (
+    TextPretrainConfig,
+    layout_accuracy,
+    pretrain_text_encoder,
+)
 from artifex.generative_models.flow.train import flow_trainer, train_flow
 
 __all__ = [
@@ -145,6 +151,7 @@ __all__ = [
     "Scene",
     "TextFlowDiT",
     "TextFlowDiTConfig",
+    "TextPretrainConfig",
     "WordTokenizer",
     "all_captions",
     "as_images",
@@ -173,11 +180,13 @@ __all__ = [
     "gaussian_log_prob",
     "image_grid",
     "image_reward",
+    "layout_accuracy",
     "load_digits_images",
     "load_flow_model",
     "make_shapes_dataset",
     "parse_caption",
     "patchify",
+    "pretrain_text_encoder",
     "sample_flow",
     "save_flow_model",
     "scene_checks",
